@@ -1,0 +1,271 @@
+"""The trainer side: gather a batch's results and build verl's ``rm_scores``.
+
+The aggregator blocks on the batch's ``done`` streams (XREAD BLOCK), which hold
+each sample's first result in landing order; it never sleep-polls. It counts a
+uid once however many times it shows up, and resolves failed or overdue samples
+by the batch's failure policy.
+
+Zero-length responses: verl writes the score at index ``valid_response_length -
+1``, which for an empty response is -1, the *last* column — a reward on a
+padding token. Here an empty response's score goes nowhere in ``rm_scores`` (its
+row stays all zero), and ``BatchRewards.valid`` marks it invalid; the score is
+still reported in ``scores``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from .broker import TRANSIENT_ERRORS, connect, with_reconnect
+from .codec import decode_result
+from .config import BatchPolicy
+from .errors import BrokerError, CollectTimeoutError, ConfigError
+from .keys import Keys
+from .trajectory import ScoreResult
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RewardAggregator", "BatchRewards", "BatchMeta", "merge_extra_info", "place_scores"]
+
+log = logging.getLogger(__name__)
+
+MISSING = None  # the explicit fill for a reward_extra_info key a sample did not report
+
+
+@dataclass(slots=True)
+class BatchMeta:
+    size: int
+    response_len: int
+    policy: BatchPolicy
+    created: float
+    deadline: float  # epoch seconds, 0 = none
+    partitions: int = 1
+
+
+@dataclass
+class BatchRewards:
+    """A collected batch, in index order.
+
+    ``rm_scores``: float32 ``[n, response_len]`` (rows of dropped samples removed
+    under the ``drop`` policy; ``indices`` says which rows remain).
+    ``valid``: bool ``[n]``, False for failed samples under ``mask`` and for
+    zero-length responses. ``status``: ``ok`` / ``failed`` per sample.
+    """
+
+    batch_id: str
+    rm_scores: torch.Tensor
+    scores: list[float]
+    status: list[str]
+    reward_extra_info: dict[str, list[Any]]
+    valid: torch.Tensor
+    indices: list[int]
+    results: list[ScoreResult | None]
+    errors: list[str | None] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.indices)
+
+    def status_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for s in self.status:
+            counts[s] = counts.get(s, 0) + 1
+        return counts
+
+
+def merge_extra_info(extras: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Union of keys over samples; a sample without a key gets ``None`` (never a dropped column)."""
+    keys: dict[str, None] = {}
+    for extra in extras:
+        for key in extra:
+            keys.setdefault(key, None)
+    return {key: [extra.get(key, MISSING) for extra in extras] for key in keys}
+
+
+def place_scores(scores: list[float], lengths: list[int | None], response_len: int) -> torch.Tensor:
+    """verl's reward tensor: each score at column ``length - 1``; nothing for length 0.
+
+    An unknown length (None) puts the score on the last column; a length past
+    ``response_len`` is clamped to it.
+    """
+    import torch
+
+    tensor = torch.zeros((len(scores), response_len), dtype=torch.float32)
+    rows, cols, vals = [], [], []
+    for row, (score, length) in enumerate(zip(scores, lengths)):
+        if length is None:
+            length = response_len
+        if length <= 0:
+            continue
+        rows.append(row)
+        cols.append(min(length, response_len) - 1)
+        vals.append(score)
+    if rows:
+        tensor[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(vals, dtype=torch.float32)
+    return tensor
+
+
+class RewardAggregator:
+    """``async with RewardAggregator(url) as agg: rewards = await agg.collect(batch_id)``."""
+
+    def __init__(self, redis_url: str, *, namespace: str = "sr", partitions: int | None = None,
+                 collected_ttl_s: int = 3600, client: Any = None, block_ms: int = 1000) -> None:
+        self._url = redis_url
+        self._namespace = namespace
+        self._partitions = partitions
+        self._client = client
+        self._owns_client = client is None
+        self.collected_ttl_s = collected_ttl_s
+        self.block_ms = block_ms
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = connect(self._url)
+        return self._client
+
+    async def __aenter__(self) -> RewardAggregator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._client is not None and self._owns_client:
+            await self._client.aclose()
+        self._client = None
+
+    async def meta(self, batch_id: str) -> BatchMeta:
+        raw = await with_reconnect(lambda: self.client.hgetall(Keys(self._namespace).batch_meta(batch_id)), what="read batch meta")
+        if not raw:
+            raise ConfigError("batch_id", f"batch {batch_id!r} was never opened in namespace {self._namespace!r}")
+        m = {k.decode(): v.decode() for k, v in raw.items()}
+        return BatchMeta(
+            size=int(m["size"]), response_len=int(m["response_len"]),
+            policy=BatchPolicy(on_failure=m.get("on_failure", "mask"), fallback_score=float(m.get("fallback_score", 0.0))),  # type: ignore[arg-type]
+            created=float(m.get("created", 0)), deadline=float(m.get("deadline", 0) or 0),
+            partitions=int(m.get("partitions", 1)),
+        )
+
+    async def stream(self, batch_id: str, *, timeout_s: float | None = None) -> AsyncIterator[ScoreResult]:
+        """Yield each sample's result once, as it lands; ends when the batch is complete.
+
+        Stops early (without raising) at ``timeout_s`` or the batch deadline; use
+        ``collect`` for policy handling of what is missing.
+        """
+        meta = await self.meta(batch_id)
+        async for result in self._results(batch_id, meta, timeout_s):
+            yield result
+
+    async def _results(self, batch_id: str, meta: BatchMeta, timeout_s: float | None) -> AsyncIterator[ScoreResult]:
+        keys = Keys(self._namespace, self._partitions or meta.partitions)
+        loop = asyncio.get_running_loop()
+        ends = []
+        if timeout_s is not None:
+            ends.append(loop.time() + timeout_s)
+        if meta.deadline:
+            ends.append(loop.time() + (meta.deadline - time.time()))
+        end = min(ends) if ends else None
+        cursors = {keys.done(batch_id, p): "0-0" for p in range(keys.partitions)}
+        seen: set[str] = set()
+        while len(seen) < meta.size:
+            block = self.block_ms
+            if end is not None:
+                left = end - loop.time()
+                if left <= 0:
+                    return
+                block = max(1, min(block, int(left * 1000)))
+            reply = await with_reconnect(lambda: self.client.xread(cursors, block=block, count=1000), what="read results")
+            for stream, entries in reply or []:
+                name = stream.decode()
+                for entry_id, fields in entries:
+                    cursors[name] = entry_id
+                    result = decode_result(fields[b"r"])
+                    if result.uid in seen:
+                        continue
+                    seen.add(result.uid)
+                    yield result
+
+    async def collect(self, batch_id: str, timeout_s: float | None = None, *, on_timeout: str = "raise") -> BatchRewards:
+        """Wait for every sample of the batch and build its rewards.
+
+        Past ``timeout_s``: ``on_timeout="raise"`` raises CollectTimeoutError;
+        ``"resolve"`` resolves missing samples as failed (reason ``timeout``) under
+        the batch's policy. Past the batch deadline missing samples always
+        resolve as failed (reason ``deadline``).
+        """
+        meta = await self.meta(batch_id)
+        by_index: dict[int, ScoreResult] = {}
+        async for result in self._results(batch_id, meta, timeout_s):
+            if not 0 <= result.index < meta.size:
+                log.warning("batch %r: result for uid %r has index %d outside the batch size %d; ignored",
+                            batch_id, result.uid, result.index, meta.size)
+                continue
+            if result.index in by_index:
+                log.warning("batch %r: two uids share index %d (%r, %r); kept the first",
+                            batch_id, result.index, by_index[result.index].uid, result.uid)
+                continue
+            by_index[result.index] = result
+        if len(by_index) < meta.size:
+            overdue = bool(meta.deadline) and time.time() >= meta.deadline
+            if not overdue and on_timeout == "raise":
+                raise CollectTimeoutError(batch_id, len(by_index), meta.size)
+            reason = "deadline" if overdue else "timeout"
+            for index in range(meta.size):
+                if index not in by_index:
+                    by_index[index] = ScoreResult("", batch_id, index, 0.0, "failed", reason=reason,
+                                                  error=f"no result before the batch {reason}")
+        rewards = build_rewards(batch_id, meta, [by_index[i] for i in range(meta.size)])
+        await self._expire(batch_id, meta)
+        return rewards
+
+    async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
+        keys = Keys(self._namespace, self._partitions or meta.partitions)
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for p in range(keys.partitions):
+                    pipe.expire(keys.results(batch_id, p), self.collected_ttl_s)
+                    pipe.expire(keys.done(batch_id, p), self.collected_ttl_s)
+                pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
+                pipe.zrem(keys.batches(), batch_id)
+                await pipe.execute()
+        except (RedisError, *TRANSIENT_ERRORS) as exc:
+            raise BrokerError(f"expiring batch {batch_id!r}: {type(exc).__name__}") from exc
+
+
+def build_rewards(batch_id: str, meta: BatchMeta, results: list[ScoreResult]) -> BatchRewards:
+    """Apply the failure policy and lay the scores out as verl expects."""
+    import torch
+
+    policy = meta.policy
+    kept = [r for r in results if not (policy.on_failure == "drop" and r.status == "failed")]
+    scores, lengths, valid = [], [], []
+    for r in kept:
+        score = r.score
+        ok = r.status == "ok"
+        if not ok:
+            score = policy.fallback_score if policy.on_failure == "fallback" else 0.0
+        length = r.valid_response_length
+        scores.append(score)
+        lengths.append(length)
+        valid.append((ok or policy.on_failure == "fallback") and length != 0)
+    extras = [dict(r.extra) for r in kept]
+    return BatchRewards(
+        batch_id=batch_id,
+        rm_scores=place_scores(scores, lengths, meta.response_len),
+        scores=scores,
+        status=[r.status for r in kept],
+        reward_extra_info=merge_extra_info(extras),
+        valid=torch.tensor(valid, dtype=torch.bool),
+        indices=[r.index for r in kept],
+        results=list(kept),
+        errors=[r.error for r in kept],
+    )

@@ -1,0 +1,220 @@
+"""msgpack wire format of trajectories and results.
+
+A codec is two functions per record (``encode_*`` / ``decode_*``). Payloads are
+msgpack maps with short keys and a schema version under ``"v"``; token ids are
+packed as little-endian int32 bytes (4 bytes a token instead of up to 5 plus
+per-item framing, and one memcpy to decode). Decoding validates every field's
+type, so a bad message fails here with a precise reason instead of deep inside
+a scorer.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from typing import Any
+
+import msgpack
+
+from .errors import CodecError, PayloadTooLargeError, SchemaVersionError
+from .trajectory import ScoreResult, Trajectory
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "encode_trajectory",
+    "decode_trajectory",
+    "encode_result",
+    "decode_result",
+    "pack_ids",
+    "unpack_ids",
+]
+
+SCHEMA_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    packed = array("i", ids)
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise CodecError("response_ids: byte length is not a multiple of 4")
+    ids = array("i")
+    ids.frombytes(data)
+    if not _LITTLE:
+        ids.byteswap()
+    return ids.tolist()
+
+
+def _pack(obj: dict[str, Any], max_bytes: int) -> bytes:
+    try:
+        data = msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CodecError(f"cannot encode: {exc}") from exc
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"payload is {len(data)} bytes, over the maximum of {max_bytes}")
+    return data
+
+
+def _unpack(data: bytes, max_bytes: int) -> dict[Any, Any]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(f"payload must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"payload is {len(data)} bytes, over the maximum of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CodecError(f"not valid msgpack: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise CodecError(f"payload must be a msgpack map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(f"schema version {version!r}, this build reads version {SCHEMA_VERSION}")
+    return obj
+
+
+def _field(obj: dict[Any, Any], key: str, name: str, types: type | tuple[type, ...], *, required: bool = False) -> Any:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise CodecError(f"missing field {name!r}")
+        return None
+    # bool is an int subclass; a boolean index or length is a producer bug, not a number.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
+        raise CodecError(f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}")
+    return value
+
+
+def _type_names(types: type | tuple[type, ...]) -> str:
+    if isinstance(types, tuple):
+        return " or ".join(t.__name__ for t in types)
+    return types.__name__
+
+
+def encode_trajectory(traj: Trajectory, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+    obj: dict[str, Any] = {
+        "v": SCHEMA_VERSION,
+        "u": traj.uid,
+        "b": traj.batch_id,
+        "i": traj.index,
+        "ds": traj.data_source,
+        "r": traj.response,
+        "gt": traj.ground_truth,
+    }
+    # Optional fields are left out when empty: most trajectories carry few of them.
+    if traj.prompt is not None:
+        obj["p"] = traj.prompt
+    if traj.response_ids is not None:
+        obj["ids"] = pack_ids(traj.response_ids)
+    if traj.valid_response_length is not None:
+        obj["vl"] = traj.valid_response_length
+    if traj.max_response_length is not None:
+        obj["ml"] = traj.max_response_length
+    if traj.extra_info:
+        obj["x"] = traj.extra_info
+    if traj.group is not None:
+        obj["g"] = traj.group
+    if traj.rm_score is not None:
+        obj["rm"] = float(traj.rm_score)
+    return _pack(obj, max_bytes)
+
+
+def decode_trajectory(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Trajectory:
+    obj = _unpack(data, max_bytes)
+    index = _field(obj, "i", "index", int, required=True)
+    if index < 0:
+        raise CodecError(f"field 'index' must be >= 0, got {index}")
+    ids = _field(obj, "ids", "response_ids", bytes)
+    vl = _field(obj, "vl", "valid_response_length", int)
+    if vl is not None and vl < 0:
+        raise CodecError(f"field 'valid_response_length' must be >= 0, got {vl}")
+    rm = _field(obj, "rm", "rm_score", (int, float))
+    return Trajectory(
+        uid=_field(obj, "u", "uid", str, required=True),
+        batch_id=_field(obj, "b", "batch_id", str, required=True),
+        index=index,
+        data_source=_field(obj, "ds", "data_source", str, required=True),
+        response=_field(obj, "r", "response", str) or "",
+        ground_truth=obj.get("gt"),
+        prompt=_field(obj, "p", "prompt", str),
+        response_ids=unpack_ids(ids) if ids is not None else None,
+        valid_response_length=vl,
+        max_response_length=_field(obj, "ml", "max_response_length", int),
+        extra_info=_field(obj, "x", "extra_info", dict) or {},
+        group=_field(obj, "g", "group", str),
+        rm_score=float(rm) if rm is not None else None,
+    )
+
+
+def encode_result(result: ScoreResult) -> bytes:
+    obj: dict[str, Any] = {
+        "v": SCHEMA_VERSION,
+        "u": result.uid,
+        "b": result.batch_id,
+        "i": result.index,
+        "s": result.score,
+        "st": result.status,
+        "a": result.attempts,
+        "t": result.scored_at,
+    }
+    if result.extra:
+        obj["x"] = result.extra
+    if result.reason is not None:
+        obj["rs"] = result.reason
+    if result.error is not None:
+        obj["e"] = result.error
+    if result.valid_response_length is not None:
+        obj["vl"] = result.valid_response_length
+    if result.data_source is not None:
+        obj["ds"] = result.data_source
+    if result.group is not None:
+        obj["g"] = result.group
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        # A scorer returned extra info msgpack cannot carry (a tensor, a set...):
+        # keep the score, stringify the extras rather than lose the sample.
+        obj["x"] = {str(k): _plain(v) for k, v in result.extra.items()}
+        return msgpack.packb(obj, use_bin_type=True)
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        try:
+            return _plain(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return repr(value)
+
+
+def decode_result(data: bytes) -> ScoreResult:
+    obj = _unpack(data, sys.maxsize)
+    return ScoreResult(
+        uid=obj["u"],
+        batch_id=obj["b"],
+        index=obj["i"],
+        score=float(obj["s"]),
+        status=obj["st"],
+        extra=obj.get("x") or {},
+        reason=obj.get("rs"),
+        error=obj.get("e"),
+        attempts=obj.get("a", 1),
+        valid_response_length=obj.get("vl"),
+        data_source=obj.get("ds"),
+        group=obj.get("g"),
+        scored_at=obj.get("t", 0.0),
+    )

@@ -1,0 +1,140 @@
+"""The one error tree of stream-reward.
+
+Everything the library raises on purpose derives from ``StreamRewardError``;
+errors of dependencies (redis-py, aiohttp, msgpack) are translated once, at the
+boundary where they happen, with ``raise ... from exc``::
+
+    StreamRewardError
+    ├── ConfigError                 invalid configuration, names the key
+    ├── CodecError                  a payload that cannot be decoded
+    │   ├── SchemaVersionError      written by an incompatible schema version
+    │   └── PayloadTooLargeError    over the configured maximum message size
+    ├── ScoringError                one sample could not be scored (status `failed`)
+    │   ├── UnknownDataSourceError  no scorer for the sample's data_source
+    │   ├── ScorerTimeoutError      the scorer ran past its timeout and was killed
+    │   ├── ScorerCrashedError      the scorer process died
+    │   ├── VerifierError           a remote verifier's fault (infrastructure)
+    │   └── BadReplyError           a verifier replied, but not with a score (data)
+    ├── RetryLater                  control flow: a verifier asked us to come back
+    ├── BackpressureError           the stream is too far ahead of the consumers
+    ├── CollectTimeoutError         a batch did not complete in time
+    └── BrokerError                 Redis is unreachable or refused a command
+
+``ScoringError.reason`` is a short stable code ("unknown_data_source", "timeout",
+...) that lands in the sample's result record, so dashboards can group failures
+without parsing messages.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "StreamRewardError",
+    "ConfigError",
+    "CodecError",
+    "SchemaVersionError",
+    "PayloadTooLargeError",
+    "ScoringError",
+    "UnknownDataSourceError",
+    "ScorerTimeoutError",
+    "ScorerCrashedError",
+    "VerifierError",
+    "BadReplyError",
+    "RetryLater",
+    "BackpressureError",
+    "CollectTimeoutError",
+    "BrokerError",
+]
+
+
+class StreamRewardError(Exception):
+    """Base of every error stream-reward raises on purpose."""
+
+
+class ConfigError(StreamRewardError, ValueError):
+    """A configuration value is invalid. The message names the key and the reason."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"config {key!r}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class CodecError(StreamRewardError, ValueError):
+    """A message could not be decoded into a trajectory or result."""
+
+    reason = "malformed"
+
+
+class SchemaVersionError(CodecError):
+    reason = "schema_version"
+
+
+class PayloadTooLargeError(CodecError):
+    reason = "too_large"
+
+
+class ScoringError(StreamRewardError):
+    """One sample could not be scored; it is recorded as `failed` with `reason`."""
+
+    reason = "scorer_error"
+
+    def __init__(self, message: str, *, reason: str | None = None, attempts: int | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+        self.attempts = attempts
+
+
+class UnknownDataSourceError(ScoringError):
+    reason = "unknown_data_source"
+
+
+class ScorerTimeoutError(ScoringError):
+    reason = "timeout"
+
+
+class ScorerCrashedError(ScoringError):
+    reason = "scorer_crashed"
+
+
+class VerifierError(ScoringError):
+    """Infrastructure fault of a remote verifier (connect error, 5xx, 429, timeout)."""
+
+    reason = "verifier_unavailable"
+
+
+class BadReplyError(ScoringError):
+    """The verifier answered, but the answer holds no usable score (a data fault)."""
+
+    reason = "bad_reply"
+
+
+class RetryLater(StreamRewardError):
+    """Raised by a verifier to ask for another attempt after ``retry_after_s``.
+
+    Not a failure: the retry loop catches it, honours the delay (and shares it
+    with every worker when it came from a 429), and tries again.
+    """
+
+    def __init__(self, message: str = "retry later", *, retry_after_s: float | None = None, rate_limited: bool = False) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.rate_limited = rate_limited
+
+
+class BackpressureError(StreamRewardError):
+    """The producer is too far ahead of the consumers and was told not to wait."""
+
+
+class CollectTimeoutError(StreamRewardError, TimeoutError):
+    """A batch did not complete before the collect timeout."""
+
+    def __init__(self, batch_id: str, done: int, size: int) -> None:
+        super().__init__(f"batch {batch_id!r}: {done} of {size} samples resolved before the timeout")
+        self.batch_id = batch_id
+        self.done = done
+        self.size = size
+
+
+class BrokerError(StreamRewardError):
+    """Redis could not be reached, or refused a command. Credentials are never in the message."""

@@ -1,0 +1,100 @@
+"""Write-once results: the exactly-once half of "at-least-once delivery, exactly-once results".
+
+One Lua call per flush does, for every scored entry: HSETNX the result into the
+batch's ledger under the sample's uid; only if that was the first write, XADD it
+to the batch's ``done`` stream (which the aggregator blocks on); dead-letter if
+asked; and XACK the entry. Running it as one script makes "result durable, then
+ack" atomic, and makes a redelivered sample (a reclaimed entry whose first
+worker died after writing) a no-op instead of a second count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .keys import Keys
+
+__all__ = ["LedgerItem", "LedgerWriter", "DLQ_MAXLEN"]
+
+# Dead letters are kept for inspection and redrive, but not without bound.
+DLQ_MAXLEN = 100_000
+
+_WRITE_SCRIPT = """
+local group = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local n = tonumber(ARGV[3])
+local dlq_maxlen = ARGV[4]
+local written = 0
+local touched = {}
+for j = 0, n - 1 do
+  local base = 5 + j * 5
+  local id = ARGV[base]
+  local k = tonumber(ARGV[base + 1])
+  local uid = ARGV[base + 2]
+  local payload = ARGV[base + 3]
+  local dead = ARGV[base + 4]
+  if k > 0 then
+    if redis.call('HSETNX', KEYS[k], uid, payload) == 1 then
+      redis.call('XADD', KEYS[k + 1], '*', 'r', payload)
+      written = written + 1
+      if not touched[k] then
+        touched[k] = true
+        redis.call('EXPIRE', KEYS[k], ttl, 'NX')
+        redis.call('EXPIRE', KEYS[k + 1], ttl, 'NX')
+      end
+    end
+  end
+  if dead ~= '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', dlq_maxlen, '*', 'e', dead)
+  end
+  if id ~= '' then
+    redis.call('XACK', KEYS[1], group, id)
+  end
+end
+return written
+"""
+
+
+@dataclass(slots=True)
+class LedgerItem:
+    """One entry to settle. ``result`` None: nothing to record (a dead letter whose
+    batch is unknown). ``entry_id`` empty: nothing to ack (a result written by the
+    aggregator or a redrive)."""
+
+    entry_id: bytes | str
+    batch_id: str | None
+    uid: str | None
+    result: bytes | None
+    dead_letter: bytes | None = None
+
+
+class LedgerWriter:
+    def __init__(self, client: Any, keys: Keys, group: str, *, result_ttl_s: int) -> None:
+        self._script = client.register_script(_WRITE_SCRIPT)
+        self._keys = keys
+        self._group = group
+        self._ttl = result_ttl_s
+
+    def _call_args(self, partition: int, items: list[LedgerItem]) -> tuple[list[str], list[Any]]:
+        keys = [self._keys.stream(partition), self._keys.dead_letters(partition)]
+        slot_of: dict[str, int] = {}
+        args: list[Any] = [self._group, self._ttl, len(items), DLQ_MAXLEN]
+        for item in items:
+            k = 0
+            if item.result is not None and item.batch_id is not None and item.uid is not None:
+                k = slot_of.get(item.batch_id, 0)
+                if not k:
+                    k = len(keys) + 1  # Lua is 1-based
+                    keys.append(self._keys.results(item.batch_id, partition))
+                    keys.append(self._keys.done(item.batch_id, partition))
+                    slot_of[item.batch_id] = k
+            args += [item.entry_id, k, item.uid or "", item.result or b"", item.dead_letter or b""]
+        return keys, args
+
+    async def write(self, partition: int, items: list[LedgerItem], client: Any = None) -> int:
+        """Settle ``items`` of one partition in one round trip; returns how many results were new."""
+        if not items:
+            return 0
+        keys, args = self._call_args(partition, items)
+        return int(await self._script(keys=keys, args=args, client=client))

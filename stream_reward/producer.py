@@ -1,0 +1,215 @@
+"""The rollout side: declare a batch, push each trajectory the moment it finishes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError
+
+from .broker import TRANSIENT_ERRORS, connect, mask_url
+from .codec import encode_result, encode_trajectory
+from .config import BatchPolicy, ProducerConfig
+from .errors import BackpressureError, BrokerError, ConfigError
+from .keys import Keys
+from .ledger import LedgerItem, LedgerWriter
+from .stream import ensure_group, entry_fields
+from .trajectory import ScoreResult, Trajectory, default_uid
+
+__all__ = ["RolloutProducer", "SyncRolloutProducer"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RolloutProducer:
+    """Async producer. ``async with RolloutProducer(url) as p: await p.push(traj)``.
+
+    A push returns once Redis has the entry (XADD acknowledged), or raises
+    BrokerError: it never drops a trajectory silently. Pushing the same uid twice
+    is harmless downstream (results are write-once per uid), but within one batch
+    this producer refuses it, since it is almost always an indexing bug.
+    """
+
+    def __init__(self, redis_url: str, config: ProducerConfig | None = None, *, client: Any = None) -> None:
+        self.config = config or ProducerConfig()
+        self.keys = Keys(self.config.namespace, self.config.partitions)
+        self._url = redis_url
+        self._client = client
+        self._owns_client = client is None
+        self._groups_ready = False
+        self._seen: dict[str, set[str]] = {}
+        self._backlog_checked_at = 0.0
+        self._backlog = 0
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = connect(self._url)
+        return self._client
+
+    async def __aenter__(self) -> RolloutProducer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._client is not None and self._owns_client:
+            await self._client.aclose()
+        self._client = None
+
+    async def _ensure_groups(self) -> None:
+        if not self._groups_ready:
+            for stream in self.keys.streams():
+                await ensure_group(self.client, stream, self.config.group)
+            self._groups_ready = True
+
+    async def open_batch(
+        self,
+        batch_id: str,
+        size: int,
+        response_len: int,
+        *,
+        policy: BatchPolicy | None = None,
+    ) -> None:
+        """Declare a batch: its size, rm_scores width, and failure policy / deadline."""
+        if size < 0:
+            raise ConfigError("size", f"must be >= 0, got {size}")
+        if response_len < 1:
+            raise ConfigError("response_len", f"must be >= 1, got {response_len}")
+        policy = policy or BatchPolicy()
+        now = time.time()
+        meta = {
+            "size": size,
+            "response_len": response_len,
+            "on_failure": policy.on_failure,
+            "fallback_score": policy.fallback_score,
+            "created": now,
+            "deadline": now + policy.deadline_s if policy.deadline_s else 0,
+            "partitions": self.keys.partitions,
+        }
+        try:
+            await self._ensure_groups()
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hset(self.keys.batch_meta(batch_id), mapping=meta)
+                pipe.zadd(self.keys.batches(), {batch_id: now})
+                await pipe.execute()
+        except (RedisError, *TRANSIENT_ERRORS) as exc:
+            raise BrokerError(f"open_batch {batch_id!r} on {mask_url(self._url)}: {type(exc).__name__}") from exc
+        self._seen[batch_id] = set()
+
+    async def push(self, traj: Trajectory) -> None:
+        await self.push_many((traj,))
+
+    async def push_many(self, trajs: Iterable[Trajectory]) -> int:
+        """Push trajectories in one pipelined round trip; returns how many."""
+        entries = []
+        for traj in trajs:
+            seen = self._seen.setdefault(traj.batch_id, set())
+            if traj.uid in seen:
+                raise ConfigError("uid", f"uid {traj.uid!r} pushed twice in batch {traj.batch_id!r}")
+            payload = encode_trajectory(traj, self.config.max_message_bytes)
+            part = self.keys.partition_of(traj.uid, traj.group)
+            entries.append((traj, part, payload))
+        if not entries:
+            return 0
+        await self._wait_for_room(len(entries))
+        try:
+            await self._ensure_groups()
+            async with self.client.pipeline(transaction=False) as pipe:
+                for traj, part, payload in entries:
+                    pipe.xadd(self.keys.stream(part), entry_fields(payload, traj.batch_id, traj.index, traj.uid))
+                await pipe.execute()
+        except (RedisError, *TRANSIENT_ERRORS) as exc:
+            # Some entries of the pipeline may have landed; they will be scored and
+            # counted once, and the caller may push the whole call again safely
+            # because results are write-once per uid.
+            for traj, _, _ in entries:
+                self._seen[traj.batch_id].discard(traj.uid)
+            raise BrokerError(f"push of {len(entries)} trajectories failed: {type(exc).__name__}: Redis unreachable or refused") from exc
+        for traj, _, _ in entries:
+            self._seen[traj.batch_id].add(traj.uid)
+        self._backlog += len(entries)
+        return len(entries)
+
+    async def fail(self, batch_id: str, index: int, *, reason: str, error: str, uid: str | None = None) -> None:
+        """Resolve a sample as `failed` without pushing it (a rollout that could not be
+        turned into a trajectory), so that its batch still completes."""
+        uid = uid or default_uid(batch_id, index)
+        result = ScoreResult(uid, batch_id, index, 0.0, "failed", reason=reason, error=error, scored_at=time.time())
+        ledger = LedgerWriter(self.client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
+        try:
+            await ledger.write(self.keys.partition_of(uid), [LedgerItem("", batch_id, uid, encode_result(result))])
+        except (RedisError, *TRANSIENT_ERRORS) as exc:
+            raise BrokerError(f"recording failed sample {uid!r}: {type(exc).__name__}") from exc
+
+    async def backlog(self) -> int:
+        """Entries in the streams not yet delivered to the consumer group (the group's lag)."""
+        total = 0
+        for stream in self.keys.streams():
+            groups = await self.client.xinfo_groups(stream)
+            for group in groups:
+                if group.get(b"name", group.get("name")) in (self.config.group.encode(), self.config.group):
+                    lag = group.get(b"lag", group.get("lag"))
+                    total += int(lag) if lag is not None else 0
+        return total
+
+    async def _wait_for_room(self, incoming: int) -> None:
+        limit = self.config.max_backlog
+        if not limit:
+            return
+        loop = asyncio.get_running_loop()
+        # Ask Redis at most every poll interval: the check is a round trip, and a
+        # local estimate (last reading + what we pushed since) is good enough between.
+        while True:
+            now = loop.time()
+            if now - self._backlog_checked_at >= self.config.backlog_poll_s:
+                await self._ensure_groups()
+                self._backlog = await self.backlog()
+                self._backlog_checked_at = now
+            if self._backlog + incoming <= limit or self._backlog == 0:
+                return
+            if self.config.on_backlog == "raise":
+                raise BackpressureError(f"backlog {self._backlog} + {incoming} exceeds max_backlog {limit}")
+            await asyncio.sleep(self.config.backlog_poll_s)
+
+
+class SyncRolloutProducer:
+    """Blocking wrapper for trainers that are not async: one private loop in a thread."""
+
+    def __init__(self, redis_url: str, config: ProducerConfig | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="stream-reward-producer", daemon=True)
+        self._thread.start()
+        self._producer = RolloutProducer(redis_url, config)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def open_batch(self, batch_id: str, size: int, response_len: int, *, policy: BatchPolicy | None = None) -> None:
+        self._run(self._producer.open_batch(batch_id, size, response_len, policy=policy))
+
+    def push(self, traj: Trajectory) -> None:
+        self._run(self._producer.push(traj))
+
+    def push_many(self, trajs: Iterable[Trajectory]) -> int:
+        return self._run(self._producer.push_many(list(trajs)))
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._producer.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> SyncRolloutProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,402 @@
+"""One worker process's consumer loop: read, decode, score, write once, ack.
+
+Four tasks share one client:
+
+* the reader XREADGROUPs new entries while there is room under ``concurrency``;
+* the writer settles finished samples: everything that finished since its last
+  round trip goes out in one Lua call per partition (result + ack together), so
+  results are batched under load and still land within a round trip when idle;
+* the reclaimer XAUTOCLAIMs entries a dead consumer left pending, and
+  dead-letters the ones delivered more than ``max_deliveries`` times;
+* the housekeeper heartbeats and trims entries every group has acked.
+
+Scorers that never suspend (``inline = True``, the rule scorers) are awaited in
+the reader's own task: a task per sample would cost more than the scoring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgpack
+from redis.exceptions import RedisError, ResponseError
+
+from stream_reward.broker import TRANSIENT_ERRORS, connect, with_reconnect
+from stream_reward.codec import decode_trajectory, encode_result
+from stream_reward.config import ConsumerConfig
+from stream_reward.errors import CodecError, ScoringError
+from stream_reward.keys import Keys
+from stream_reward.ledger import LedgerItem, LedgerWriter
+from stream_reward.scoring import Scorer
+from stream_reward.stream import FIELD_BATCH, FIELD_INDEX, FIELD_PAYLOAD, FIELD_UID, ensure_group
+from stream_reward.trajectory import ScoreResult, Trajectory
+
+__all__ = ["Worker", "WorkerStats"]
+
+log = logging.getLogger(__name__)
+
+# An entry released on shutdown is marked idle this long, so that any live
+# worker's next reclaim sweep takes it at once instead of after reclaim_idle_ms.
+_RELEASED_IDLE_MS = 10 * 365 * 24 * 3600 * 1000
+
+
+class WorkerStats:
+    """Counters a worker keeps; heartbeats and metrics read them."""
+
+    __slots__ = ("scored", "failed", "duplicates", "dead_letters", "reclaimed", "in_flight")
+
+    def __init__(self) -> None:
+        self.scored = self.failed = self.duplicates = self.dead_letters = self.reclaimed = self.in_flight = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Worker:
+    """A consumer in the namespace's group. ``await Worker(url, scorer).run(stop)``.
+
+    ``burst=True`` returns once the streams hold nothing for this worker (tests,
+    one-shot scoring); otherwise it runs until ``stop`` is set.
+    """
+
+    def __init__(self, redis_url: str, scorer: Scorer, config: ConsumerConfig | None = None, *, client: Any = None, hooks: Any = None) -> None:
+        self.config = config or ConsumerConfig()
+        self.keys = Keys(self.config.namespace, self.config.partitions)
+        self.scorer = scorer
+        self.stats = WorkerStats()
+        self.hooks = hooks  # optional observer (metrics); see workers.metrics
+        self._url = redis_url
+        self._client = client
+        self._inline = bool(getattr(scorer, "inline", False))
+        self._pending: dict[int, list[LedgerItem]] = defaultdict(list)
+        self._have_pending = asyncio.Event()
+        self._room = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._task_entries: dict[asyncio.Task[None], tuple[int, bytes]] = {}
+        self._writer_idle = asyncio.Event()
+        self._started = time.time()
+        self._host = socket.gethostname()
+
+    # ------------------------------------------------------------------ running
+    async def run(self, stop: asyncio.Event | None = None, *, burst: bool = False) -> None:
+        stop = stop or asyncio.Event()
+        if self._client is None:
+            self._client = connect(self._url)
+        client = self._client
+        self._ledger = LedgerWriter(client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
+        for stream in self.keys.streams():
+            await with_reconnect(lambda s=stream: ensure_group(client, s, self.config.group), what="create group", give_up_after_s=None, stop=stop)
+        log.info("worker %s joined group %r of namespace %r (%d partitions, concurrency %d)",
+                 self.config.consumer, self.config.group, self.config.namespace, self.config.partitions, self.config.concurrency)
+        writer_stop = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            writer = tg.create_task(self._writer(writer_stop))
+            housekeeper = tg.create_task(self._housekeeper(stop))
+            reclaimer = tg.create_task(self._reclaimer(stop))
+            try:
+                await self._reader(stop, burst)
+                if burst:
+                    # Pending entries of dead consumers are ours to finish too.
+                    while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
+                        pass
+                await self._drain()
+            finally:
+                reclaimer.cancel()
+                housekeeper.cancel()
+                writer_stop.set()
+                self._have_pending.set()
+                await writer
+                await self._farewell()
+        log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # ------------------------------------------------------------------ reading
+    async def _reader(self, stop: asyncio.Event, burst: bool) -> None:
+        streams = {s: ">" for s in self.keys.streams()}
+        part_of = {s.encode(): p for p, s in enumerate(self.keys.streams())}
+        empty_reads = 0
+        while not stop.is_set():
+            room = self.config.concurrency - self.stats.in_flight
+            if room <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                reply = await self._client.xreadgroup(
+                    self.config.group, self.config.consumer, streams,
+                    count=min(room, self.config.read_count), block=self.config.block_ms,
+                )
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):  # the stream was deleted under us (or Redis restarted without AOF)
+                    for s in streams:
+                        await ensure_group(self._client, s, self.config.group)
+                    continue
+                raise
+            except TRANSIENT_ERRORS as exc:
+                log.warning("read failed (%s); reconnecting", type(exc).__name__)
+                await asyncio.sleep(0.2)
+                continue
+            if not reply:
+                if burst:
+                    empty_reads += 1
+                    if empty_reads >= 2 and self.stats.in_flight == 0:
+                        return
+                continue
+            empty_reads = 0
+            for stream, entries in _iter_reply(reply):
+                await self._process(part_of[stream], entries, deliveries=None)
+
+    async def _process(self, partition: int, entries: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int] | None) -> None:
+        for entry_id, fields in entries:
+            self.stats.in_flight += 1
+            if deliveries is not None and deliveries.get(entry_id, 0) > self.config.max_deliveries:
+                self._dead_letter(partition, entry_id, fields, "max_deliveries",
+                                  f"delivered {deliveries[entry_id]} times (max_deliveries={self.config.max_deliveries})", deliveries[entry_id])
+                continue
+            try:
+                traj = decode_trajectory(fields.get(FIELD_PAYLOAD, b""), self.config.max_message_bytes)
+            except CodecError as exc:
+                self._dead_letter(partition, entry_id, fields, exc.reason, str(exc), 1)
+                continue
+            if self._inline:
+                await self._score(partition, entry_id, traj)
+            else:
+                task = asyncio.create_task(self._score(partition, entry_id, traj))
+                self._tasks.add(task)
+                self._task_entries[task] = (partition, entry_id)
+                task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._task_entries.pop(task, None)
+
+    # ------------------------------------------------------------------ scoring
+    async def _score(self, partition: int, entry_id: bytes, traj: Trajectory) -> None:
+        started = time.perf_counter()
+        try:
+            scored = await self.scorer.score(traj)
+            result = ScoreResult(traj.uid, traj.batch_id, traj.index, scored.score, "ok", scored.extra)
+        except ScoringError as exc:
+            result = ScoreResult(traj.uid, traj.batch_id, traj.index, 0.0, "failed",
+                                 reason=exc.reason, error=str(exc), attempts=exc.attempts or 1)
+        except Exception as exc:  # a scorer bug fails its sample, never the pool
+            result = ScoreResult(traj.uid, traj.batch_id, traj.index, 0.0, "failed",
+                                 reason="scorer_error", error=f"{type(exc).__name__}: {exc}")
+        result.valid_response_length = traj.response_length
+        result.data_source = traj.data_source
+        result.group = traj.group
+        result.scored_at = time.time()
+        if result.status == "ok":
+            self.stats.scored += 1
+        else:
+            self.stats.failed += 1
+        if self.hooks is not None:
+            self.hooks.on_scored(result, time.perf_counter() - started)
+        self._queue(partition, LedgerItem(entry_id, traj.batch_id, traj.uid, encode_result(result)))
+
+    def _dead_letter(self, partition: int, entry_id: bytes, fields: dict[bytes, bytes], reason: str, error: str, deliveries: int) -> None:
+        """Resolve an entry that cannot be scored: dead-letter it and, when its
+        batch is known from the entry's plain fields, record a `failed` result so
+        the batch still completes."""
+        batch = _text(fields.get(FIELD_BATCH))
+        uid = _text(fields.get(FIELD_UID))
+        try:
+            index = int(fields.get(FIELD_INDEX, b""))
+        except ValueError:
+            index = -1
+        dead = msgpack.packb({
+            "reason": reason, "error": error, "entry_id": entry_id, "partition": partition,
+            "consumer": self.config.consumer, "deliveries": deliveries, "at": time.time(),
+            "fields": {k.decode(errors="replace"): v for k, v in fields.items()},
+        }, use_bin_type=True)
+        result = None
+        if batch is not None and uid is not None and index >= 0:
+            result = encode_result(ScoreResult(uid, batch, index, 0.0, "failed", reason=reason, error=error,
+                                               attempts=deliveries, scored_at=time.time()))
+        self.stats.dead_letters += 1
+        self.stats.failed += 1
+        if self.hooks is not None:
+            self.hooks.on_dead_letter(reason)
+        log.warning("dead-lettered entry %s of batch %r: %s", entry_id.decode(), batch, reason)
+        self._queue(partition, LedgerItem(entry_id, batch, uid, result, dead))
+
+    # ------------------------------------------------------------------ writing
+    def _queue(self, partition: int, item: LedgerItem) -> None:
+        self._pending[partition].append(item)
+        self._have_pending.set()
+
+    async def _writer(self, stop: asyncio.Event) -> None:
+        while True:
+            await self._have_pending.wait()
+            self._have_pending.clear()
+            batch, self._pending = self._pending, defaultdict(list)
+            if batch:
+                await with_reconnect(lambda: self._flush(batch), what="write results", give_up_after_s=None)
+                settled = sum(len(items) for items in batch.values())
+                self.stats.in_flight -= settled
+                self._room.set()
+                self._writer_idle.set()
+            elif stop.is_set():
+                return
+
+    async def _flush(self, batch: dict[int, list[LedgerItem]]) -> None:
+        if len(batch) == 1:
+            (partition, items), = batch.items()
+            written = await self._ledger.write(partition, items)
+            expected = sum(1 for item in items if item.result is not None)
+        else:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for partition, items in batch.items():
+                    await self._ledger.write(partition, items, client=pipe)
+                replies = await pipe.execute()
+            written = sum(int(r) for r in replies)
+            expected = sum(1 for items in batch.values() for item in items if item.result is not None)
+        if written < expected:
+            # Someone wrote these uids first (a redelivery after a slow or dead
+            # worker): the ledger kept the first result and ignored ours.
+            self.stats.duplicates += expected - written
+
+    # ------------------------------------------------------------------ reclaiming
+    async def _reclaimer(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(self.config.reclaim_interval_s)
+            try:
+                await self._reclaim_once(self.config.reclaim_idle_ms)
+            except (RedisError, *TRANSIENT_ERRORS) as exc:
+                log.warning("reclaim sweep failed: %s", type(exc).__name__)
+
+    async def _reclaim_once(self, min_idle_ms: int) -> int:
+        """Claim entries idle past ``min_idle_ms`` from any consumer; returns how many."""
+        total = 0
+        for partition, stream in enumerate(self.keys.streams()):
+            start = "0-0"
+            while True:
+                room = self.config.concurrency - self.stats.in_flight
+                if room <= 0:
+                    return total
+                reply = await self._client.xautoclaim(stream, self.config.group, self.config.consumer,
+                                                      min_idle_time=min_idle_ms, start_id=start, count=min(room, self.config.read_count))
+                start, claimed = reply[0], reply[1]
+                deleted = reply[2] if len(reply) > 2 else []
+                if deleted:  # pending entries whose data was trimmed: nothing left to score
+                    await self._client.xack(stream, self.config.group, *deleted)
+                claimed = [(eid, fields) for eid, fields in claimed if fields]
+                if claimed:
+                    deliveries = await self._deliveries(stream, [eid for eid, _ in claimed])
+                    self.stats.reclaimed += len(claimed)
+                    total += len(claimed)
+                    log.info("reclaimed %d idle entries from %s", len(claimed), stream)
+                    await self._process(partition, claimed, deliveries)
+                if start in (b"0-0", "0-0"):
+                    break
+        return total
+
+    async def _deliveries(self, stream: str, ids: list[bytes]) -> dict[bytes, int]:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for eid in ids:
+                pipe.xpending_range(stream, self.config.group, min=eid, max=eid, count=1)
+            replies = await pipe.execute()
+        counts = {}
+        for eid, rows in zip(ids, replies):
+            counts[eid] = int(rows[0]["times_delivered"]) if rows else 1
+        return counts
+
+    # ------------------------------------------------------------------ shutdown
+    async def _drain(self) -> None:
+        """Finish in-flight samples within drain_timeout_s; release the rest to other workers."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        while self.stats.in_flight > 0 and loop.time() < deadline:
+            self._writer_idle.clear()
+            try:
+                await asyncio.wait_for(self._writer_idle.wait(), timeout=max(0.01, deadline - loop.time()))
+            except TimeoutError:
+                break
+        unfinished = list(self._task_entries.items())
+        for task, _ in unfinished:
+            task.cancel()
+        if unfinished:
+            await asyncio.gather(*(t for t, _ in unfinished), return_exceptions=True)
+            by_stream: dict[str, list[bytes]] = defaultdict(list)
+            for _, (partition, entry_id) in unfinished:
+                by_stream[self.keys.stream(partition)].append(entry_id)
+            for stream, ids in by_stream.items():
+                # Mark them long idle: the next reclaim sweep of any live worker takes them.
+                await self._client.xclaim(stream, self.config.group, self.config.consumer, 0, ids,
+                                          idle=_RELEASED_IDLE_MS, justid=True)
+            self.stats.in_flight -= len(unfinished)
+            log.info("released %d unfinished samples to other workers", len(unfinished))
+
+    async def _farewell(self) -> None:
+        try:
+            await self._client.hdel(self.keys.workers(), self.config.consumer)
+        except (RedisError, *TRANSIENT_ERRORS):
+            pass
+
+    # ------------------------------------------------------------------ housekeeping
+    async def _housekeeper(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        next_trim = 0.0
+        while not stop.is_set():
+            try:
+                await self._heartbeat()
+                if loop.time() >= next_trim:
+                    await self._trim()
+                    next_trim = loop.time() + self.config.trim_interval_s
+            except (RedisError, *TRANSIENT_ERRORS) as exc:
+                log.debug("housekeeping skipped: %s", type(exc).__name__)
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    async def _heartbeat(self) -> None:
+        beat = {"host": self._host, "pid": os.getpid(), "started": self._started, "seen": time.time(),
+                "group": self.config.group, "scorer": type(self.scorer).__name__, **self.stats.as_dict()}
+        await self._client.hset(self.keys.workers(), self.config.consumer, msgpack.packb(beat))
+
+    async def _trim(self) -> None:
+        """Drop entries that every group has acknowledged: bounded memory for the stream."""
+        for stream in self.keys.streams():
+            groups = await self._client.xinfo_groups(stream)
+            floor = None
+            for group in groups:
+                name = group["name"]
+                if group["pending"]:
+                    summary = await self._client.xpending(stream, name)
+                    candidate = _parse_id(summary["min"])
+                else:
+                    ms, seq = _parse_id(group["last-delivered-id"])
+                    candidate = (ms, seq + 1)
+                floor = candidate if floor is None else min(floor, candidate)
+            if floor is not None and floor > (0, 1):
+                await self._client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
+
+
+def _iter_reply(reply: Any) -> Any:
+    # RESP2 gives [[stream, entries], ...]; RESP3 a dict.
+    if isinstance(reply, dict):
+        return [(k, v[0] if v and isinstance(v[0], list) and len(v) == 1 and isinstance(v[0][0], list) else v) for k, v in reply.items()]
+    return [(stream, entries) for stream, entries in reply]
+
+
+def _parse_id(value: bytes | str) -> tuple[int, int]:
+    text = value.decode() if isinstance(value, bytes) else value
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _text(value: bytes | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return None
