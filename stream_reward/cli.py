@@ -140,6 +140,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHES = ("throughput", "overlap", "latency", "memory", "vs_verl", "quota", "sandbox", "faults", "scale")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Each bench is ``benchmarks/NAME.py`` with ``main(argv) -> int``."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{args.name}")
+    return int(module.main(args.rest) or 0)
+
+
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from workers.main import add_worker_arguments
@@ -188,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response-len", type=int, default=1024)
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES))
+    p.add_argument("name", choices=BENCHES)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the bench's own flags (--json, --plot FILE.png, ...)")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -50,6 +50,7 @@ class ManagerConfig:
     max_tpm: float | None = None
     estimated_tokens_per_request: int = 2000
     quota_key: str | None = None
+    retries: int = 5  # attempts after the first, for infrastructure faults
     redis_url: str | None = None
     namespace: str = "sr"
 

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from stream_reward.config import ConsumerConfig
-from stream_reward.errors import StreamRewardError
+from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE
 from stream_reward.managers import ManagerConfig, build_scorer
 
@@ -42,6 +42,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-sample scorer timeout")
     parser.add_argument("--num-processes", type=int, default=None, help="scorer processes per worker for sync scorers")
     parser.add_argument("--reward-kwargs", type=json.loads, default={}, help="JSON object passed to compute_score")
+    parser.add_argument("--manager-kwargs", type=json.loads, default={},
+                        help='JSON object of manager options by verl key, e.g. {"overlong_buffer_cfg": {...}, "max_resp_len": 4096}')
+    parser.add_argument("--max-rpm", type=float, default=None, help="global requests/minute for the verifier")
+    parser.add_argument("--max-tpm", type=float, default=None, help="global tokens/minute for the verifier")
+    parser.add_argument("--max-inflight", type=int, default=None, help="global max requests in flight for the verifier")
+    parser.add_argument("--retries", type=int, default=5, help="attempts after the first, for infrastructure faults")
+    parser.add_argument("--quota-key", default=None, help="name of the shared quota (default: the scorer spec)")
     parser.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
     parser.add_argument("--burst", action="store_true", help="exit once the stream holds nothing more")
     parser.add_argument("--log-level", default="INFO")
@@ -60,10 +67,17 @@ def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
 
 
 def manager_config(args: argparse.Namespace) -> ManagerConfig:
-    return ManagerConfig(
+    config = ManagerConfig(
         manager=args.manager, scorer=args.scorer, reward_kwargs=args.reward_kwargs,
         timeout=args.timeout_s, num_processes=args.num_processes, redis_url=args.redis, namespace=args.namespace,
+        max_rpm=args.max_rpm, max_tpm=args.max_tpm, max_concurrent=args.max_inflight, retries=args.retries,
+        quota_key=args.quota_key,
     )
+    for key, value in args.manager_kwargs.items():
+        if key not in ManagerConfig.__dataclass_fields__:
+            raise ConfigError(key, f"unknown manager option; known: {', '.join(sorted(ManagerConfig.__dataclass_fields__))}")
+        setattr(config, key, value)
+    return config
 
 
 async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -> None:
