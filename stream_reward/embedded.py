@@ -114,16 +114,17 @@ class EmbeddedServer:
             "--logfile", os.path.join(self._tmp, "server.log"),
             *self.extra_args,
         ]
-        self._proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
-        )
+        # stderr goes to a file, not a pipe: nobody drains a pipe for the server's lifetime.
+        with open(os.path.join(self._tmp, "stderr.log"), "ab") as err_file:
+            self._proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
+                preexec_fn=_die_with_parent,
+            )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
                 self._proc = None
-                raise BrokerError(f"server {binary} exited at start: {err.strip() or self._log_tail()}")
+                raise BrokerError(f"server {binary} exited at start: {self._log_tail()}")
             if self._ping():
                 log.info("embedded server %s pid %d on %s", os.path.basename(binary), self._proc.pid, self.url)
                 return self
@@ -142,10 +143,13 @@ class EmbeddedServer:
             return False
 
     def _log_tail(self) -> str:
-        try:
-            return Path(self._tmp or "", "server.log").read_text()[-2000:]
-        except OSError:
-            return ""
+        text = ""
+        for name in ("stderr.log", "server.log"):
+            try:
+                text += Path(self._tmp or "", name).read_text(errors="replace")[-2000:]
+            except OSError:
+                pass
+        return text.strip()
 
     def kill(self) -> None:
         """SIGKILL the server but keep its temp dir (tests restart it with the same socket)."""

@@ -268,8 +268,11 @@ class Worker:
 
     # ------------------------------------------------------------------ reclaiming
     async def _reclaimer(self, stop: asyncio.Event) -> None:
+        # Sweep at least twice per idle period, so a dead consumer's entries wait
+        # at most ~1.5x reclaim_idle_ms before someone takes them.
+        interval = max(0.05, min(self.config.reclaim_interval_s, self.config.reclaim_idle_ms / 2000))
         while not stop.is_set():
-            await asyncio.sleep(self.config.reclaim_interval_s)
+            await asyncio.sleep(interval)
             try:
                 await self._reclaim_once(self.config.reclaim_idle_ms)
             except (RedisError, *TRANSIENT_ERRORS) as exc:

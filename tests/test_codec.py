@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream_reward.codec import (
+    SCHEMA_VERSION,
+    decode_result,
+    decode_trajectory,
+    encode_result,
+    encode_trajectory,
+    pack_ids,
+    unpack_ids,
+)
+from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
+from stream_reward.trajectory import ScoreResult, Trajectory, trajectory_from_json
+
+
+def full_trajectory() -> Trajectory:
+    return Trajectory(
+        batch_id="b", index=3, data_source="openai/gsm8k", response="#### 4", ground_truth={"answer": "4"},
+        uid="u-3", prompt="2+2?", response_ids=[1, 2, 2**31 - 1, 0], valid_response_length=4,
+        max_response_length=16, extra_info={"split": "train"}, group="g0", rm_score=0.25,
+    )
+
+
+def test_round_trip_keeps_every_field():
+    traj = full_trajectory()
+    assert decode_trajectory(encode_trajectory(traj)) == traj
+
+
+def test_minimal_trajectory_gets_default_uid():
+    traj = decode_trajectory(encode_trajectory(Trajectory("b7", 5, "x", response="r")))
+    assert traj.uid == "b7/5"
+    assert traj.response_ids is None and traj.extra_info == {}
+
+
+def test_token_ids_are_packed_four_bytes_each():
+    ids = list(range(1000))
+    assert len(pack_ids(ids)) == 4000
+    assert unpack_ids(pack_ids(ids)) == ids
+    with pytest.raises(CodecError, match="multiple of 4"):
+        unpack_ids(b"\x00\x01\x02")
+
+
+def test_garbage_is_a_codec_error():
+    with pytest.raises(CodecError, match="not valid msgpack"):
+        decode_trajectory(b"\xc1\xff\x00garbage")
+
+
+def test_non_map_payload_is_rejected():
+    with pytest.raises(CodecError, match="must be a msgpack map"):
+        decode_trajectory(msgpack.packb([1, 2, 3]))
+
+
+def test_wrong_schema_version_is_precise():
+    payload = msgpack.packb({"v": SCHEMA_VERSION + 1, "u": "u", "b": "b", "i": 0, "ds": "x"})
+    with pytest.raises(SchemaVersionError, match=f"schema version {SCHEMA_VERSION + 1}"):
+        decode_trajectory(payload)
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"i": None}, "missing field 'index'"),
+        ({"i": "3"}, "field 'index' must be int, got str"),
+        ({"i": True}, "field 'index' must be int, got bool"),
+        ({"i": -1}, "must be >= 0"),
+        ({"ds": 5}, "field 'data_source' must be str"),
+        ({"x": [1]}, "field 'extra_info' must be dict"),
+        ({"vl": -2}, "valid_response_length"),
+        ({"ids": [1, 2]}, "field 'response_ids' must be bytes"),
+    ],
+)
+def test_wrong_fields_are_named(patch, message):
+    obj = msgpack.unpackb(encode_trajectory(full_trajectory()))
+    obj.update(patch)
+    obj = {k: v for k, v in obj.items() if v is not None}
+    with pytest.raises(CodecError, match=message):
+        decode_trajectory(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_oversized_payload_is_refused_both_ways():
+    traj = Trajectory("b", 0, "x", response="y" * 5000)
+    with pytest.raises(PayloadTooLargeError):
+        encode_trajectory(traj, max_bytes=1000)
+    data = encode_trajectory(traj)
+    with pytest.raises(PayloadTooLargeError, match="over the maximum of 1000"):
+        decode_trajectory(data, max_bytes=1000)
+
+
+def test_result_round_trip_and_unencodable_extra():
+    result = ScoreResult("u", "b", 1, 0.5, "failed", {"k": [1, 2]}, reason="timeout", error="slow", attempts=3,
+                         valid_response_length=7, data_source="d", group="g", scored_at=12.5)
+    assert decode_result(encode_result(result)) == result
+    odd = ScoreResult("u", "b", 1, 1.0, extra={"s": {1, 2}, "obj": object()})
+    decoded = decode_result(encode_result(odd))
+    assert decoded.score == 1.0 and isinstance(decoded.extra["s"], str)
+
+
+def test_trajectory_from_json_names_bad_fields():
+    assert trajectory_from_json({"response": "r", "data_source": "d", "zzz": 1}, "b", 2).index == 2
+    with pytest.raises(ValueError, match="missing required field 'response'"):
+        trajectory_from_json({"data_source": "d"}, "b", 0)
+    with pytest.raises(ValueError, match="'valid_response_length' must be int"):
+        trajectory_from_json({"response": "r", "data_source": "d", "valid_response_length": "5"}, "b", 0)
+    with pytest.raises(ValueError, match="list of integers"):
+        trajectory_from_json({"response": "r", "data_source": "d", "response_ids": [1, "a"]}, "b", 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_decode_or_raise_codec_error(data):
+    try:
+        traj = decode_trajectory(data)
+    except CodecError:
+        return
+    assert isinstance(traj, Trajectory)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["v", "u", "b", "i", "ds", "r", "gt", "ids", "vl", "x", "g", "rm", "p"]), json_values))
+def test_arbitrary_records_decode_or_raise_codec_error(obj):
+    try:
+        traj = decode_trajectory(msgpack.packb(obj, use_bin_type=True))
+    except CodecError:
+        return
+    assert isinstance(traj.index, int) and traj.index >= 0
+    assert isinstance(traj.batch_id, str) and isinstance(traj.data_source, str)
