@@ -34,11 +34,13 @@ T = TypeVar("T")
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
 
 _CRED = re.compile(r"(?P<scheme>[a-z+]+://)(?P<cred>[^@/]*)@")
+_QUERY_SECRET = re.compile(r"(?P<key>[?&](?:password|pass|token)=)[^&]*", re.IGNORECASE)
 
 
 def mask_url(url: str) -> str:
-    """The URL with its user:password part replaced, for logs, errors and status output."""
-    return _CRED.sub(lambda m: f"{m['scheme']}***@", url)
+    """The URL with its credentials (user:password@, ?password=) replaced, for logs, errors and status output."""
+    masked = _CRED.sub(lambda m: f"{m['scheme']}***@", url)
+    return _QUERY_SECRET.sub(lambda m: f"{m['key']}***", masked)
 
 
 def is_cluster_url(url: str) -> bool:

@@ -33,7 +33,10 @@ class ConsumerConfig:
     block_ms: int = 200  # also bounds how fast a stop request is noticed
     reclaim_idle_ms: int = 30_000  # a pending entry idle this long belongs to a dead consumer
     reclaim_interval_s: float = 5.0
-    max_deliveries: int = 5  # a sample delivered this often is a poison message
+    # An entry delivered more than this often (its consumers died with it in
+    # flight) is scored alone, so a crash can be pinned on the right sample.
+    quarantine_after_deliveries: int = 2
+    max_deliveries: int = 10  # backstop: past this, dead-letter without another try
     drain_timeout_s: float = 10.0
     heartbeat_interval_s: float = 2.0
     trim_interval_s: float = 2.0

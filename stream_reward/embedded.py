@@ -138,7 +138,9 @@ class EmbeddedServer:
                 sock.settimeout(0.5)
                 sock.connect(self.socket_path)
                 sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
+                reply = sock.recv(64)
+                # A password-protected server answers NOAUTH: it is up all the same.
+                return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
         except OSError:
             return False
 

@@ -51,6 +51,10 @@ class Keys:
         """Stream of first results of a batch, in landing order; the aggregator blocks on it."""
         return f"{self.tag(partition)}:done:{batch_id}"
 
+    def quarantine(self, partition: int = 0) -> str:
+        """Hash entry id -> solo attempts started, for suspects of a worker crash."""
+        return f"{self.tag(partition)}:quarantine"
+
     def dead_letters(self, partition: int = 0) -> str:
         return f"{self.tag(partition)}:dlq"
 

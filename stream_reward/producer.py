@@ -119,8 +119,8 @@ class RolloutProducer:
             entries.append((traj, part, payload))
         if not entries:
             return 0
-        await self._wait_for_room(len(entries))
         try:
+            await self._wait_for_room(len(entries))
             await self._ensure_groups()
             async with self.client.pipeline(transaction=False) as pipe:
                 for traj, part, payload in entries:

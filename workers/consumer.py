@@ -6,8 +6,13 @@ Four tasks share one client:
 * the writer settles finished samples: everything that finished since its last
   round trip goes out in one Lua call per partition (result + ack together), so
   results are batched under load and still land within a round trip when idle;
-* the reclaimer XAUTOCLAIMs entries a dead consumer left pending, and
-  dead-letters the ones delivered more than ``max_deliveries`` times;
+* the reclaimer XAUTOCLAIMs entries a dead consumer left pending. An entry
+  that keeps coming back is a *suspect*: it may be the poison that killed its
+  consumers, or an innocent that was in flight beside it. Suspects are scored
+  alone (no other sample in flight), after a durable note that the solo attempt
+  started; a suspect that comes back *with* such a note crashed or stalled a
+  worker on its own, and is dead-lettered. Innocents are never blamed for a
+  neighbour's crash;
 * the housekeeper heartbeats and trims entries every group has acked.
 
 Scorers that never suspend (``inline = True``, the rule scorers) are awaited in
@@ -80,6 +85,8 @@ class Worker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._task_entries: dict[asyncio.Task[None], tuple[int, bytes]] = {}
         self._writer_idle = asyncio.Event()
+        self._reading = asyncio.Event()  # cleared while suspects are scored alone
+        self._reading.set()
         self._started = time.time()
         self._host = socket.gethostname()
 
@@ -126,6 +133,9 @@ class Worker:
         part_of = {s.encode(): p for p, s in enumerate(self.keys.streams())}
         empty_reads = 0
         while not stop.is_set():
+            if not self._reading.is_set():
+                await self._reading.wait()
+                continue
             room = self.config.concurrency - self.stats.in_flight
             if room <= 0:
                 self._room.clear()
@@ -156,7 +166,8 @@ class Worker:
             for stream, entries in _iter_reply(reply):
                 await self._process(part_of[stream], entries, deliveries=None)
 
-    async def _process(self, partition: int, entries: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int] | None) -> None:
+    async def _process(self, partition: int, entries: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int] | None,
+                       *, alone: bool = False) -> None:
         for entry_id, fields in entries:
             self.stats.in_flight += 1
             if deliveries is not None and deliveries.get(entry_id, 0) > self.config.max_deliveries:
@@ -168,7 +179,7 @@ class Worker:
             except CodecError as exc:
                 self._dead_letter(partition, entry_id, fields, exc.reason, str(exc), 1)
                 continue
-            if self._inline:
+            if self._inline or alone:
                 await self._score(partition, entry_id, traj)
             else:
                 task = asyncio.create_task(self._score(partition, entry_id, traj))
@@ -299,10 +310,43 @@ class Worker:
                     self.stats.reclaimed += len(claimed)
                     total += len(claimed)
                     log.info("reclaimed %d idle entries from %s", len(claimed), stream)
-                    await self._process(partition, claimed, deliveries)
+                    limit = self.config.quarantine_after_deliveries
+                    fresh = [e for e in claimed if deliveries[e[0]] <= limit]
+                    suspects = [e for e in claimed if deliveries[e[0]] > limit]
+                    await self._process(partition, fresh, deliveries)
+                    if suspects:
+                        await self._quarantine(partition, suspects, deliveries)
                 if start in (b"0-0", "0-0"):
                     break
         return total
+
+    async def _quarantine(self, partition: int, suspects: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]) -> None:
+        """Score suspects one at a time with nothing else in flight, so that a crash
+        can be pinned on the one sample that caused it."""
+        key = self.keys.quarantine(partition)
+        self._reading.clear()  # the reader stops taking new entries meanwhile
+        try:
+            await self._wait_idle()
+            for entry_id, fields in suspects:
+                # Durable before the attempt: if this process dies now, the next
+                # worker to reclaim the entry finds the note and knows it is guilty.
+                attempts = await self._client.hincrby(key, entry_id, 1)
+                if attempts > 1:
+                    self.stats.in_flight += 1
+                    self._dead_letter(partition, entry_id, fields, "poison",
+                                      f"crashed or stalled a worker while scored alone (delivered {deliveries[entry_id]} times)",
+                                      deliveries[entry_id])
+                else:
+                    await self._process(partition, [(entry_id, fields)], deliveries, alone=True)
+                await self._wait_idle()
+                await self._client.hdel(key, entry_id)
+        finally:
+            self._reading.set()
+
+    async def _wait_idle(self) -> None:
+        while self.stats.in_flight > 0:
+            self._writer_idle.clear()
+            await self._writer_idle.wait()
 
     async def _deliveries(self, stream: str, ids: list[bytes]) -> dict[bytes, int]:
         async with self._client.pipeline(transaction=False) as pipe:
@@ -358,6 +402,8 @@ class Worker:
                     next_trim = loop.time() + self.config.trim_interval_s
             except (RedisError, *TRANSIENT_ERRORS) as exc:
                 log.debug("housekeeping skipped: %s", type(exc).__name__)
+            except Exception:  # housekeeping must never take the worker down
+                log.exception("housekeeping failed")
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _heartbeat(self) -> None:
@@ -372,10 +418,10 @@ class Worker:
             floor = None
             for group in groups:
                 name = group["name"]
-                if group["pending"]:
-                    summary = await self._client.xpending(stream, name)
+                summary = await self._client.xpending(stream, name) if group["pending"] else None
+                if summary and summary.get("min"):
                     candidate = _parse_id(summary["min"])
-                else:
+                else:  # nothing pending (or acked since XINFO): all up to last-delivered is done
                     ms, seq = _parse_id(group["last-delivered-id"])
                     candidate = (ms, seq + 1)
                 floor = candidate if floor is None else min(floor, candidate)

@@ -1,0 +1,98 @@
+"""Dead letters: entries that could not be scored, kept with the reason.
+
+A dead letter holds the reason code, the error message, the consumer, the
+delivery count and the original entry's fields (payload included), so that
+``redrive`` can put it back on the stream once the cause is fixed. Redriving
+a sample whose batch already has a `failed` result does not change that
+result (results are write-once): redrive is for batches not yet collected,
+or after clearing the batch's ledger on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .broker import connect
+from .keys import Keys
+
+__all__ = ["DeadLetter", "list_dead_letters", "redrive_dead_letters"]
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    partition: int
+    id: str
+    reason: str
+    error: str
+    consumer: str
+    deliveries: int
+    at: float
+    fields: dict[str, bytes]
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able view; the payload is shown by size only."""
+        return {
+            "partition": self.partition, "id": self.id, "reason": self.reason, "error": self.error,
+            "consumer": self.consumer, "deliveries": self.deliveries, "at": self.at,
+            "batch": _text(self.fields.get("b")), "index": _text(self.fields.get("i")), "uid": _text(self.fields.get("u")),
+            "payload_bytes": len(self.fields.get("d") or b""),
+        }
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _parse(partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
+    record = msgpack.unpackb(fields[b"e"], raw=False, strict_map_key=False)
+    return DeadLetter(
+        partition=partition, id=entry_id.decode(), reason=record.get("reason", "?"), error=record.get("error", ""),
+        consumer=record.get("consumer", ""), deliveries=int(record.get("deliveries", 0)), at=float(record.get("at", 0)),
+        fields=record.get("fields", {}),
+    )
+
+
+async def list_dead_letters(redis_url: str, *, namespace: str = "sr", partitions: int = 1, count: int = 100,
+                            client: Any = None) -> list[DeadLetter]:
+    owned = client is None
+    client = client or connect(redis_url)
+    try:
+        keys = Keys(namespace, partitions)
+        out: list[DeadLetter] = []
+        for p in range(partitions):
+            for entry_id, fields in await client.xrange(keys.dead_letters(p), count=count):
+                out.append(_parse(p, entry_id, fields))
+        return out
+    finally:
+        if owned:
+            await client.aclose()
+
+
+async def redrive_dead_letters(redis_url: str, *, namespace: str = "sr", partitions: int = 1,
+                               ids: list[str] | None = None, client: Any = None) -> int:
+    """Push dead letters (all, or those with ``ids``) back onto their stream and delete them
+    from the dead-letter stream, in one transaction per entry. Returns how many."""
+    owned = client is None
+    client = client or connect(redis_url)
+    moved = 0
+    try:
+        keys = Keys(namespace, partitions)
+        for letter in await list_dead_letters(redis_url, namespace=namespace, partitions=partitions, count=1_000_000, client=client):
+            if ids is not None and letter.id not in ids:
+                continue
+            if not letter.fields.get("d"):
+                continue  # nothing to score again
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.xadd(keys.stream(letter.partition), letter.fields)
+                pipe.xdel(keys.dead_letters(letter.partition), letter.id)
+                await pipe.execute()
+            moved += 1
+        return moved
+    finally:
+        if owned:
+            await client.aclose()

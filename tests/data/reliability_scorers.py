@@ -1,0 +1,12 @@
+"""Scorers for the fault-injection tests (loaded by file path into worker processes)."""
+
+import asyncio
+import os
+
+
+async def slow(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """Takes extra_info["sleep_s"] seconds (default 0.2), then scores 1.0; kills its process on 'poison'."""
+    if solution_str == "poison":
+        os._exit(3)
+    await asyncio.sleep((extra_info or {}).get("sleep_s", 0.2))
+    return {"score": 1.0, "pid": os.getpid()}
