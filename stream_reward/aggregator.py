@@ -118,6 +118,10 @@ class RewardAggregator:
 
     def __init__(self, redis_url: str, *, namespace: str = "sr", partitions: int | None = None,
                  collected_ttl_s: int = 3600, client: Any = None, block_ms: int = 1000) -> None:
+        # torch is imported here, not at module level (workers import this package
+        # and must start fast), and not at the first collect (its ~1 s import would
+        # land in the reward tail of the first batch).
+        import torch  # noqa: F401
         self._url = redis_url
         self._namespace = namespace
         self._partitions = partitions
