@@ -33,6 +33,28 @@ __all__ = ["EmbeddedServer", "find_server_binary"]
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_DIR_PREFIX = "stream-reward-"
+
+
+def _remove_orphaned_dirs() -> None:
+    """Remove temp dirs of embedded servers whose owner was SIGKILLed.
+
+    The server itself dies with its owner (PR_SET_PDEATHSIG), but a killed owner
+    cannot remove the socket dir; the next server to start does it.
+    """
+    root = Path(tempfile.gettempdir())
+    for path in root.glob(_DIR_PREFIX + "*"):
+        pid_file = path / "owner.pid"
+        try:
+            owner = int(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass
 
 
 def find_server_binary() -> str:
@@ -96,7 +118,8 @@ class EmbeddedServer:
         if self._proc is not None:
             return self
         if self._tmp is None:
-            self._tmp = tempfile.mkdtemp(prefix="stream-reward-")
+            _remove_orphaned_dirs()
+            self._tmp = tempfile.mkdtemp(prefix=_DIR_PREFIX)
             os.chmod(self._tmp, 0o700)
             atexit.register(self.stop)
         binary = self.binary or find_server_binary()
@@ -126,6 +149,7 @@ class EmbeddedServer:
                 self._proc = None
                 raise BrokerError(f"server {binary} exited at start: {self._log_tail()}")
             if self._ping():
+                Path(self._tmp, "owner.pid").write_text(str(os.getpid()))
                 log.info("embedded server %s pid %d on %s", os.path.basename(binary), self._proc.pid, self.url)
                 return self
             time.sleep(0.01)

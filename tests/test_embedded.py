@@ -1,0 +1,76 @@
+"""The embedded server: a private child that dies with its owner and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from stream_reward.embedded import EmbeddedServer
+
+OWNER = """
+import sys, time
+from stream_reward.embedded import EmbeddedServer
+server = EmbeddedServer().start()
+print(server.pid, server.socket_path, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_server_dies_with_a_sigkilled_owner_and_its_dir_is_reclaimed():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    pid_text, socket_path = owner.stdout.readline().split()
+    server_pid = int(pid_text)
+    assert _alive(server_pid) and os.path.exists(socket_path)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    owner.stdout.close()
+    deadline = time.monotonic() + 5
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(server_pid)
+    with EmbeddedServer():  # the next server removes the orphaned dir
+        assert not os.path.exists(os.path.dirname(socket_path))
+
+
+def test_server_is_unix_socket_only_and_cleans_up():
+    with EmbeddedServer() as server:
+        path = server.socket_path
+        assert server.url.startswith("unix://")
+        assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+        import redis
+
+        client = redis.Redis(unix_socket_path=path)
+        try:
+            assert client.config_get("port") == {"port": "0"}  # no TCP listener at all
+        finally:
+            client.close()
+    assert not os.path.exists(os.path.dirname(path))
+
+
+def test_server_command_prints_its_url_first():
+    proc = subprocess.Popen([sys.executable, "-m", "stream_reward.cli", "server"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("unix://") and url.endswith(".sock")
+        assert os.path.exists(url.removeprefix("unix://"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        proc.stdout.close()
+    assert not os.path.exists(url.removeprefix("unix://"))
