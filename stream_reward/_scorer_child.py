@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 import msgpack
 
 from .codec import _plain
-from .errors import StreamRewardError
+from .errors import ScoringError
 from .scoring import load_function, normalize
 
 _HEADER = struct.Struct(">I")
@@ -66,8 +66,8 @@ def _batch(fn: Any, rows: list[list[Any]], kwargs: dict[str, Any]) -> list[Any]:
         try:
             scored = normalize(value)
             out.append([True, scored.score, {k: _plain(v) for k, v in scored.extra.items()}])
-        except StreamRewardError as exc:
-            out.append([False, str(exc)])
+        except ScoringError as exc:
+            out.append([False, str(exc), exc.reason])
     return out
 
 

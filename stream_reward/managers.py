@@ -2,31 +2,66 @@
 
 A manager turns a compute function (the ``--scorer`` spec) into a Scorer with a
 calling discipline around it. The registry maps names to builders; users add
-theirs with ``@register_manager("name")`` or ``--manager module.path:builder``.
+theirs with ``@register_manager("name")`` or ``--manager module.path:builder``
+(a function ``ManagerConfig -> Scorer``).
+
+=============  ===============================================================
+``naive``      one compute_score call per sample: rules inline, ``async def``
+               functions on the worker's loop under ``timeout``, sync functions
+               in the pool of killable processes
+``dapo``       ``naive`` plus DAPO's overlong penalty (``overlong_buffer_cfg``,
+               ``max_resp_len``) and verl's ``acc`` column for bare-number scores
+``batch``      samples gathered (``batch_size`` / ``batch_wait_ms``) into one
+               batched ``compute_score(data_sources=, solution_strs=, ...)`` call
+``prime``      every call in the killable process pool (``num_processes``),
+               ``timeout`` per sample; hung processes are killed and replaced
+``remote``     the same mechanism as ``prime`` (verl runs it as Ray actors)
+``rate_limited`` ``max_rpm`` / ``max_tpm`` / ``max_concurrent`` held in Redis,
+               shared by every worker process (``stream_reward.quota``)
+=============  ===============================================================
+
+Every built-in manager takes a sample's precomputed ``rm_score`` (verl's
+rm_scores path) as its task score instead of calling the scorer; shaping
+(``dapo``) still applies.
 
 Scorer specs:
 
-* ``rules`` — the built-in rule scorers, routed by ``data_source`` (inline: they
-  are pure, linear-time Python, cheaper than any hop);
+* ``rules`` — the built-in rule scorers, routed by ``data_source``;
 * ``python:FILE.py:FUNC`` / ``FILE.py:FUNC`` / ``module.path:FUNC`` — a verl-style
-  ``compute_score``; ``async def`` functions are awaited on the worker's loop
-  with a timeout, sync ones run in a pool of killable processes.
+  ``compute_score``;
+* ``http:URL``, ``disrm:URL``, ``genrm:URL`` — remote verifiers
+  (``stream_reward.scorers.http``); ``sandbox`` — the local code sandbox;
+  ``sandbox-fusion:URL`` — a SandboxFusion server. Their modules are imported
+  only when a spec asks for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError, ScorerTimeoutError
+from .errors import BadReplyError, ConfigError, ScorerTimeoutError, ScoringError
 from .procpool import ProcessPool
+from .retry import RetryPolicy, call_with_retry
 from .scoring import Scored, Scorer, load_function, normalize
 from .trajectory import Trajectory
 
-__all__ = ["ManagerConfig", "register_manager", "build_scorer", "manager_names", "RuleScorer", "AsyncFunctionScorer"]
+__all__ = [
+    "ManagerConfig",
+    "OverlongConfig",
+    "register_manager",
+    "build_scorer",
+    "manager_names",
+    "function_scorer",
+    "overlong_penalty",
+    "RuleScorer",
+    "AsyncFunctionScorer",
+]
 
 
 @dataclass(slots=True)
@@ -36,7 +71,7 @@ class ManagerConfig:
     manager: str = "naive"
     scorer: str = "rules"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout: float = 30.0  # per sample, seconds (verl's key name)
+    timeout: float = 30.0  # per sample, seconds (verl's key name); per call for `batch`
     num_processes: int | None = None  # scorer processes; default: cores
     # dapo
     overlong_buffer_cfg: dict[str, Any] = field(default_factory=dict)
@@ -53,6 +88,8 @@ class ManagerConfig:
     retries: int = 5  # attempts after the first, for infrastructure faults
     redis_url: str | None = None
     namespace: str = "sr"
+    # the `sandbox` scorer: keyword arguments of scorers.sandbox.SandboxConfig
+    sandbox: dict[str, Any] = field(default_factory=dict)
 
 
 Builder = Callable[[ManagerConfig], Scorer]
@@ -74,12 +111,16 @@ def build_scorer(config: ManagerConfig) -> Scorer:
     builder = _REGISTRY.get(config.manager)
     if builder is None:
         if ":" in config.manager:
-            builder = load_function(config.manager)
+            try:
+                builder = load_function(config.manager)
+            except ConfigError as exc:
+                raise ConfigError("manager", exc.reason) from None
         else:
             raise ConfigError("manager", f"unknown manager {config.manager!r}; known: {', '.join(manager_names())}")
     return builder(config)
 
 
+# ---------------------------------------------------------------- base scorers
 class RuleScorer:
     """The built-in rule scorers; never suspends, so the worker runs it inline."""
 
@@ -114,20 +155,394 @@ class AsyncFunctionScorer:
         return normalize(value)
 
 
+# ---------------------------------------------------------------- spec dispatch
+def _import(module: str, spec: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError("scorer", f"{spec!r} needs {module}, which cannot be imported: {exc}") from exc
+
+
+def _url(spec: str) -> str:
+    url = spec.partition(":")[2]
+    if not url:
+        raise ConfigError("scorer", f"{spec!r} needs a URL: {spec.partition(':')[0]}:URL")
+    return url
+
+
+def _http(spec: str, config: ManagerConfig) -> Scorer:
+    _url(spec)
+    return _import("stream_reward.scorers.http", spec).build_http_scorer(spec, config)
+
+
+def _sandbox(spec: str, config: ManagerConfig) -> Scorer:
+    if spec != "sandbox":
+        raise ConfigError("scorer", f"{spec!r}: the local sandbox takes no argument; set its limits with the 'sandbox' option")
+    module = _import("stream_reward.scorers.sandbox", spec)
+    try:
+        sandbox_config = module.SandboxConfig(**config.sandbox)
+    except TypeError as exc:  # an unknown limit name
+        raise ConfigError("sandbox", str(exc)) from None
+    return module.SandboxScorer(sandbox_config)
+
+
+def _sandbox_fusion(spec: str, config: ManagerConfig) -> Scorer:
+    return _import("stream_reward.scorers.sandbox_fusion", spec).SandboxFusionScorer(_url(spec))
+
+
+# The part of a spec before its first ":" (or the whole spec) -> factory.
+_SPEC_KINDS: dict[str, Callable[[str, ManagerConfig], Scorer]] = {
+    "http": _http,
+    "disrm": _http,
+    "genrm": _http,
+    "sandbox": _sandbox,
+    "sandbox-fusion": _sandbox_fusion,
+}
+
+
+def _spec_kind(spec: str) -> str | None:
+    head = spec.partition(":")[0]
+    return head if head in _SPEC_KINDS else None
+
+
 def function_scorer(config: ManagerConfig, *, force_process: bool = False) -> Scorer:
-    """The scorer for ``config.scorer``: rules inline, async functions on the loop,
-    sync functions (or everything, with ``force_process``) in killable processes."""
+    """The scorer for ``config.scorer``: rules inline, remote and sandbox specs by
+    the dispatch table, async functions on the loop, sync functions (or every
+    function, with ``force_process``) in killable processes."""
+    kind = _spec_kind(config.scorer)
+    if kind is not None:
+        if force_process:
+            raise ConfigError("scorer", f"manager {config.manager!r} runs Python functions in scorer processes; "
+                                        f"{config.scorer!r} is not one (use naive or rate_limited)")
+        return _SPEC_KINDS[kind](config.scorer, config)
     if config.scorer == "rules" and not force_process:
         return RuleScorer(config.reward_kwargs)
     spec = "stream_reward.scorers.rules:compute_score" if config.scorer == "rules" else config.scorer
-    if not force_process:
-        fn = load_function(spec)
-        if inspect.iscoroutinefunction(fn):
-            return AsyncFunctionScorer(fn, timeout_s=config.timeout, reward_kwargs=config.reward_kwargs)
+    fn = load_function(spec)  # fails here, with the spec named, rather than once per sample in a child
+    if inspect.iscoroutinefunction(fn) and not force_process:
+        return AsyncFunctionScorer(fn, timeout_s=config.timeout, reward_kwargs=config.reward_kwargs)
     return ProcessPool(spec, size=config.num_processes, timeout_s=config.timeout, reward_kwargs=config.reward_kwargs)
+
+
+# ---------------------------------------------------------------- wrappers
+class _Wrapper:
+    """Forwards ``inline`` and ``aclose`` to the scorer it wraps."""
+
+    def __init__(self, inner: Scorer) -> None:
+        self.inner = inner
+        self.inline = bool(getattr(inner, "inline", False))
+
+    async def aclose(self) -> None:
+        close = getattr(self.inner, "aclose", None)
+        if close is not None:
+            await close()
+
+
+class PrecomputedScore(_Wrapper):
+    """A sample that carries ``rm_score`` is not scored again: that is its task score."""
+
+    async def score(self, traj: Trajectory) -> Scored:
+        if traj.rm_score is not None:
+            return Scored(float(traj.rm_score))
+        return await self.inner.score(traj)
+
+
+@dataclass(frozen=True, slots=True)
+class OverlongConfig:
+    """verl's ``overlong_buffer_cfg``: ``{enable, len, penalty_factor, log}``."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None, max_resp_len: int | None) -> OverlongConfig:
+        """Validated only when enabled, as verl does (a disabled block may hold anything)."""
+        cfg = dict(cfg or {})
+        if not cfg.get("enable"):
+            return cls()
+        unknown = sorted(set(cfg) - {"enable", "len", "penalty_factor", "log"})
+        if unknown:
+            raise ConfigError(f"overlong_buffer_cfg.{unknown[0]}", "unknown key; known: enable, len, penalty_factor, log")
+        buffer_len = cfg.get("len")
+        if isinstance(buffer_len, bool) or not isinstance(buffer_len, int) or buffer_len <= 0:
+            raise ConfigError("overlong_buffer_cfg.len", f"must be an integer > 0 when the overlong penalty is enabled, got {buffer_len!r}")
+        factor = cfg.get("penalty_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
+            raise ConfigError("overlong_buffer_cfg.penalty_factor", f"must be a number >= 0, got {factor!r}")
+        if max_resp_len is not None:
+            if isinstance(max_resp_len, bool) or not isinstance(max_resp_len, int):
+                raise ConfigError("max_resp_len", f"must be an integer, got {max_resp_len!r}")
+            if max_resp_len < buffer_len:
+                raise ConfigError("max_resp_len", f"must be >= overlong_buffer_cfg.len ({buffer_len}), got {max_resp_len}")
+        return cls(True, buffer_len, float(factor), bool(cfg.get("log", False)))
+
+
+def overlong_penalty(valid_response_length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_resp_len - buffer_len`` tokens,
+    then linear down to ``-penalty_factor`` at ``max_resp_len`` (and further past it,
+    as verl does). A plain float, never -0.0."""
+    expected = max_resp_len - buffer_len
+    exceed = valid_response_length - expected
+    return min(-exceed / buffer_len * penalty_factor, 0.0) + 0.0
+
+
+class OverlongShaping(_Wrapper):
+    """``dapo``: the task score plus the overlong penalty, computed on the worker.
+
+    Like verl's DAPORewardManager, a scorer's bare-number result is also logged
+    as ``acc``; ``overlong_reward`` and ``overlong`` (the penalty was applied)
+    are logged when ``log`` is on.
+    """
+
+    def __init__(self, inner: Scorer, overlong: OverlongConfig, max_resp_len: int | None) -> None:
+        super().__init__(inner)
+        self.overlong = overlong
+        self.max_resp_len = max_resp_len
+
+    def _limits(self, traj: Trajectory) -> tuple[int, int]:
+        length = traj.response_length
+        if length is None:
+            raise ScoringError("dapo needs the response length: set valid_response_length or response_ids", reason="no_response_length")
+        max_len = self.max_resp_len if self.max_resp_len is not None else traj.max_response_length
+        if max_len is None:
+            raise ScoringError("dapo needs max_resp_len (manager option) or the trajectory's max_response_length", reason="config")
+        if max_len < self.overlong.len:
+            raise ScoringError(f"max_response_length {max_len} is shorter than overlong_buffer_cfg.len {self.overlong.len}", reason="config")
+        return length, max_len
+
+    async def score(self, traj: Trajectory) -> Scored:
+        limits = self._limits(traj) if self.overlong.enable else None
+        scored = await self.inner.score(traj)
+        extra = dict(scored.extra)
+        if not extra:
+            extra["acc"] = scored.score
+        reward = scored.score
+        if limits is not None:
+            penalty = overlong_penalty(limits[0], limits[1], self.overlong.len, self.overlong.penalty_factor)
+            reward += penalty
+            if self.overlong.log:
+                extra["overlong_reward"] = penalty
+                extra["overlong"] = penalty < 0
+        return Scored(reward, extra)
+
+
+BatchCall = Callable[[list[Trajectory]], Awaitable[list["Scored | ScoringError"]]]
+
+
+class MicroBatchScorer:
+    """``batch``: ``score(traj)`` parks the sample until ``batch_size`` samples are
+    waiting or ``batch_wait_s`` has passed since the first, then one batched call
+    scores them all. The worker calls ``score`` concurrently (not inline)."""
+
+    inline = False
+
+    def __init__(self, call: BatchCall, *, batch_size: int, batch_wait_s: float, close: Callable[[], Awaitable[None]] | None = None) -> None:
+        if batch_size < 1:
+            raise ConfigError("batch_size", f"must be >= 1, got {batch_size}")
+        if batch_wait_s < 0:
+            raise ConfigError("batch_wait_ms", f"must be >= 0, got {batch_wait_s * 1000:g}")
+        self._call = call
+        self._close = close
+        self.batch_size = batch_size
+        self.batch_wait_s = batch_wait_s
+        self.calls = 0
+        self._waiting: list[tuple[Trajectory, asyncio.Future[Scored]]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def score(self, traj: Trajectory) -> Scored:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Scored] = loop.create_future()
+        self._waiting.append((traj, future))
+        if len(self._waiting) >= self.batch_size:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.batch_wait_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiting, self._waiting = self._waiting, []
+        if waiting:
+            task = asyncio.get_running_loop().create_task(self._run(waiting))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, waiting: list[tuple[Trajectory, asyncio.Future[Scored]]]) -> None:
+        self.calls += 1
+        try:
+            results = await self._call([traj for traj, _ in waiting])
+            if len(results) != len(waiting):
+                raise BadReplyError(f"batched scorer returned {len(results)} results for {len(waiting)} samples")
+        except Exception as exc:  # the whole call failed: every sample in it fails with the reason
+            for _, future in waiting:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), result in zip(waiting, results):
+            if future.done():  # cancelled while waiting (worker shutdown)
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._close is not None:
+            await self._close()
+
+
+def _async_batch_call(fn: Callable[..., Any], config: ManagerConfig) -> BatchCall:
+    async def call(trajs: list[Trajectory]) -> list[Scored | ScoringError]:
+        try:
+            values = await asyncio.wait_for(fn(
+                data_sources=[t.data_source for t in trajs], solution_strs=[t.response for t in trajs],
+                ground_truths=[t.ground_truth for t in trajs], extra_infos=[t.extra_info for t in trajs],
+                **config.reward_kwargs,
+            ), config.timeout)
+        except TimeoutError:
+            raise ScorerTimeoutError(f"batched async scorer ran past its {config.timeout:g}s timeout and was cancelled") from None
+        out: list[Scored | ScoringError] = []
+        for value in list(values):
+            try:
+                out.append(normalize(value))
+            except ScoringError as exc:
+                out.append(exc)
+        return out
+    return call
+
+
+class RateLimitedScorer(_Wrapper):
+    """``rate_limited``: every attempt holds a lease of the global quota (RPM, TPM,
+    in flight) for its duration; the tokens a verifier reports settle TPM.
+    Infrastructure faults (``VerifierError``, ``RetryLater``) are retried with
+    backoff up to ``retries`` times, each attempt under a fresh lease; a 429
+    (``RetryLater(rate_limited=True)``) pauses the quota for every worker. The
+    limiter is created on first use, inside the worker's loop."""
+
+    def __init__(self, inner: Scorer, config: ManagerConfig) -> None:
+        super().__init__(inner)
+        self.inline = False
+        self.config = config
+        self.policy = RetryPolicy(retries=config.retries)
+        self.limiter: Any = None
+
+    def _get_limiter(self) -> Any:
+        if self.limiter is None:
+            from .quota import QuotaConfig, QuotaLimiter
+
+            c = self.config
+            if not c.redis_url:
+                raise ConfigError("redis_url", "rate_limited keeps its quota in Redis and needs the worker's Redis URL")
+            self.limiter = QuotaLimiter(c.redis_url, QuotaConfig(
+                name=c.quota_key or c.scorer, max_rpm=c.max_rpm, max_tpm=c.max_tpm, max_inflight=c.max_concurrent,
+                estimated_tokens_per_request=c.estimated_tokens_per_request, lease_ttl_s=max(60.0, 2 * c.timeout),
+            ), namespace=c.namespace)
+        return self.limiter
+
+    async def score(self, traj: Trajectory) -> Scored:
+        limiter = self._get_limiter()
+
+        async def attempt(n: int) -> Scored:
+            async with limiter.lease() as lease:
+                scored = await self.inner.score(traj)
+                used = _tokens_used(scored.extra)
+                if used is not None:
+                    lease.settle(used)
+                return scored
+
+        async def pause_everyone(retry_after_s: float | None) -> None:
+            await limiter.block_for(retry_after_s if retry_after_s is not None else self.policy.backoff_s(1))
+
+        return await call_with_retry(attempt, self.policy, on_rate_limited=pause_everyone)
+
+    async def aclose(self) -> None:
+        if self.limiter is not None:
+            await self.limiter.aclose()
+            self.limiter = None
+        await super().aclose()
+
+
+def _tokens_used(extra: Mapping[str, Any]) -> int | None:
+    """Tokens a verifier reported (``total_tokens``, or OpenAI's ``usage.total_tokens``)."""
+    value = extra.get("total_tokens")
+    usage = extra.get("usage")
+    if value is None and isinstance(usage, Mapping):
+        value = usage.get("total_tokens")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    return None
+
+
+# ---------------------------------------------------------------- the managers
+def _task_scorer(config: ManagerConfig, *, force_process: bool = False) -> Scorer:
+    return PrecomputedScore(function_scorer(config, force_process=force_process))
 
 
 @register_manager("naive")
 def _naive(config: ManagerConfig) -> Scorer:
     """One compute_score call per sample."""
-    return function_scorer(config)
+    return _task_scorer(config)
+
+
+@register_manager("dapo")
+def _dapo(config: ManagerConfig) -> Scorer:
+    """naive plus the overlong penalty, per sample on the worker."""
+    overlong = OverlongConfig.from_config(config.overlong_buffer_cfg, config.max_resp_len)
+    return OverlongShaping(_task_scorer(config), overlong, config.max_resp_len)
+
+
+@register_manager("batch")
+def _batch(config: ManagerConfig) -> Scorer:
+    """One batched compute_score call per micro-batch of samples."""
+    if config.scorer == "rules" or _spec_kind(config.scorer) is not None:
+        raise ConfigError("scorer", f"the batch manager calls a batched compute_score(data_sources=, solution_strs=, "
+                                    f"ground_truths=, extra_infos=); {config.scorer!r} is not one")
+    fn = load_function(config.scorer)
+    if inspect.iscoroutinefunction(fn):
+        batcher = MicroBatchScorer(_async_batch_call(fn, config), batch_size=config.batch_size, batch_wait_s=config.batch_wait_ms / 1000)
+    else:
+        pool = ProcessPool(config.scorer, size=config.num_processes, timeout_s=config.timeout, reward_kwargs=config.reward_kwargs)
+        batcher = MicroBatchScorer(pool.score_batch, batch_size=config.batch_size, batch_wait_s=config.batch_wait_ms / 1000, close=pool.aclose)
+    return PrecomputedScore(batcher)
+
+
+@register_manager("prime")
+def _prime(config: ManagerConfig) -> Scorer:
+    """Every call in a killable scorer process, ``timeout`` per sample (verl: a
+    ProcessPoolExecutor in the trainer, 300 s per sample)."""
+    return _task_scorer(config, force_process=True)
+
+
+@register_manager("remote")
+def _remote(config: ManagerConfig) -> Scorer:
+    """Scorer in separate processes (verl: Ray actors, for scorers that are not
+    thread-safe, e.g. math-verify). Same mechanism as ``prime`` here."""
+    return _task_scorer(config, force_process=True)
+
+
+@register_manager("rate_limited")
+def _rate_limited(config: ManagerConfig) -> Scorer:
+    """naive's scorer under a global RPM / TPM / in-flight quota held in Redis."""
+    for key in ("max_rpm", "max_tpm"):
+        value = getattr(config, key)
+        if value is not None and not value > 0:
+            raise ConfigError(key, f"must be > 0, got {value!r}")
+    if config.max_concurrent is not None and config.max_concurrent < 1:
+        raise ConfigError("max_concurrent", f"must be >= 1, got {config.max_concurrent!r}")
+    if config.estimated_tokens_per_request < 0:
+        raise ConfigError("estimated_tokens_per_request", f"must be >= 0, got {config.estimated_tokens_per_request!r}")
+    inner = function_scorer(config)
+    if getattr(inner, "manages_quota", False):
+        # The HTTP verifiers take leases of this same quota per request (and share
+        # their 429 pauses) themselves: a second lease around them would count twice.
+        return PrecomputedScore(inner)
+    return PrecomputedScore(RateLimitedScorer(inner, config))

@@ -141,7 +141,7 @@ class ProcessPool:
             if row[0]:
                 out.append(Scored(row[1], row[2]))
             else:
-                out.append(ScoringError(row[1], reason="scorer_error"))
+                out.append(ScoringError(row[1], reason=row[2] if len(row) > 2 else "scorer_error"))
         return out
 
     async def aclose(self) -> None:

@@ -1,4 +1,11 @@
-"""The rollout side: declare a batch, push each trajectory the moment it finishes."""
+"""The rollout side: declare a batch, push each trajectory the moment it finishes.
+
+Each trajectory goes to the partition of its GRPO group (``Keys.partition_of``),
+so a group's samples share a stream and land together. The batch meta and the
+open-batch index sit under partition 0's tag (one slot: one pipelined round
+trip); a push of several partitions is one pipeline, which redis-py's cluster
+client splits by node and sends to the nodes concurrently.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
@@ -26,6 +34,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_RECENT_BATCHES = 64
+
 
 class RolloutProducer:
     """Async producer. ``async with RolloutProducer(url) as p: await p.push(traj)``.
@@ -43,7 +53,9 @@ class RolloutProducer:
         self._client = client
         self._owns_client = client is None
         self._groups_ready = False
-        self._seen: dict[str, set[str]] = {}
+        # uids pushed per batch, for the duplicate check; only the most recent
+        # batches are kept, so a producer living for a whole run stays bounded.
+        self._seen: OrderedDict[str, set[str]] = OrderedDict()
         self._backlog_checked_at = 0.0
         self._backlog = 0
 
@@ -102,7 +114,7 @@ class RolloutProducer:
                 await pipe.execute()
         except (RedisError, *TRANSIENT_ERRORS) as exc:
             raise BrokerError(f"open_batch {batch_id!r} on {mask_url(self._url)}: {type(exc).__name__}") from exc
-        self._seen[batch_id] = set()
+        self._uids(batch_id).clear()
 
     async def push(self, traj: Trajectory) -> None:
         await self.push_many((traj,))
@@ -111,7 +123,7 @@ class RolloutProducer:
         """Push trajectories in one pipelined round trip; returns how many."""
         entries = []
         for traj in trajs:
-            seen = self._seen.setdefault(traj.batch_id, set())
+            seen = self._uids(traj.batch_id)
             if traj.uid in seen:
                 raise ConfigError("uid", f"uid {traj.uid!r} pushed twice in batch {traj.batch_id!r}")
             payload = encode_trajectory(traj, self.config.max_message_bytes)
@@ -138,22 +150,39 @@ class RolloutProducer:
         self._backlog += len(entries)
         return len(entries)
 
-    async def fail(self, batch_id: str, index: int, *, reason: str, error: str, uid: str | None = None) -> None:
+    def _uids(self, batch_id: str) -> set[str]:
+        seen = self._seen.get(batch_id)
+        if seen is None:
+            seen = self._seen[batch_id] = set()
+            while len(self._seen) > _RECENT_BATCHES:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(batch_id)
+        return seen
+
+    async def fail(self, batch_id: str, index: int, *, reason: str, error: str, uid: str | None = None,
+                   group: str | None = None) -> None:
         """Resolve a sample as `failed` without pushing it (a rollout that could not be
-        turned into a trajectory), so that its batch still completes."""
+        turned into a trajectory), so that its batch still completes. Give the sample's
+        GRPO ``group`` if it has one: the result then lands in the partition its
+        trajectory would have gone to, where a late push of it would find it."""
         uid = uid or default_uid(batch_id, index)
-        result = ScoreResult(uid, batch_id, index, 0.0, "failed", reason=reason, error=error, scored_at=time.time())
+        result = ScoreResult(uid, batch_id, index, 0.0, "failed", reason=reason, error=error, group=group,
+                             scored_at=time.time())
         ledger = LedgerWriter(self.client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
         try:
-            await ledger.write(self.keys.partition_of(uid), [LedgerItem("", batch_id, uid, encode_result(result))])
+            await ledger.write(self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))])
         except (RedisError, *TRANSIENT_ERRORS) as exc:
             raise BrokerError(f"recording failed sample {uid!r}: {type(exc).__name__}") from exc
 
     async def backlog(self) -> int:
         """Entries in the streams not yet delivered to the consumer group (the group's lag)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for stream in self.keys.streams():
+                pipe.xinfo_groups(stream)
+            replies = await pipe.execute()
         total = 0
-        for stream in self.keys.streams():
-            groups = await self.client.xinfo_groups(stream)
+        for groups in replies:
             for group in groups:
                 if group.get(b"name", group.get("name")) in (self.config.group.encode(), self.config.group):
                     lag = group.get(b"lag", group.get("lag"))

@@ -1,0 +1,433 @@
+"""Reward managers by name: each one through real worker processes, plus the pieces
+(overlong penalty, config validation, micro-batching, spec dispatch) in process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import types
+
+import pytest
+
+from stream_reward import RewardAggregator, RolloutProducer, Trajectory
+from stream_reward.config import ProducerConfig
+from stream_reward.errors import BadReplyError, ConfigError, ScorerTimeoutError, ScoringError
+from stream_reward.managers import (
+    ManagerConfig,
+    MicroBatchScorer,
+    OverlongConfig,
+    build_scorer,
+    function_scorer,
+    manager_names,
+    overlong_penalty,
+    register_manager,
+)
+from stream_reward.quota import QuotaConfig, QuotaLimiter
+from stream_reward.scoring import Scored
+
+pytestmark = pytest.mark.anyio
+
+SCORERS = "tests/data/scorers.py"
+FAST = ["--block-ms", "50", "--log-level", "ERROR"]
+
+
+async def score_batch(redis_url: str, namespace: str, trajs: list[Trajectory], width: int = 8, timeout_s: float = 30):
+    batch_id = trajs[0].batch_id
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
+            RewardAggregator(redis_url, namespace=namespace) as agg:
+        await producer.open_batch(batch_id, len(trajs), width)
+        await producer.push_many(trajs)
+        return await agg.collect(batch_id, timeout_s=timeout_s)
+
+
+async def wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:
+    """Until ``n`` worker processes have joined (heartbeated): a test about how work
+    spreads over processes must not start while one of them is still importing."""
+    from stream_reward.broker import connect
+    from stream_reward.keys import Keys
+
+    client = connect(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while await client.hlen(Keys(namespace).workers()) < n:
+            assert time.monotonic() < deadline, "workers did not start"
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+
+
+def kwargs(**options: object) -> list[str]:
+    return ["--manager-kwargs", json.dumps(options)]
+
+
+# ---------------------------------------------------------------------- registry
+def test_every_verl_manager_name_is_registered():
+    assert {"naive", "dapo", "batch", "prime", "rate_limited", "remote"} <= set(manager_names())
+
+
+def test_unknown_manager_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError) as info:
+        build_scorer(ManagerConfig(manager="fancy"))
+    assert info.value.key == "manager" and "naive" in str(info.value)
+
+
+async def test_user_manager_registers_by_decorator_and_loads_by_path():
+    @register_manager("test-constant")
+    def _constant(config: ManagerConfig):
+        class Constant:
+            inline = True
+
+            async def score(self, traj):
+                return Scored(float(config.reward_kwargs["value"]))
+        return Constant()
+
+    traj = Trajectory("b", 0, "x")
+    scorer = build_scorer(ManagerConfig(manager="test-constant", reward_kwargs={"value": 3}))
+    assert (await scorer.score(traj)).score == 3.0
+    # by import path: a builder function ManagerConfig -> Scorer
+    scorer = build_scorer(ManagerConfig(manager=f"{SCORERS}:exact_manager"))
+    assert (await scorer.score(Trajectory("b", 0, "x", response="a", ground_truth="a"))).score == 1.0
+
+
+# ---------------------------------------------------------------------- naive
+async def test_naive_mixed_dict_and_float_results_merge_extra_info(redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--scorer", f"{SCORERS}:prefix_match", "--num-processes", "2", *FAST)
+    rows = [("dict", "42", "42"), ("float", "12", "1234"), ("dict", "ab", "abd"), ("float", "", "")]
+    trajs = [Trajectory("n1", i, ds, response=r, ground_truth=g, valid_response_length=len(r))
+             for i, (ds, r, g) in enumerate(rows)]
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.status == ["ok"] * 4
+    assert rewards.scores == [1.0, 0.5, 2 / 3, 1.0]
+    # union of keys over the batch, None where a sample returned a bare float
+    assert rewards.reward_extra_info == {"acc": [True, None, False, None], "pred": ["42", None, "ab", None]}
+    # the zero-length response's score is reported but placed nowhere
+    assert not rewards.rm_scores[3].any() and not rewards.valid[3]
+
+
+async def test_naive_rules_inline_and_async_function_with_timeout(redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--scorer", f"{SCORERS}:async_exact", "--timeout-s", "0.5", "--reward-kwargs", '{"tag": "t"}', *FAST)
+    trajs = [Trajectory("n2", 0, "x", response="a", ground_truth="a", valid_response_length=1),
+             Trajectory("n2", 1, "x", response="hang", ground_truth="a", valid_response_length=1),
+             Trajectory("n2", 2, "x", response="b", ground_truth="a", valid_response_length=1)]
+    started = time.monotonic()
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert time.monotonic() - started < 5
+    assert rewards.status == ["ok", "failed", "ok"]
+    assert rewards.scores[0] == 1.0 and rewards.scores[2] == 0.0
+    assert rewards.results[1].reason == "timeout"
+    assert rewards.reward_extra_info["echo"] == ["t", None, "t"]
+
+
+async def test_precomputed_rm_score_is_used_without_calling_the_scorer(redis_url, namespace, spawn_workers):
+    # the scorer would kill its process on "crash": it must not be called for rm_score samples
+    spawn_workers(1, "--scorer", f"{SCORERS}:slow_or_hang", "--num-processes", "1", *FAST)
+    trajs = [Trajectory("pre", 0, "x", response="crash", valid_response_length=2, rm_score=0.25),
+             Trajectory("pre", 1, "x", response="fine", valid_response_length=3)]
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.status == ["ok", "ok"]
+    assert rewards.scores == [0.25, 1.0]
+
+
+# ---------------------------------------------------------------------- dapo
+def test_overlong_penalty_matches_verl_formula():
+    # max_resp_len 8, buffer 4: no penalty up to 4 tokens, then -0.25 per token (factor 1)
+    assert [overlong_penalty(n, 8, 4, 1.0) for n in (0, 4, 5, 6, 8, 10)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.5]
+    assert overlong_penalty(6, 8, 4, 0.5) == -0.25
+    value = overlong_penalty(4, 8, 4, 0.0)
+    assert type(value) is float and str(value) == "0.0"  # a plain float, never -0.0 or a tensor
+
+
+@pytest.mark.parametrize(("cfg", "max_resp_len", "key"), [
+    ({"enable": True, "len": 0}, 8, "overlong_buffer_cfg.len"),
+    ({"enable": True, "len": -2}, 8, "overlong_buffer_cfg.len"),
+    ({"enable": True, "len": 16}, 8, "max_resp_len"),
+    ({"enable": True, "len": 4, "penalty_factor": -1}, 8, "overlong_buffer_cfg.penalty_factor"),
+    ({"enable": True, "len": 4, "lenght": 2}, 8, "overlong_buffer_cfg.lenght"),
+])
+def test_overlong_config_is_validated_when_enabled(cfg, max_resp_len, key):
+    with pytest.raises(ConfigError) as info:
+        build_scorer(ManagerConfig(manager="dapo", overlong_buffer_cfg=cfg, max_resp_len=max_resp_len))
+    assert info.value.key == key
+
+
+def test_overlong_config_is_not_validated_when_disabled():
+    assert OverlongConfig.from_config({"enable": False, "len": 0}, 1) == OverlongConfig()
+    assert OverlongConfig.from_config(None, None) == OverlongConfig()
+    build_scorer(ManagerConfig(manager="dapo", overlong_buffer_cfg={"enable": False, "len": -5}, max_resp_len=1))
+
+
+def test_bad_manager_option_makes_the_worker_exit_with_the_key_named(capfd):
+    from workers.main import main
+
+    code = main(["--redis", "unix:///nonexistent", "--manager", "dapo", "--log-level", "ERROR",
+                 "--manager-kwargs", json.dumps({"overlong_buffer_cfg": {"enable": True, "len": 0}, "max_resp_len": 8})])
+    assert code == 2
+    assert "overlong_buffer_cfg.len" in capfd.readouterr().err
+
+
+async def test_dapo_penalty_per_sample_on_the_worker(redis_url, namespace, spawn_workers):
+    overlong = {"enable": True, "len": 4, "penalty_factor": 1.0, "log": True}
+    spawn_workers(1, "--manager", "dapo", "--scorer", f"{SCORERS}:prefix_match", "--num-processes", "2",
+                  *kwargs(overlong_buffer_cfg=overlong, max_resp_len=8), *FAST)
+    lengths = [2, 4, 5, 6, 8, 10, 7]
+    trajs = [Trajectory("d1", i, "float", response="ab", ground_truth="ab", valid_response_length=n)
+             for i, n in enumerate(lengths)]
+    # a dict result (its "acc" kept, not overwritten) and a precomputed score: both shaped
+    trajs[6] = Trajectory("d1", 6, "dict", response="ab", ground_truth="abcd", valid_response_length=7)
+    trajs.append(Trajectory("d1", 7, "float", response="ignored", valid_response_length=6, rm_score=0.75))
+    rewards = await score_batch(redis_url, namespace, trajs, width=12)
+    assert rewards.status == ["ok"] * 8
+    penalties = [0.0, 0.0, -0.25, -0.5, -1.0, -1.5, -0.75, -0.5]
+    task = [1.0] * 6 + [0.5, 0.75]
+    assert rewards.scores == [t + p for t, p in zip(task, penalties)]
+    info = rewards.reward_extra_info
+    assert info["overlong_reward"] == penalties
+    assert info["overlong"] == [p < 0 for p in penalties]
+    assert all(type(v) is float for v in info["overlong_reward"])
+    # verl logs a bare-number result as "acc"; a dict result keeps its own keys
+    assert info["acc"] == [1.0] * 6 + [False, 0.75]
+    assert info["pred"] == [None] * 6 + ["ab", None]
+
+
+async def test_dapo_takes_max_resp_len_from_the_trajectory_and_fails_clearly_without_it(redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--manager", "dapo", *kwargs(overlong_buffer_cfg={"enable": True, "len": 2, "penalty_factor": 0.5}), *FAST)
+    right = "The answer is #### 7"
+    trajs = [Trajectory("d2", 0, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=5, max_response_length=4),
+             Trajectory("d2", 1, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=2, max_response_length=4),
+             Trajectory("d2", 2, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=2),
+             Trajectory("d2", 3, "openai/gsm8k", response=right, ground_truth="7")]
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.status == ["ok", "ok", "failed", "failed"]
+    assert rewards.scores[:2] == [1.0 - 0.75, 1.0]
+    assert [r.reason for r in rewards.results[2:]] == ["config", "no_response_length"]
+    assert "overlong_reward" not in rewards.reward_extra_info  # log is off
+
+
+# ---------------------------------------------------------------------- batch
+async def test_micro_batcher_flushes_on_size_and_on_wait():
+    calls: list[int] = []
+
+    async def call(trajs):
+        calls.append(len(trajs))
+        return [Scored(float(t.index)) for t in trajs]
+
+    batcher = MicroBatchScorer(call, batch_size=3, batch_wait_s=0.05)
+    trajs = [Trajectory("m", i, "x") for i in range(5)]
+    results = await asyncio.gather(*(batcher.score(t) for t in trajs))
+    assert [r.score for r in results] == [0, 1, 2, 3, 4]
+    assert calls == [3, 2]  # three at once, the last two after the wait
+    await batcher.aclose()
+
+
+async def test_micro_batcher_failure_of_the_call_fails_every_sample_in_it():
+    async def broken(trajs):
+        raise ScorerTimeoutError("killed")
+
+    async def short(trajs):
+        return [Scored(1.0)]
+
+    for call, error in ((broken, ScorerTimeoutError), (short, BadReplyError)):
+        batcher = MicroBatchScorer(call, batch_size=2, batch_wait_s=0.01)
+        results = await asyncio.gather(*(batcher.score(Trajectory("m", i, "x")) for i in range(2)), return_exceptions=True)
+        assert all(isinstance(r, error) for r in results)
+
+
+def test_batch_manager_needs_a_batched_function():
+    with pytest.raises(ConfigError) as info:
+        build_scorer(ManagerConfig(manager="batch"))
+    assert info.value.key == "scorer"
+    with pytest.raises(ConfigError):
+        build_scorer(ManagerConfig(manager="batch", batch_size=0, scorer=f"{SCORERS}:batched"))
+
+
+async def test_batch_manager_scores_one_call_per_micro_batch_in_a_process(redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--manager", "batch", "--scorer", f"{SCORERS}:batched_mixed", "--reward-kwargs", '{"tag": "k"}',
+                  *kwargs(batch_size=4, batch_wait_ms=200), *FAST)
+    rows = [("dict", "42", "42"), ("float", "1", "12"), ("dict", "x", "y"), ("float", "", ""),
+            ("dict", "ab", "ab"), ("float", "z", "z")]
+    trajs = [Trajectory("bt", i, ds, response=r, ground_truth=g, valid_response_length=max(len(r), 1))
+             for i, (ds, r, g) in enumerate(rows)]
+    trajs.append(Trajectory("bt", 6, "dict", response="never scored", valid_response_length=1, rm_score=-1.0))
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.status == ["ok"] * 7
+    assert rewards.scores == [1.0, 0.5, 0.0, 1.0, 1.0, 1.0, -1.0]
+    info = rewards.reward_extra_info
+    # 6 samples to score, batch_size 4: one call of 4, then one of 2 after the wait
+    assert info["batch_len"] == [4, None, 4, None, 2, None, None]
+    assert info["tag"] == ["k", None, "k", None, "k", None, None]
+
+
+async def test_batch_manager_async_batched_function(redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--manager", "batch", "--scorer", f"{SCORERS}:async_batched", *kwargs(batch_size=3, batch_wait_ms=50), *FAST)
+    trajs = [Trajectory("ba", i, "x", response=str(i % 2), ground_truth="1", valid_response_length=1) for i in range(3)]
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.scores == [0.0, 1.0, 0.0]
+    assert rewards.reward_extra_info["batch_len"] == [3, 3, 3]
+
+
+# ---------------------------------------------------------------------- prime / remote
+@pytest.mark.parametrize("manager", ["prime", "remote"])
+async def test_hung_scorer_is_killed_at_its_timeout_and_a_crashed_one_replaced(manager, redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--manager", manager, "--scorer", f"{SCORERS}:slow_or_hang", "--num-processes", "2",
+                  "--timeout-s", "1", *FAST)
+    responses = ["ok0", "hang", "ok2", "crash", "ok4", "raise", "ok6", "ok7"]
+    trajs = [Trajectory(f"p-{manager}", i, "x", response=r, valid_response_length=1) for i, r in enumerate(responses)]
+    started = time.monotonic()
+    rewards = await score_batch(redis_url, namespace, trajs)
+    elapsed = time.monotonic() - started
+    assert elapsed < 8, elapsed  # the hung sample cost its 1 s timeout, not the batch
+    assert rewards.status == ["ok", "failed", "ok", "failed", "ok", "failed", "ok", "ok"]
+    assert [r.reason for r in rewards.results] == [None, "timeout", None, "scorer_crashed", None, "scorer_error", None, None]
+    assert "exit code 17" in rewards.errors[3]
+    assert "refused this sample" in rewards.errors[5]
+    assert [rewards.scores[i] for i in (0, 2, 4, 6, 7)] == [1.0] * 5
+    # the pool is healthy afterwards: the killed and crashed processes were replaced
+    again = [Trajectory(f"p2-{manager}", i, "x", response="fine", valid_response_length=1) for i in range(4)]
+    rewards = await score_batch(redis_url, namespace, again)
+    assert rewards.status == ["ok"] * 4
+
+
+def test_prime_rejects_specs_that_are_not_python_functions(monkeypatch):
+    _fake_scorer_modules(monkeypatch)
+    with pytest.raises(ConfigError) as info:
+        build_scorer(ManagerConfig(manager="prime", scorer="http:http://localhost:1/score"))
+    assert info.value.key == "scorer"
+
+
+# ---------------------------------------------------------------------- rate_limited
+async def test_rate_limited_in_flight_limit_is_global_across_worker_processes(redis_url, namespace, spawn_workers):
+    spawn_workers(2, "--manager", "rate_limited", "--scorer", f"{SCORERS}:timed", "--concurrency", "2",
+                  "--quota-key", "judge", *kwargs(max_concurrent=1), *FAST)
+    await wait_for_workers(redis_url, namespace, 2)
+    trajs = [Trajectory("rl1", i, "x", extra_info={"sleep_s": 0.08}, valid_response_length=1) for i in range(8)]
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.status == ["ok"] * 8
+    spans = sorted(zip(rewards.reward_extra_info["start"], rewards.reward_extra_info["end"]))
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end - 0.005, "two calls were in flight at once"
+    assert len(set(rewards.reward_extra_info["pid"])) == 2  # both processes took part
+
+
+async def test_rate_limited_rpm_spaces_requests_across_processes(redis_url, namespace, spawn_workers):
+    spawn_workers(2, "--manager", "rate_limited", "--scorer", f"{SCORERS}:timed", "--max-rpm", "600",
+                  "--quota-key", "rpm", *FAST)
+    n = 6
+    trajs = [Trajectory("rl2", i, "x", extra_info={"sleep_s": 0.0}, valid_response_length=1) for i in range(n)]
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.status == ["ok"] * n
+    starts = sorted(rewards.reward_extra_info["start"])
+    # 600 RPM = one request per 100 ms, burst 1: n requests span at least (n - 1) * 100 ms
+    assert starts[-1] - starts[0] >= (n - 1) * 0.1 - 0.03
+    state = await _quota_state(redis_url, namespace, "rpm", max_rpm=600)
+    assert state["requests"] == n
+
+
+async def test_rate_limited_retries_a_429_and_pauses_every_worker(redis_url, namespace, spawn_workers, tmp_path):
+    spawn_workers(1, "--manager", "rate_limited", "--scorer", f"{SCORERS}:rate_limited_then_ok", "--quota-key", "r429",
+                  "--max-rpm", "6000", *FAST)
+    marker = tmp_path / "attempts"
+    trajs = [Trajectory("rl3", 0, "x", extra_info={"marker": str(marker), "fail_times": 3}, valid_response_length=1)]
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.status == ["ok"]
+    assert rewards.reward_extra_info["attempts_seen"] == [3]
+    state = await _quota_state(redis_url, namespace, "r429", max_rpm=6000)
+    assert state["http_429"] == 2 and state["requests"] == 3
+
+
+async def test_rate_limited_gives_up_after_the_retry_budget(redis_url, namespace, spawn_workers, tmp_path):
+    spawn_workers(1, "--manager", "rate_limited", "--scorer", f"{SCORERS}:rate_limited_then_ok", "--retries", "1", *FAST)
+    trajs = [Trajectory("rl4", 0, "x", extra_info={"marker": str(tmp_path / "m"), "fail_times": 10}, valid_response_length=1)]
+    rewards = await score_batch(redis_url, namespace, trajs)
+    assert rewards.status == ["failed"]
+    assert rewards.results[0].reason == "http_429" or rewards.results[0].reason == "retry_later"
+    assert rewards.results[0].attempts == 2
+
+
+def test_rate_limited_options_are_validated():
+    with pytest.raises(ConfigError) as info:
+        build_scorer(ManagerConfig(manager="rate_limited", max_rpm=0))
+    assert info.value.key == "max_rpm"
+    with pytest.raises(ConfigError) as info:
+        build_scorer(ManagerConfig(manager="rate_limited", max_concurrent=0))
+    assert info.value.key == "max_concurrent"
+
+
+async def _quota_state(redis_url: str, namespace: str, name: str, **limits: object) -> dict:
+    limiter = QuotaLimiter(redis_url, QuotaConfig(name=name, **limits), namespace=namespace)
+    try:
+        return await limiter.state()
+    finally:
+        await limiter.aclose()
+
+
+# ---------------------------------------------------------------------- spec dispatch
+def _fake_scorer_modules(monkeypatch) -> dict[str, list]:
+    seen: dict[str, list] = {"http": [], "sandbox": [], "fusion": []}
+
+    http = types.ModuleType("stream_reward.scorers.http")
+    http.build_http_scorer = lambda spec, config: seen["http"].append((spec, config.timeout)) or "http-scorer"
+    sandbox = types.ModuleType("stream_reward.scorers.sandbox")
+    sandbox.SandboxConfig = lambda **kw: ("cfg", kw)
+    sandbox.SandboxScorer = lambda cfg: seen["sandbox"].append(cfg) or "sandbox-scorer"
+    fusion = types.ModuleType("stream_reward.scorers.sandbox_fusion")
+    fusion.SandboxFusionScorer = lambda url: seen["fusion"].append(url) or "fusion-scorer"
+    for module in (http, sandbox, fusion):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    return seen
+
+
+def test_remote_and_sandbox_specs_dispatch_lazily(monkeypatch):
+    seen = _fake_scorer_modules(monkeypatch)
+    for kind in ("http", "disrm", "genrm"):
+        assert function_scorer(ManagerConfig(scorer=f"{kind}:http://rm:8000/v1", timeout=7)) == "http-scorer"
+    assert seen["http"] == [(f"{k}:http://rm:8000/v1", 7) for k in ("http", "disrm", "genrm")]
+    assert function_scorer(ManagerConfig(scorer="sandbox", sandbox={"timeout_s": 2})) == "sandbox-scorer"
+    assert seen["sandbox"] == [("cfg", {"timeout_s": 2})]
+    assert function_scorer(ManagerConfig(scorer="sandbox-fusion:http://sf:8080")) == "fusion-scorer"
+    assert seen["fusion"] == ["http://sf:8080"]
+
+
+def test_spec_errors_name_the_scorer_key(monkeypatch):
+    _fake_scorer_modules(monkeypatch)
+    for spec in ("http:", "sandbox-fusion:", "sandbox:extra"):
+        with pytest.raises(ConfigError) as info:
+            function_scorer(ManagerConfig(scorer=spec))
+        assert info.value.key == "scorer"
+    monkeypatch.setitem(sys.modules, "stream_reward.scorers.http", None)  # not importable
+    with pytest.raises(ConfigError, match="stream_reward.scorers.http"):
+        function_scorer(ManagerConfig(scorer="genrm:http://x"))
+
+
+async def test_scoring_error_reasons_survive_wrappers():
+    class Failing:
+        inline = True
+
+        async def score(self, traj):
+            raise ScoringError("nope", reason="custom")
+
+    from stream_reward.managers import OverlongShaping, PrecomputedScore
+
+    scorer = OverlongShaping(PrecomputedScore(Failing()), OverlongConfig(), None)
+    assert scorer.inline
+    with pytest.raises(ScoringError) as info:
+        await scorer.score(Trajectory("b", 0, "x"))
+    assert info.value.reason == "custom"
+
+
+def test_rate_limited_does_not_add_a_second_lease_to_verifiers_that_take_their_own(redis_url):
+    from stream_reward.managers import RateLimitedScorer
+    from stream_reward.scorers.http import HttpScorer
+
+    scorer = build_scorer(ManagerConfig(manager="rate_limited", scorer="http:http://127.0.0.1:9/score",
+                                        redis_url=redis_url, max_rpm=60))
+    assert isinstance(scorer.inner, HttpScorer)
+    scorer = build_scorer(ManagerConfig(manager="rate_limited", scorer=f"{SCORERS}:async_exact", redis_url=redis_url, max_rpm=60))
+    assert isinstance(scorer.inner, RateLimitedScorer)
+
+
+def test_unknown_sandbox_limit_is_a_config_error():
+    with pytest.raises(ConfigError) as info:
+        function_scorer(ManagerConfig(scorer="sandbox", sandbox={"no_such_limit": 1}))
+    assert info.value.key == "sandbox"
