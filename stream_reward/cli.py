@@ -1,4 +1,11 @@
-"""The ``stream-reward`` command. Thin: each subcommand parses, then calls the library."""
+"""The ``stream-reward`` command. Thin: each subcommand parses, then calls the library.
+
+Adding a subcommand: write ``cmd_NAME(args) -> int`` and register it in
+``build_parser`` with ``_add_common(p)`` for the shared connection, config and
+logging flags; ``_settings(args)`` gives the effective settings (config file <
+environment < flags), already resolved before the command runs. A command with
+sub-actions (``config show``) gets its own subparsers via ``_actions(sub, ...)``.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +17,142 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from .errors import StreamRewardError
-from .keys import DEFAULT_NAMESPACE
+from .logs import LOG_FORMATS, configure_logging, progress_bar
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
-log = logging.getLogger("stream_reward")
+log = logging.getLogger(__name__)
+
+# Flags shared by the commands (argparse dest) -> settings key.
+CLI_FLAG_KEYS = {
+    "redis": "connection.redis",
+    "namespace": "connection.namespace",
+    "scorer": "reward.scorer",
+    "manager": "reward.manager",
+    "log_level": "worker.log_level",
+    "log_format": "worker.log_format",
+}
+
+
+def _add_logging(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default=None, help="default: WARNING (INFO for worker)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=None, help="text (default) or json lines")
 
 
 def _add_common(parser: argparse.ArgumentParser, *, redis_required: bool = False) -> None:
-    parser.add_argument("--redis", required=redis_required, default=None, help="Redis URL; none: a private embedded server")
-    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE)
+    where = "required, here" if redis_required else "none: a private embedded server; or"
+    parser.add_argument("--redis", default=None, help=f"Redis URL ({where} in the config / $STREAM_REWARD_REDIS)")
+    parser.add_argument("--namespace", default=None, help="key namespace (default: sr)")
+    parser.add_argument("--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG")
+    _add_logging(parser)
+    parser.set_defaults(redis_required=redis_required)
+
+
+def _actions(sub: Any, name: str, help: str) -> Any:
+    """A command with sub-actions (``config show``, ``dlq list``): returns their subparsers."""
+    parser = sub.add_parser(name, help=help)
+    return parser.add_subparsers(dest=f"{name}_action", required=True)
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    """The effective settings of a command (file < env < flags), written back into ``args``."""
+    settings = getattr(args, "settings", None)
+    if settings is not None:
+        return settings
+    from .settings import load_settings
+
+    flags = {key: getattr(args, dest) for dest, key in CLI_FLAG_KEYS.items() if getattr(args, dest, None) is not None}
+    settings = load_settings(getattr(args, "config", None), flags=flags)
+    if getattr(args, "redis_required", False):
+        settings.require_redis()
+    for dest, key in CLI_FLAG_KEYS.items():
+        if hasattr(args, dest):
+            setattr(args, dest, settings[key])
+    args.settings = settings
+    return settings
+
+
+def _worker_settings(args: argparse.Namespace) -> Any:
+    from workers.main import resolve_args
+
+    return resolve_args(args)
+
+
+def _configure_logging(args: argparse.Namespace, settings: Any) -> None:
+    level = getattr(args, "log_level", None)
+    fmt = getattr(args, "log_format", None) or "text"
+    if settings is not None:
+        level = settings["worker.log_level"] if settings.is_set("worker.log_level") else None
+        fmt = settings["worker.log_format"]
+    configure_logging(level or "WARNING", fmt)
+
+
+def _processes(args: argparse.Namespace, default: int = 2) -> int:
+    """Worker processes for demo/score: the flag, else the config's, else ``default``."""
+    if args.processes is not None:
+        return int(args.processes)
+    settings = _settings(args)
+    return int(settings["worker.processes"]) if settings.is_set("worker.processes") else default
+
+
+def _pipeline_worker_args(args: argparse.Namespace) -> list[str]:
+    """What a local pipeline's workers are given: the same config file, and the flags given here."""
+    settings = _settings(args)
+    # Each local worker is one process, whatever the config says; and they cannot
+    # share one metrics port, so they take free ones (logged by each worker).
+    out = ["--processes", "1"]
+    if args.config:
+        out += ["--config", args.config]
+    if settings["worker.metrics_port"] is not None:
+        out += ["--metrics-port", "0"]
+    for dest in ("scorer", "manager"):
+        if hasattr(args, dest) and settings.source(CLI_FLAG_KEYS[dest]) == "flag":
+            out += [f"--{dest}", getattr(args, dest)]
+    return out
+
+
+async def _watch_batch(url: str, namespace: str, batch_id: str, progress: Any, poll_s: float = 0.2) -> None:
+    """Advance ``progress`` as a batch's results land (HLEN of its ledgers: no re-reading results)."""
+    from .aggregator import RewardAggregator
+    from .keys import Keys
+
+    async with RewardAggregator(url, namespace=namespace) as agg:
+        while True:
+            try:
+                meta = await agg.meta(batch_id)
+                break
+            except StreamRewardError:  # not opened yet
+                await asyncio.sleep(poll_s)
+        keys = Keys(namespace, meta.partitions)
+        progress.update(0, total=meta.size)
+        while True:
+            done = 0
+            for p in range(keys.partitions):
+                done += int(await agg.client.hlen(keys.results(batch_id, p)))
+            progress.update(done)
+            if done >= meta.size:
+                return
+            await asyncio.sleep(poll_s)
+
+
+async def _with_watcher(coro: Any, watcher: Any) -> Any:
+    task = asyncio.create_task(watcher) if watcher is not None else None
+    try:
+        return await coro
+    finally:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _produce(url: str, rollouts: Any, response_len: int, settings: Any) -> None:
+    """``jsonl.produce_rollouts`` with the configured failure policy and producer options."""
+    from .jsonl import produce_rollouts
+
+    await produce_rollouts(url, rollouts, response_len, settings.producer_config(), settings.batch_policy())
 
 
 # ---------------------------------------------------------------------- commands
@@ -51,13 +180,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from .config import ProducerConfig
-    from .jsonl import produce_rollouts, read_rollouts
+    from .jsonl import read_rollouts
 
+    settings = _settings(args)
     rollouts = read_rollouts(args.file, args.batch)
     for error in rollouts.bad_lines.values():
         print(f"{args.file}: {error}", file=sys.stderr)
-    asyncio.run(produce_rollouts(args.redis, rollouts, args.response_len, ProducerConfig(namespace=args.namespace)))
+    asyncio.run(_produce(args.redis, rollouts, args.response_len, settings))
     print(json.dumps({"batch": args.batch, "pushed": len(rollouts.trajectories), "bad_lines": len(rollouts.bad_lines)}))
     return 0
 
@@ -65,11 +194,13 @@ def cmd_produce(args: argparse.Namespace) -> int:
 def cmd_collect(args: argparse.Namespace) -> int:
     from .aggregator import RewardAggregator
 
-    async def run() -> Any:
-        async with RewardAggregator(args.redis, namespace=args.namespace) as agg:
-            return await agg.collect(args.batch, timeout_s=args.timeout)
+    with progress_bar(f"collecting {args.batch}", total=0, enabled=not args.json) as progress:
+        async def run() -> Any:
+            async with RewardAggregator(args.redis, namespace=args.namespace) as agg:
+                watcher = _watch_batch(args.redis, args.namespace, args.batch, progress) if progress.drawn else None
+                return await _with_watcher(agg.collect(args.batch, timeout_s=args.timeout), watcher)
 
-    rewards = asyncio.run(run())
+        rewards = asyncio.run(run())
     if args.out:
         import torch
 
@@ -93,19 +224,22 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 def cmd_score(args: argparse.Namespace) -> int:
     from .aggregator import RewardAggregator
-    from .jsonl import produce_rollouts, read_rollouts, result_rows
+    from .jsonl import read_rollouts, result_rows
     from .local import LocalPipeline
 
+    settings = _settings(args)
     batch_id = f"score-{int(time.time() * 1000)}"
     rollouts = read_rollouts(args.file, batch_id)
     for error in rollouts.bad_lines.values():
         print(f"{args.file}: {error}", file=sys.stderr)
-    worker_args = ["--scorer", args.scorer, "--manager", args.manager]
-    with LocalPipeline(args.redis, processes=args.processes, namespace=args.namespace, worker_args=worker_args) as pipeline:
+    worker_args = _pipeline_worker_args(args)
+    with LocalPipeline(args.redis, processes=_processes(args), namespace=args.namespace, worker_args=worker_args) as pipeline, \
+            progress_bar("scoring", total=rollouts.size) as progress:
         async def run() -> Any:
-            await produce_rollouts(pipeline.url, rollouts, args.response_len)
+            await _produce(pipeline.url, rollouts, args.response_len, settings)
             async with RewardAggregator(pipeline.url, namespace=args.namespace) as agg:
-                return await agg.collect(batch_id, timeout_s=args.timeout)
+                watcher = _watch_batch(pipeline.url, args.namespace, batch_id, progress) if progress.drawn else None
+                return await _with_watcher(agg.collect(batch_id, timeout_s=args.timeout), watcher)
 
         rewards = asyncio.run(run())
     rows = result_rows(rewards)
@@ -125,18 +259,67 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
     from .local import LocalPipeline
 
-    with LocalPipeline(args.redis, processes=args.processes, namespace=args.namespace) as pipeline:
-        report = asyncio.run(run_demo(pipeline.url, args.n, namespace=args.namespace, generation_s=args.generation_s))
+    _settings(args)
+    processes = _processes(args)
+    with LocalPipeline(args.redis, processes=processes, namespace=args.namespace, worker_args=_pipeline_worker_args(args)) as pipeline, \
+            progress_bar("scoring as rollouts stream", total=args.n, enabled=not args.json) as progress:
+        report = asyncio.run(run_demo(pipeline.url, args.n, namespace=args.namespace, generation_s=args.generation_s,
+                                      progress=progress if progress.drawn else None))
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
-        print(f"stream-reward demo: {report.n} trajectories, {args.processes} worker processes")
+        print(f"stream-reward demo: {report.n} trajectories, {processes} worker processes")
         print(f"  status:      {report.status}")
         print(f"  accuracy:    {report.accuracy:.3f}")
-        print(f"  throughput:  {report.throughput_traj_per_s:,.0f} trajectories/s (over the whole step)")
+        print(f"  throughput:  {report.throughput_traj_per_s:,.0f} trajectories/s (a burst of n, first push -> rm_scores)")
         print(f"  generation:  {report.generation_s:.2f} s (last push)")
         print(f"  reward tail: {report.reward_tail_s * 1000:.1f} ms (last push -> rm_scores ready)")
         print(f"  rm_scores:   {report.rm_scores_shape} float32")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status import read_status, render_status
+
+    settings = _settings(args)
+    interval = settings["consumer.heartbeat_interval_s"]
+    window = args.window_s if args.window_s is not None else 1.5 * interval
+    partitions = args.partitions or (settings["connection.partitions"] if settings.is_set("connection.partitions") else None)
+    quota = settings.values["quota"]
+    limits = {}
+    if quota.get("quota_key"):
+        limits[quota["quota_key"]] = {"max_rpm": quota.get("max_rpm"), "max_tpm": quota.get("max_tpm"),
+                                      "max_inflight": quota.get("max_concurrent"),
+                                      "estimated_tokens_per_request": quota.get("estimated_tokens_per_request")}
+    status = asyncio.run(read_status(args.redis, args.namespace, partitions=partitions, heartbeat_interval_s=interval,
+                                     window_s=window, batch_limit=args.batches, quota_limits=limits))
+    if args.json:
+        print(json.dumps(status, default=repr))
+    else:
+        render_status(status)
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from .settings import env_name
+
+    settings = _settings(args)
+    shown = settings.as_dict(masked=True)
+    if args.json:
+        print(json.dumps({"file": settings.path, "config": shown, "sources": dict(sorted(settings.sources.items()))}, default=repr))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"effective config (file: {settings.path or 'none'}; precedence file < env < flag)", title_justify="left")
+    for col in ("key", "value", "from", "environment variable"):
+        table.add_column(col)
+    for section, values in shown.items():
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            text = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+            table.add_row(dotted, text, settings.source(dotted), env_name(dotted))
+    Console().print(table)
     return 0
 
 
@@ -144,11 +327,13 @@ BENCHES = ("throughput", "overlap", "latency", "memory", "vs_verl", "quota", "sa
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Each bench is ``benchmarks/NAME.py`` with ``main(argv) -> int``."""
+    """Each bench is ``benchmarks/NAME.py`` with ``main(argv) -> int``. On a terminal a
+    spinner runs meanwhile; a bench's own ``logs.progress_bar`` calls nest under it."""
     import importlib
 
     module = importlib.import_module(f"benchmarks.{args.name}")
-    return int(module.main(args.rest) or 0)
+    with progress_bar(f"bench {args.name}", enabled="--json" not in args.rest):
+        return int(module.main(args.rest) or 0)
 
 
 # ---------------------------------------------------------------------- parser
@@ -161,16 +346,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="simulated rollout step scored as it streams (embedded server if no --redis)")
     _add_common(p)
     p.add_argument("--n", type=int, default=2000)
-    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--processes", type=int, default=None, help="worker processes (default: the config's, else 2)")
     p.add_argument("--generation-s", type=float, default=3.0, help="simulated generation time of the step")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("server", help="run an embedded server in the foreground; prints its URL first")
     p.add_argument("--appendonly", action="store_true", help="persist with AOF in the server's temp dir")
+    _add_logging(p)
     p.set_defaults(func=cmd_server)
 
-    p = sub.add_parser("worker", help="run a pool of worker processes")
+    p = sub.add_parser("worker", help="run a pool of worker processes (--check: health check)")
     add_worker_arguments(p)
     p.set_defaults(func=cmd_worker)
 
@@ -193,16 +379,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("file")
     p.add_argument("--out")
-    p.add_argument("--scorer", default="rules")
-    p.add_argument("--manager", default="naive")
-    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--scorer", default=None, help="default: the config's, else rules")
+    p.add_argument("--manager", default=None, help="default: the config's, else naive")
+    p.add_argument("--processes", type=int, default=None, help="worker processes (default: the config's, else 2)")
     p.add_argument("--response-len", type=int, default=1024)
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the whole file")
     p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("status", help="streams, groups, workers, lag, throughput, dead letters, quota, open batches")
+    _add_common(p, redis_required=True)
+    p.add_argument("--partitions", type=int, default=None, help="default: discovered")
+    p.add_argument("--window-s", type=float, default=None,
+                   help="sample throughput over this many seconds (default 1.5 heartbeat intervals; 0: skip)")
+    p.add_argument("--batches", type=int, default=20, help="show this many newest open batches")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    actions = _actions(sub, "config", "inspect the configuration")
+    p = actions.add_parser("show", help="the effective config (file < env < flags), secrets masked; "
+                                        "takes the worker's flags to show what `worker` with them would use")
+    add_worker_arguments(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_config_show, resolve=_worker_settings)
 
     p = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES))
     p.add_argument("name", choices=BENCHES)
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the bench's own flags (--json, --plot FILE.png, ...)")
+    _add_logging(p)
     p.set_defaults(func=cmd_bench)
     return parser
 
@@ -210,10 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "worker":
-        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if args.command != "worker":  # the worker configures its own logging, from its settings
+            resolve = getattr(args, "resolve", None) or (_settings if hasattr(args, "config") else None)
+            settings = resolve(args) if resolve is not None else None
+            _configure_logging(args, settings)
         return func(args)
     except StreamRewardError as exc:
         print(f"stream-reward {args.command}: {exc}", file=sys.stderr)

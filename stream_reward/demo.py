@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .aggregator import RewardAggregator
+from .config import ProducerConfig
 from .producer import RolloutProducer
 from .trajectory import Trajectory
 
@@ -71,7 +72,8 @@ async def run_demo(redis_url: str, n: int = 2000, *, namespace: str = "sr", gene
 
     start = time.perf_counter()
     last_push = 0.0
-    async with RolloutProducer(redis_url) as producer, RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
+            RewardAggregator(redis_url, namespace=namespace) as agg:
         await producer.open_batch(batch_id, n, RESPONSE_LEN)
 
         async def rollouts() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .aggregator import BatchRewards
-from .config import ProducerConfig
+from .config import BatchPolicy, ProducerConfig
 from .producer import RolloutProducer
 from .trajectory import Trajectory, trajectory_from_json
 
@@ -48,10 +48,11 @@ def read_rollouts(path: str | Path, batch_id: str) -> Rollouts:
     return Rollouts(batch_id, trajectories, bad)
 
 
-async def produce_rollouts(redis_url: str, rollouts: Rollouts, response_len: int, config: ProducerConfig | None = None) -> None:
+async def produce_rollouts(redis_url: str, rollouts: Rollouts, response_len: int, config: ProducerConfig | None = None,
+                           policy: BatchPolicy | None = None) -> None:
     """Open the batch, resolve bad lines as failed, push the rest."""
     async with RolloutProducer(redis_url, config) as producer:
-        await producer.open_batch(rollouts.batch_id, rollouts.size, response_len)
+        await producer.open_batch(rollouts.batch_id, rollouts.size, response_len, policy=policy)
         for index, error in rollouts.bad_lines.items():
             log.warning("%s", error)
             await producer.fail(rollouts.batch_id, index, reason="bad_input", error=error)

@@ -31,7 +31,7 @@ def supervise(args: argparse.Namespace) -> int:
 
     def spawn(slot: int) -> None:
         consumer = f"{args.consumer}-{slot}" if args.consumer else None
-        children[slot] = subprocess.Popen(child_argv(args, consumer=consumer))
+        children[slot] = subprocess.Popen(child_argv(args, consumer=consumer, slot=slot))
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         state["signals"] += 1
