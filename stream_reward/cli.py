@@ -323,6 +323,33 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dlq_list(args: argparse.Namespace) -> int:
+    from .deadletters import list_dead_letters
+
+    _settings(args)
+    letters = asyncio.run(list_dead_letters(args.redis, namespace=args.namespace, partitions=args.partitions, count=args.count))
+    rows = [letter.summary() for letter in letters]
+    if args.json:
+        print(json.dumps({"namespace": args.namespace, "count": len(rows), "dead_letters": rows}))
+        return 0
+    if not rows:
+        print(f"no dead letters in namespace {args.namespace!r}")
+    for row in rows:
+        print(f"{row['id']:>22}  p{row['partition']}  {row['reason']:<16} batch={row['batch']} index={row['index']} "
+              f"deliveries={row['deliveries']}  {row['error']}")
+    return 0
+
+
+def cmd_dlq_redrive(args: argparse.Namespace) -> int:
+    from .deadletters import redrive_dead_letters
+
+    _settings(args)
+    moved = asyncio.run(redrive_dead_letters(args.redis, namespace=args.namespace, partitions=args.partitions,
+                                             ids=args.ids or None))
+    print(json.dumps({"namespace": args.namespace, "redriven": moved}))
+    return 0
+
+
 BENCHES = ("throughput", "overlap", "latency", "memory", "vs_verl", "quota", "sandbox", "faults", "scale")
 
 
@@ -394,6 +421,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=20, help="show this many newest open batches")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
+
+    actions = _actions(sub, "dlq", "dead letters: list them, or put them back on the stream")
+    p = actions.add_parser("list", help="dead letters with their reason, error and batch")
+    _add_common(p, redis_required=True)
+    p.add_argument("--partitions", type=int, default=1)
+    p.add_argument("--count", type=int, default=100, help="at most this many per partition")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_dlq_list)
+    p = actions.add_parser("redrive", help="re-queue dead letters (all, or the given ids); results stay write-once")
+    _add_common(p, redis_required=True)
+    p.add_argument("--partitions", type=int, default=1)
+    p.add_argument("ids", nargs="*", help="dead-letter entry ids (default: all)")
+    p.set_defaults(func=cmd_dlq_redrive)
 
     actions = _actions(sub, "config", "inspect the configuration")
     p = actions.add_parser("show", help="the effective config (file < env < flags), secrets masked; "

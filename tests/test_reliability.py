@@ -319,3 +319,23 @@ async def test_tls_rediss_url(tmp_path, namespace):
             rewards = await agg.collect("tls", timeout_s=10)
         assert rewards.scores == [0.0, 1.0, 0.0]
         assert server.pid and os.path.exists(server.socket_path)
+
+
+async def test_dlq_commands_list_and_redrive(redis_url, namespace, capsys):
+    import json as _json
+
+    from stream_reward.cli import main
+
+    client = connect(redis_url)
+    try:
+        await client.xadd(Keys(namespace).stream(), entry_fields(b"\xc1junk", "d", 0, "d/0"))
+    finally:
+        await client.aclose()
+    await run_burst(redis_url, namespace)
+    assert await asyncio.to_thread(main, ["dlq", "list", "--redis", redis_url, "--namespace", namespace, "--json"]) == 0
+    listed = _json.loads(capsys.readouterr().out)
+    assert listed["count"] == 1 and listed["dead_letters"][0]["reason"] == "malformed"
+    assert listed["dead_letters"][0]["batch"] == "d"
+    assert await asyncio.to_thread(main, ["dlq", "redrive", "--redis", redis_url, "--namespace", namespace]) == 0
+    assert _json.loads(capsys.readouterr().out)["redriven"] == 1
+    assert await list_dead_letters(redis_url, namespace=namespace) == []
