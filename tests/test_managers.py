@@ -16,16 +16,14 @@ from stream_reward.config import ProducerConfig
 from stream_reward.errors import BadReplyError, ConfigError, ScorerTimeoutError, ScoringError
 from stream_reward.managers import (
     ManagerConfig,
-    MicroBatchScorer,
-    OverlongConfig,
     build_scorer,
     function_scorer,
     manager_names,
-    overlong_penalty,
     register_manager,
 )
 from stream_reward.quota import QuotaConfig, QuotaLimiter
 from stream_reward.scoring import Scored
+from stream_reward.wrappers import MicroBatchScorer, OverlongConfig, overlong_penalty
 
 pytestmark = pytest.mark.anyio
 
@@ -407,7 +405,7 @@ async def test_scoring_error_reasons_survive_wrappers():
         async def score(self, traj):
             raise ScoringError("nope", reason="custom")
 
-    from stream_reward.managers import OverlongShaping, PrecomputedScore
+    from stream_reward.wrappers import OverlongShaping, PrecomputedScore
 
     scorer = OverlongShaping(PrecomputedScore(Failing()), OverlongConfig(), None)
     assert scorer.inline
@@ -417,7 +415,7 @@ async def test_scoring_error_reasons_survive_wrappers():
 
 
 def test_rate_limited_does_not_add_a_second_lease_to_verifiers_that_take_their_own(redis_url):
-    from stream_reward.managers import RateLimitedScorer
+    from stream_reward.wrappers import RateLimitedScorer
     from stream_reward.scorers.http import HttpScorer
 
     scorer = build_scorer(ManagerConfig(manager="rate_limited", scorer="http:http://127.0.0.1:9/score",

@@ -17,7 +17,8 @@ import msgpack
 import pytest
 
 from stream_reward.errors import ConfigError, ScoringError, VerifierError
-from stream_reward.scorers.sandbox import MARKER, OWNER_ENV, SandboxConfig, SandboxScorer, case_script, extract_code, parse_tests
+from stream_reward.scorers.sandbox import SandboxConfig, SandboxScorer, case_script, extract_code, parse_tests
+from stream_reward.scorers.sandbox_isolation import MARKER, OWNER_ENV
 from stream_reward.trajectory import Trajectory
 
 # A uid range of our own, so that sandboxes of other test runs or benchmarks on the

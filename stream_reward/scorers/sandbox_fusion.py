@@ -27,11 +27,11 @@ from typing import Any
 
 import aiohttp
 
-from ..errors import BadReplyError, ConfigError, ScoringError, VerifierError
+from ..errors import BadReplyError, ConfigError, VerifierError
 from ..retry import RetryPolicy, call_with_retry, status_error, transport_error
 from ..scoring import Scored
 from ..trajectory import Trajectory
-from .sandbox import WRONG_ANSWER_EXIT, case_script, extract_code, parse_tests
+from .sandbox import WRONG_ANSWER_EXIT, case_script, read_sample, tally
 
 __all__ = ["SandboxFusionConfig", "SandboxFusionScorer"]
 
@@ -99,10 +99,7 @@ class SandboxFusionScorer:
         return self._session, self._slots
 
     async def score(self, traj: Trajectory) -> Scored:
-        form, cases = parse_tests(traj.ground_truth)
-        program = extract_code(traj.response)
-        if program is None:
-            raise ScoringError("no fenced code block in the response", reason="no_code")
+        form, cases, program = read_sample(traj)
         tasks = [asyncio.create_task(self._case(traj.uid, form, program, case)) for case in cases]
         try:
             results = await asyncio.gather(*tasks)
@@ -111,14 +108,7 @@ class SandboxFusionScorer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        statuses = [status for status, _ in results]
-        passed = statuses.count("passed")
-        if self.config.all_or_nothing:
-            score = 1.0 if passed == len(statuses) else 0.0
-        else:
-            score = passed / len(statuses)
-        error = next((f"case {i}: {s}: {d}".rstrip(": ") for i, (s, d) in enumerate(results) if s != "passed"), "")
-        return Scored(score, {"cases": statuses, "passed": passed, "total": len(statuses), "error": error})
+        return tally(results, all_or_nothing=self.config.all_or_nothing)
 
     async def _case(self, uid: str, form: str, program: str, case: dict[str, Any]) -> tuple[str, str]:
         code, stdin = case_script(form, program, case)
