@@ -14,7 +14,9 @@ from stream_reward.errors import BadReplyError, ConfigError, RetryLater, Scoring
 from stream_reward.managers import ManagerConfig
 from stream_reward.quota import QuotaConfig, QuotaLimiter
 from stream_reward.retry import RetryPolicy, call_with_retry, parse_retry_after, status_error, transport_error
-from stream_reward.scorers.http import CircuitBreaker, GenRMScorer, build_http_scorer, quota_name, render
+from stream_reward.scorers.http import GenRMScorer, build_http_scorer, quota_name, render
+from stream_reward.scorers.http_options import HttpOptions
+from stream_reward.scorers.router import CircuitBreaker
 from stream_reward.trajectory import Trajectory
 from workers.verifier_server import VerifierServer
 
@@ -315,8 +317,6 @@ def test_bad_specs_and_options_are_config_errors() -> None:
 def test_quota_name_never_holds_credentials() -> None:
     s = scorer("genrm:https://user:secret@api.example.com/v1", options={"api_key": "sk-very-secret"})
     assert s.limiter is None  # no Redis here
-    from stream_reward.scorers.http import HttpOptions
-
     name = quota_name("genrm", ["https://user:secret@api.example.com"], HttpOptions(api_key="sk-very-secret"), None)
     assert "secret" not in name and name.startswith("key-")
     assert "secret" not in quota_name("http", ["https://user:secret@h"], HttpOptions(), None)

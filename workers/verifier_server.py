@@ -135,6 +135,21 @@ def _tokens(*texts: Any) -> int:
     return sum(math.ceil(len(t) / 4) for t in texts if isinstance(t, str))
 
 
+def _error(status: int, message: str, *, error_type: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """An error reply in the OpenAI shape: ``{"error": {"message", "type"?}}``."""
+    error = {"message": message} if error_type is None else {"message": message, "type": error_type}
+    return web.json_response({"error": error}, status=status, headers=headers)
+
+
+def _rm_texts(body: dict[str, Any]) -> list[str] | None:
+    """A reward-model request's ``input`` (one string or a list of them) as a list; None if malformed."""
+    inputs = body.get("input")
+    texts = [inputs] if isinstance(inputs, str) else inputs
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        return None
+    return texts
+
+
 class VerifierServer:
     """The server, in-process. ``url = await srv.start()`` ... ``await srv.stop()``."""
 
@@ -236,7 +251,7 @@ class VerifierServer:
             if self._rng.random() < cfg.fail_5xx_rate:
                 st.counts["http_5xx"] += 1
                 status = cfg.fail_status
-                return web.json_response({"error": {"message": "injected failure", "type": "server_error"}}, status=cfg.fail_status)
+                return _error(cfg.fail_status, "injected failure", error_type="server_error")
             try:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
@@ -244,7 +259,7 @@ class VerifierServer:
             if not isinstance(body, dict):
                 st.counts["http_4xx"] += 1
                 status = 400
-                return web.json_response({"error": {"message": "body must be a JSON object"}}, status=400)
+                return _error(400, "body must be a JSON object")
             garbage = self._rng.random() < cfg.garbage_rate
             response, tokens = handle(body, garbage)
             if garbage:
@@ -281,8 +296,7 @@ class VerifierServer:
         if cfg.retry_after_s is not None:
             wait = cfg.retry_after_s
         headers = {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(max(1, math.ceil(wait * 1000)))}
-        return web.json_response({"error": {"message": "rate limit exceeded", "type": "rate_limit_exceeded"}},
-                                 status=429, headers=headers)
+        return _error(429, "rate limit exceeded", error_type="rate_limit_exceeded", headers=headers)
 
     async def _latency(self) -> None:
         cfg = self.config
@@ -306,7 +320,7 @@ class VerifierServer:
             return web.json_response({"result": "maybe"}), 0
         solution = body.get("solution_str")
         if not isinstance(solution, str):
-            return web.json_response({"error": {"message": "solution_str must be a string"}}, status=422), 0
+            return _error(422, "solution_str must be a string"), 0
         ground_truth = body.get("ground_truth")
         score = self._rule(body.get("data_source"), solution, ground_truth, body.get("extra_info"))
         tokens = _tokens(solution, body.get("prompt"))
@@ -331,10 +345,9 @@ class VerifierServer:
         return await self._serve(request, self._classify_reply)
 
     def _classify_reply(self, body: dict[str, Any], garbage: bool) -> tuple[web.Response, int]:
-        inputs = body.get("input")
-        texts = [inputs] if isinstance(inputs, str) else inputs
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            return web.json_response({"error": {"message": "input must be a string or a list of strings"}}, status=400), 0
+        texts = _rm_texts(body)
+        if texts is None:
+            return _error(400, "input must be a string or a list of strings"), 0
         tokens = _tokens(*texts)
         if garbage:
             return web.json_response({"object": "list", "data": []}), 0
@@ -350,10 +363,9 @@ class VerifierServer:
         return await self._serve(request, self._embeddings_reply)
 
     def _embeddings_reply(self, body: dict[str, Any], garbage: bool) -> tuple[web.Response, int]:
-        inputs = body.get("input")
-        texts = [inputs] if isinstance(inputs, str) else inputs
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            return web.json_response({"error": {"message": "input must be a string or a list of strings"}}, status=400), 0
+        texts = _rm_texts(body)
+        if texts is None:
+            return _error(400, "input must be a string or a list of strings"), 0
         tokens = _tokens(*texts)
         if garbage:
             return web.json_response({"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": "NaN"}]}), 0
@@ -367,10 +379,10 @@ class VerifierServer:
     def _chat_reply(self, body: dict[str, Any], garbage: bool) -> tuple[web.Response, int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return web.json_response({"error": {"message": "messages must be a non-empty list of objects"}}, status=400), 0
+            return _error(400, "messages must be a non-empty list of objects"), 0
         user = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), None)
         if not isinstance(user, str):
-            return web.json_response({"error": {"message": "no user message"}}, status=400), 0
+            return _error(400, "no user message"), 0
         if garbage:
             content = "I am not able to decide whether this response is correct."
         else:
