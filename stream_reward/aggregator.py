@@ -1,7 +1,9 @@
 """The trainer side: gather a batch's results and build verl's ``rm_scores``.
 
 The aggregator blocks on the batch's ``done`` streams (XREAD BLOCK), which hold
-each sample's first result in landing order; it never sleep-polls. It counts a
+each sample's first result in landing order; it never sleep-polls. A batch has
+one done stream per partition: on a single node one XREAD follows them all; in
+a cluster (where they live in different slots) one reader per partition does. It counts a
 uid once however many times it shows up, and resolves failed or overdue samples
 by the batch's failure policy.
 
@@ -23,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from .broker import TRANSIENT_ERRORS, connect, with_reconnect
+from .broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, with_reconnect
 from .codec import decode_result
 from .config import BatchPolicy
 from .errors import BrokerError, CollectTimeoutError, ConfigError
 from .keys import Keys
+from .stream import read_streams
 from .trajectory import ScoreResult
 
 if TYPE_CHECKING:
@@ -178,25 +181,79 @@ class RewardAggregator:
         if meta.deadline:
             ends.append(loop.time() + (meta.deadline - time.time()))
         end = min(ends) if ends else None
-        cursors = {keys.done(batch_id, p): "0-0" for p in range(keys.partitions)}
+        done = [keys.done(batch_id, p) for p in range(keys.partitions)]
         seen: set[str] = set()
-        while len(seen) < meta.size:
-            block = self.block_ms
-            if end is not None:
-                left = end - loop.time()
-                if left <= 0:
-                    return
-                block = max(1, min(block, int(left * 1000)))
-            reply = await with_reconnect(lambda: self.client.xread(cursors, block=block, count=1000), what="read results")
-            for stream, entries in reply or []:
-                name = stream.decode()
-                for entry_id, fields in entries:
-                    cursors[name] = entry_id
+        if meta.size <= 0:
+            return
+        if len(done) > 1 and is_cluster(self.client):
+            pages = self._pages_apart(done, end)
+        else:
+            pages = self._pages_together(done, end)
+        try:
+            async for entries in pages:
+                for _entry_id, fields in entries:
                     result = decode_result(fields[b"r"])
                     if result.uid in seen:
                         continue
                     seen.add(result.uid)
                     yield result
+                if len(seen) >= meta.size:
+                    return
+        finally:
+            await pages.aclose()
+
+    def _block_ms(self, end: float | None) -> int | None:
+        """BLOCK for the next read; None once ``end`` has passed."""
+        if end is None:
+            return self.block_ms
+        left = end - asyncio.get_running_loop().time()
+        return max(1, min(self.block_ms, int(left * 1000))) if left > 0 else None
+
+    async def _pages_together(self, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
+        """Entries of every done stream, one XREAD over all of them (a single node)."""
+        cursors = {name: "0-0" for name in done}
+        while (block := self._block_ms(end)) is not None:
+            reply = await with_reconnect(lambda: read_streams(self.client, cursors, count=1000, block=block), what="read results")
+            for stream, entries in reply or []:
+                cursors[stream.decode()] = entries[-1][0]
+                yield entries
+
+    async def _pages_apart(self, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
+        """The same from a cluster, where the done streams of a batch live in
+        different slots: one blocking reader per partition, merged as they land."""
+        queue: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+        async def follow(name: str) -> None:
+            cursor = "0-0"
+            while (block := self._block_ms(end)) is not None:
+                reply = await with_reconnect(lambda: read_streams(self.client, {name: cursor}, count=1000, block=block),
+                                             what="read results")
+                for _stream, entries in reply or []:
+                    cursor = entries[-1][0]
+                    queue.put_nowait(entries)
+
+        readers = [asyncio.create_task(follow(name)) for name in done]
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait([getter, *readers], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                for reader in readers:
+                    if reader.done() and reader.exception() is not None:
+                        raise reader.exception()  # type: ignore[misc]
+                if all(reader.done() for reader in readers):  # past the end: drain what landed meanwhile
+                    while not queue.empty():
+                        yield queue.get_nowait()
+                    return
+                readers = [reader for reader in readers if not reader.done()]
+        finally:
+            for reader in readers:
+                reader.cancel()
+            # A reader cancelled mid-BLOCK drops its connection (redis-py closes it); the pool opens another.
+            await asyncio.gather(*readers, return_exceptions=True)
 
     async def collect(self, batch_id: str, timeout_s: float | None = None, *, on_timeout: str = "raise") -> BatchRewards:
         """Wait for every sample of the batch and build its rewards.
@@ -241,7 +298,7 @@ class RewardAggregator:
                 pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
-        except (RedisError, *TRANSIENT_ERRORS) as exc:
+        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             raise BrokerError(f"expiring batch {batch_id!r}: {type(exc).__name__}") from exc
 
 

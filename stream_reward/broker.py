@@ -11,19 +11,21 @@ import asyncio
 import logging
 import random
 import re
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .errors import BrokerError
 
-__all__ = ["connect", "mask_url", "is_cluster_url", "with_reconnect", "TRANSIENT_ERRORS"]
+__all__ = ["connect", "mask_url", "is_cluster_url", "is_cluster", "is_transient", "with_reconnect", "TRANSIENT_ERRORS", "CLUSTER_ERRORS"]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,24 @@ T = TypeVar("T")
 
 # Errors that mean "Redis is (briefly) away", worth waiting out. BusyLoadingError
 # (a restarted server replaying its AOF) is a ConnectionError subclass in redis-py.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# In a cluster, CLUSTERDOWN / TRYAGAIN and an uncovered slot are what a failover
+# or a resharding looks like from a client: transient too.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError, SlotNotCoveredError,
+)
+# With every node of a cluster away, redis-py raises a plain RedisClusterException
+# (not a RedisError): told apart from a programming error (a cross-slot command)
+# by its message. Catch these together with TRANSIENT_ERRORS, then ask is_transient.
+CLUSTER_ERRORS: tuple[type[BaseException], ...] = (RedisClusterException,)
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, TRANSIENT_ERRORS):
+        return True
+    return isinstance(exc, RedisClusterException) and "cannot be connected" in str(exc)
+
+_KEEPALIVE = {opt: value for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+              if (opt := getattr(socket, name, None)) is not None}
 
 _CRED = re.compile(r"(?P<scheme>[a-z+]+://)(?P<cred>[^@/]*)@")
 _QUERY_SECRET = re.compile(r"(?P<key>[?&](?:password|pass|token)=)[^&]*", re.IGNORECASE)
@@ -47,8 +66,17 @@ def is_cluster_url(url: str) -> bool:
     return url.split("://", 1)[0].endswith("+cluster")
 
 
+def is_cluster(client: Any) -> bool:
+    """Whether ``client`` talks to a Redis Cluster: then no command or script may
+    span two hash slots, and reads of several partitions go one per partition."""
+    return isinstance(client, RedisCluster)
+
+
 def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
     """A redis-py asyncio client for ``url``; bytes in, bytes out.
+
+    A ``redis+cluster://host:port`` URL (any one node) gives a ``RedisCluster``
+    client: it finds the other nodes itself and routes each command by key slot.
 
     Short commands get a few quick retries inside redis-py; longer outages are the
     caller's to wait out (see ``with_reconnect``), because only the caller knows
@@ -66,7 +94,15 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
     try:
         if cluster or is_cluster_url(url):
             plain = url.replace("+cluster://", "://", 1)
-            options.pop("health_check_interval", None)
+            options.pop("health_check_interval", None)  # not a RedisCluster option
+            # RedisCluster defaults to a 5 s socket timeout, which redis-py applies to
+            # sends with asyncio.wait_for; on Python 3.11 that swallows a task's
+            # cancellation when it lands as the send completes, and a cancelled
+            # reader would then run on. No timeout, as for a single node; TCP
+            # keepalive finds a peer that vanished without a reset within ~1 minute.
+            options.setdefault("socket_timeout", None)
+            options.setdefault("socket_keepalive", True)
+            options.setdefault("socket_keepalive_options", _KEEPALIVE)
             return RedisCluster.from_url(plain, **options)
         return aredis.Redis.from_url(url, **options)
     except ValueError as exc:
@@ -93,7 +129,9 @@ async def with_reconnect(
     while True:
         try:
             return await op()
-        except TRANSIENT_ERRORS as exc:
+        except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+            if not is_transient(exc):
+                raise
             attempt += 1
             elapsed = loop.time() - start
             if (give_up_after_s is not None and elapsed >= give_up_after_s) or (stop is not None and stop.is_set()):

@@ -6,6 +6,10 @@ delivery count and the original entry's fields (payload included), so that
 a sample whose batch already has a `failed` result does not change that
 result (results are write-once): redrive is for batches not yet collected,
 or after clearing the batch's ledger on purpose.
+
+Each partition has its own dead-letter stream under its own hash tag; a letter
+goes back to its own partition's stream, in one MULTI with its deletion (both
+keys share the partition's slot, so this works on a Redis Cluster too).
 """
 
 from __future__ import annotations

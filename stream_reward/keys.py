@@ -2,21 +2,66 @@
 
 All keys of a namespace carry a hash tag, so the multi-key Lua scripts (result
 write + ack, quota) stay in one Redis Cluster slot. A namespace may be split
-into P partitions: partition p has its own trajectory stream, result ledgers and
-dead-letter stream under its own tag, so partitions spread over cluster nodes.
+into P partitions: partition p has its own trajectory stream, result ledgers,
+done streams, quarantine and dead-letter stream under its own tag, so that
+partitions spread over cluster nodes. Namespace-wide keys (batch meta, the open
+batch index, heartbeats) live under partition 0's tag; each verifier's quota
+keys under a tag of their own.
+
 Partition 0 uses the plain ``{ns}`` tag, so a single-partition namespace reads
-the same whatever P it was later given.
+the same whatever P it was later given. Partition p > 0 uses ``{ns#p.k}``, with
+the smallest k >= 0 that puts the tag's slot in the middle of the p-th of P
+equal slot windows (counted on from partition 0's window). Plain ``{ns#p}``
+tags would land on random nodes (3 partitions on 3 masters all on different
+nodes only 2 times in 9); these land one window apart, so with P a multiple of
+the master count and slots split evenly (as ``redis-cli --cluster create`` and
+``rebalance`` do), every master serves exactly P / masters partitions. The tags
+depend on P, which every component knows: workers and producers from their
+config, the aggregator from the batch meta.
 """
 
 from __future__ import annotations
 
 import zlib
+from binascii import crc_hqx
 from dataclasses import dataclass
+from functools import lru_cache
 
-__all__ = ["Keys", "DEFAULT_NAMESPACE", "DEFAULT_GROUP"]
+__all__ = ["Keys", "DEFAULT_NAMESPACE", "DEFAULT_GROUP", "HASH_SLOTS", "MAX_PARTITIONS", "key_slot"]
 
 DEFAULT_NAMESPACE = "sr"
 DEFAULT_GROUP = "scorers"
+HASH_SLOTS = 16384
+MAX_PARTITIONS = 1024  # far more than masters a cluster has; keeps the tag search (O(P^2) CRCs, once) short
+
+
+def key_slot(key: str) -> int:
+    """The Redis Cluster slot of ``key`` (CRC16 of its hash tag, as the server computes it)."""
+    data = key.encode()
+    start = data.find(b"{")
+    if start > -1:
+        end = data.find(b"}", start + 1)
+        if end > start + 1:
+            data = data[start + 1:end]
+    return crc_hqx(data, 0) % HASH_SLOTS
+
+
+@lru_cache(maxsize=256)
+def _tags(namespace: str, partitions: int) -> tuple[str, ...]:
+    tags = [f"{{{namespace}}}"]
+    if partitions == 1:
+        return tuple(tags)
+    home = key_slot(tags[0]) * partitions // HASH_SLOTS  # partition 0's window
+    for p in range(1, partitions):
+        window = (home + p) % partitions
+        lo, hi = window * HASH_SLOTS // partitions, (window + 1) * HASH_SLOTS // partitions
+        quarter = (hi - lo) // 4  # aim inside the window, clear of a boundary off by a slot or two
+        lo, hi = lo + quarter, hi - quarter
+        k = 0
+        while not lo <= key_slot(f"{{{namespace}#{p}.{k}}}") < hi:
+            k += 1
+        tags.append(f"{{{namespace}#{p}.{k}}}")
+    return tuple(tags)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +70,14 @@ class Keys:
     partitions: int = 1
 
     def __post_init__(self) -> None:
-        if not self.namespace or any(c in self.namespace for c in "{}"):
-            raise ValueError(f"namespace {self.namespace!r} must be non-empty and contain no braces")
-        if self.partitions < 1:
-            raise ValueError(f"partitions must be >= 1, got {self.partitions}")
+        # '#' is reserved: a namespace "a#1.3" would share a tag with partition 1 of "a".
+        if not self.namespace or any(c in self.namespace for c in "{}#"):
+            raise ValueError(f"namespace {self.namespace!r} must be non-empty and contain no braces or '#'")
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be between 1 and {MAX_PARTITIONS}, got {self.partitions}")
 
     def tag(self, partition: int = 0) -> str:
-        return f"{{{self.namespace}}}" if partition == 0 else f"{{{self.namespace}#{partition}}}"
+        return _tags(self.namespace, self.partitions)[partition]
 
     def partition_of(self, uid: str, group: str | None = None) -> int:
         """The partition of a sample: by GRPO group when given, so a group stays together."""

@@ -6,13 +6,21 @@ to the batch's ``done`` stream (which the aggregator blocks on); dead-letter if
 asked; and XACK the entry. Running it as one script makes "result durable, then
 ack" atomic, and makes a redelivered sample (a reclaimed entry whose first
 worker died after writing) a no-op instead of a second count.
+
+Every key one call touches belongs to one partition (its stream, dead-letter
+stream, and the batches' ledgers and done streams under that partition's tag),
+so a call never spans two Redis Cluster slots. Entries of several partitions
+settle in one pipelined round trip on a single node; in a cluster (which runs
+no scripts in pipelines) as one concurrent call per partition.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from .broker import is_cluster
 from .keys import Keys
 
 __all__ = ["LedgerItem", "LedgerWriter", "DLQ_MAXLEN"]
@@ -71,6 +79,8 @@ class LedgerItem:
 
 class LedgerWriter:
     def __init__(self, client: Any, keys: Keys, group: str, *, result_ttl_s: int) -> None:
+        self._client = client
+        self._cluster = is_cluster(client)
         self._script = client.register_script(_WRITE_SCRIPT)
         self._keys = keys
         self._group = group
@@ -92,9 +102,38 @@ class LedgerWriter:
             args += [item.entry_id, k, item.uid or "", item.result or b"", item.dead_letter or b""]
         return keys, args
 
-    async def write(self, partition: int, items: list[LedgerItem], client: Any = None) -> int:
+    async def write(self, partition: int, items: list[LedgerItem]) -> int:
         """Settle ``items`` of one partition in one round trip; returns how many results were new."""
         if not items:
             return 0
         keys, args = self._call_args(partition, items)
-        return int(await self._script(keys=keys, args=args, client=client))
+        return int(await self._script(keys=keys, args=args))
+
+    async def write_partitions(self, batch: dict[int, list[LedgerItem]]) -> int:
+        """Settle the items of several partitions; returns how many results were new.
+
+        In a cluster the partitions' calls are independent: when some fail, the
+        ones that succeeded are removed from ``batch`` before the error is
+        raised, so that a retry of the same dict sends only what is left (a
+        dead letter is appended, not written once, and must not be sent twice).
+        """
+        if len(batch) == 1:
+            (partition, items), = batch.items()
+            return await self.write(partition, items)
+        if not self._cluster:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for partition, items in batch.items():
+                    if items:
+                        keys, args = self._call_args(partition, items)
+                        await self._script(keys=keys, args=args, client=pipe)  # queued; the script is loaded first
+                replies = await pipe.execute()
+            return sum(int(r) for r in replies)
+        parts = list(batch)
+        replies = await asyncio.gather(*(self.write(p, batch[p]) for p in parts), return_exceptions=True)
+        errors = [r for r in replies if isinstance(r, BaseException)]
+        if errors:
+            for partition, reply in zip(parts, replies):
+                if not isinstance(reply, BaseException):
+                    del batch[partition]
+            raise errors[0]
+        return sum(replies)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from .broker import TRANSIENT_ERRORS, connect, mask_url
+from .broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, mask_url
 from .codec import encode_result, encode_trajectory
 from .config import BatchPolicy, ProducerConfig
 from .errors import BackpressureError, BrokerError, ConfigError
@@ -112,7 +112,7 @@ class RolloutProducer:
                 pipe.hset(self.keys.batch_meta(batch_id), mapping=meta)
                 pipe.zadd(self.keys.batches(), {batch_id: now})
                 await pipe.execute()
-        except (RedisError, *TRANSIENT_ERRORS) as exc:
+        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             raise BrokerError(f"open_batch {batch_id!r} on {mask_url(self._url)}: {type(exc).__name__}") from exc
         self._uids(batch_id).clear()
 
@@ -138,7 +138,7 @@ class RolloutProducer:
                 for traj, part, payload in entries:
                     pipe.xadd(self.keys.stream(part), entry_fields(payload, traj.batch_id, traj.index, traj.uid))
                 await pipe.execute()
-        except (RedisError, *TRANSIENT_ERRORS) as exc:
+        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             # Some entries of the pipeline may have landed; they will be scored and
             # counted once, and the caller may push the whole call again safely
             # because results are write-once per uid.
@@ -172,7 +172,7 @@ class RolloutProducer:
         ledger = LedgerWriter(self.client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
         try:
             await ledger.write(self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))])
-        except (RedisError, *TRANSIENT_ERRORS) as exc:
+        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             raise BrokerError(f"recording failed sample {uid!r}: {type(exc).__name__}") from exc
 
     async def backlog(self) -> int:

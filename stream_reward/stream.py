@@ -4,6 +4,12 @@ The trajectory stream's entries have four fields: ``d`` (the msgpack payload)
 and, duplicated outside it, ``b`` batch id, ``i`` index and ``u`` uid. The copies
 cost a few bytes and let a worker resolve a sample as `failed` even when its
 payload cannot be decoded, so a poison message never stalls its batch.
+
+``read_group`` and ``read_streams`` are XREADGROUP / XREAD for a single node or
+a cluster. In a cluster all the streams of one call must share a hash slot (one
+partition); the call then goes straight to the node that owns the slot, because
+redis-py would otherwise ask the server which arguments are keys (COMMAND
+GETKEYS, a second round trip) before every read.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-__all__ = ["ensure_group", "entry_fields", "FIELD_PAYLOAD", "FIELD_BATCH", "FIELD_INDEX", "FIELD_UID"]
+from .broker import is_cluster
+
+__all__ = ["ensure_group", "entry_fields", "read_group", "read_streams",
+           "FIELD_PAYLOAD", "FIELD_BATCH", "FIELD_INDEX", "FIELD_UID"]
 
 FIELD_PAYLOAD = b"d"
 FIELD_BATCH = b"b"
@@ -35,3 +44,29 @@ async def ensure_group(client: Any, stream: str, group: str) -> None:
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+async def read_group(client: Any, group: str, consumer: str, streams: dict[str, str], *, count: int, block: int | None) -> Any:
+    """XREADGROUP of ``streams`` (name -> id); in a cluster they must share one slot."""
+    if not is_cluster(client):
+        return await client.xreadgroup(group, consumer, streams, count=count, block=block)
+    args: list[Any] = ["GROUP", group, consumer, "COUNT", count]
+    if block is not None:
+        args += ["BLOCK", block]
+    return await _routed(client, "XREADGROUP", args, streams)
+
+
+async def read_streams(client: Any, streams: dict[str, str], *, count: int, block: int | None) -> Any:
+    """XREAD of ``streams`` (name -> last id seen); in a cluster they must share one slot."""
+    if not is_cluster(client):
+        return await client.xread(streams, count=count, block=block)
+    args: list[Any] = ["COUNT", count]
+    if block is not None:
+        args += ["BLOCK", block]
+    return await _routed(client, "XREAD", args, streams)
+
+
+async def _routed(client: Any, command: str, args: list[Any], streams: dict[str, str]) -> Any:
+    await client.initialize()  # a no-op unless the slot map is missing or stale (after a failure)
+    node = client.get_node_from_key(next(iter(streams)))
+    return await client.execute_command(command, *args, "STREAMS", *streams.keys(), *streams.values(), target_nodes=node)

@@ -2,7 +2,8 @@
 
 Four tasks share one client:
 
-* the reader XREADGROUPs new entries while there is room under ``concurrency``;
+* the reader XREADGROUPs new entries while there is room under ``concurrency``
+  (against a cluster, one reader per partition: see ``_reader``);
 * the writer settles finished samples: everything that finished since its last
   round trip goes out in one Lua call per partition (result + ack together), so
   results are batched under load and still land within a round trip when idle;
@@ -32,14 +33,14 @@ from typing import Any
 import msgpack
 from redis.exceptions import RedisError, ResponseError
 
-from stream_reward.broker import TRANSIENT_ERRORS, connect, with_reconnect
+from stream_reward.broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, is_transient, with_reconnect
 from stream_reward.codec import decode_trajectory, encode_result
 from stream_reward.config import ConsumerConfig
 from stream_reward.errors import CodecError, ScoringError
 from stream_reward.keys import Keys
 from stream_reward.ledger import LedgerItem, LedgerWriter
 from stream_reward.scoring import Scorer
-from stream_reward.stream import FIELD_BATCH, FIELD_INDEX, FIELD_PAYLOAD, FIELD_UID, ensure_group
+from stream_reward.stream import FIELD_BATCH, FIELD_INDEX, FIELD_PAYLOAD, FIELD_UID, ensure_group, read_group
 from stream_reward.trajectory import ScoreResult, Trajectory
 
 __all__ = ["Worker", "WorkerStats"]
@@ -80,6 +81,7 @@ class Worker:
         self._client = client
         self._inline = bool(getattr(scorer, "inline", False))
         self._pending: dict[int, list[LedgerItem]] = defaultdict(list)
+        self._reserved = 0  # room taken by reads in flight (several when partitions are read apart)
         self._have_pending = asyncio.Event()
         self._room = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -129,42 +131,73 @@ class Worker:
 
     # ------------------------------------------------------------------ reading
     async def _reader(self, stop: asyncio.Event, burst: bool) -> None:
-        streams = {s: ">" for s in self.keys.streams()}
-        part_of = {s.encode(): p for p, s in enumerate(self.keys.streams())}
+        streams = self.keys.streams()
+        if len(streams) > 1 and is_cluster(self._client):
+            # No command may span two hash slots: one reader per partition, each
+            # blocking on its own stream, on the node that owns it.
+            units = [[s] for s in streams]
+        else:
+            units = [streams]  # one XREADGROUP over every partition: one round trip
+        if len(units) == 1:
+            await self._read_loop(units[0], stop, burst, share=self.config.concurrency)
+            return
+        share = -(-self.config.concurrency // len(units))
+        async with asyncio.TaskGroup() as tg:
+            for unit in units:
+                tg.create_task(self._read_loop(unit, stop, burst, share=share))
+
+    async def _read_loop(self, names: list[str], stop: asyncio.Event, burst: bool, *, share: int) -> None:
+        """Read ``names`` while there is room. Several loops share ``concurrency``:
+        each reserves what it asks for before it blocks, so that together they never
+        take more, and takes at most ``share`` per read. A loop whose last read was
+        empty asks for one entry only, so that a quiet partition does not sit on a
+        share of the room for a whole BLOCK while another partition is busy."""
+        streams = {s: ">" for s in names}
+        part_of = {s.encode(): self.keys.streams().index(s) for s in names}
+        shared = share < self.config.concurrency
+        idle = False
         empty_reads = 0
         while not stop.is_set():
             if not self._reading.is_set():
                 await self._reading.wait()
                 continue
-            room = self.config.concurrency - self.stats.in_flight
+            room = self.config.concurrency - self.stats.in_flight - self._reserved
             if room <= 0:
                 self._room.clear()
                 await self._room.wait()
                 continue
+            count = 1 if shared and idle else min(room, self.config.read_count, share)
+            self._reserved += count
             try:
-                reply = await self._client.xreadgroup(
-                    self.config.group, self.config.consumer, streams,
-                    count=min(room, self.config.read_count), block=self.config.block_ms,
-                )
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):  # the stream was deleted under us (or Redis restarted without AOF)
-                    for s in streams:
-                        await ensure_group(self._client, s, self.config.group)
+                try:
+                    reply = await read_group(self._client, self.config.group, self.config.consumer, streams,
+                                             count=count, block=self.config.block_ms)
+                except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+                    if not is_transient(exc):
+                        raise
+                    log.warning("read failed (%s); reconnecting", type(exc).__name__)
+                    await asyncio.sleep(0.2)
                     continue
-                raise
-            except TRANSIENT_ERRORS as exc:
-                log.warning("read failed (%s); reconnecting", type(exc).__name__)
-                await asyncio.sleep(0.2)
-                continue
-            if not reply:
-                if burst:
-                    empty_reads += 1
-                    if empty_reads >= 2 and self.stats.in_flight == 0:
-                        return
-                continue
-            empty_reads = 0
-            for stream, entries in _iter_reply(reply):
-                await self._process(part_of[stream], entries, deliveries=None)
+                except ResponseError as exc:
+                    if "NOGROUP" in str(exc):  # the stream was deleted under us (or Redis restarted without AOF)
+                        for s in streams:
+                            await ensure_group(self._client, s, self.config.group)
+                        continue
+                    raise
+                idle = not reply
+                if not reply:
+                    if burst:
+                        empty_reads += 1
+                        if empty_reads >= 2 and self.stats.in_flight == 0:
+                            return
+                    continue
+                empty_reads = 0
+                for stream, entries in _iter_reply(reply):
+                    await self._process(part_of[stream], entries, deliveries=None)
+            finally:
+                self._reserved -= count
+                if shared:
+                    self._room.set()  # what this read did not use is free for the others
 
     async def _process(self, partition: int, entries: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int] | None,
                        *, alone: bool = False) -> None:
@@ -252,8 +285,8 @@ class Worker:
             self._have_pending.clear()
             batch, self._pending = self._pending, defaultdict(list)
             if batch:
-                await with_reconnect(lambda: self._flush(batch), what="write results", give_up_after_s=None)
                 settled = sum(len(items) for items in batch.values())
+                await with_reconnect(lambda: self._flush(batch), what="write results", give_up_after_s=None)
                 self.stats.in_flight -= settled
                 self._room.set()
                 self._writer_idle.set()
@@ -261,17 +294,9 @@ class Worker:
                 return
 
     async def _flush(self, batch: dict[int, list[LedgerItem]]) -> None:
-        if len(batch) == 1:
-            (partition, items), = batch.items()
-            written = await self._ledger.write(partition, items)
-            expected = sum(1 for item in items if item.result is not None)
-        else:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for partition, items in batch.items():
-                    await self._ledger.write(partition, items, client=pipe)
-                replies = await pipe.execute()
-            written = sum(int(r) for r in replies)
-            expected = sum(1 for items in batch.values() for item in items if item.result is not None)
+        # In a cluster a retry gets only the partitions not yet written (see write_partitions).
+        expected = sum(1 for items in batch.values() for item in items if item.result is not None)
+        written = await self._ledger.write_partitions(batch)
         if written < expected:
             # Someone wrote these uids first (a redelivery after a slow or dead
             # worker): the ledger kept the first result and ignored ours.
@@ -286,7 +311,7 @@ class Worker:
             await asyncio.sleep(interval)
             try:
                 await self._reclaim_once(self.config.reclaim_idle_ms)
-            except (RedisError, *TRANSIENT_ERRORS) as exc:
+            except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
                 log.warning("reclaim sweep failed: %s", type(exc).__name__)
 
     async def _reclaim_once(self, min_idle_ms: int) -> int:
@@ -387,7 +412,7 @@ class Worker:
     async def _farewell(self) -> None:
         try:
             await self._client.hdel(self.keys.workers(), self.config.consumer)
-        except (RedisError, *TRANSIENT_ERRORS):
+        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS):
             pass
 
     # ------------------------------------------------------------------ housekeeping
@@ -400,7 +425,7 @@ class Worker:
                 if loop.time() >= next_trim:
                     await self._trim()
                     next_trim = loop.time() + self.config.trim_interval_s
-            except (RedisError, *TRANSIENT_ERRORS) as exc:
+            except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
                 log.debug("housekeeping skipped: %s", type(exc).__name__)
             except Exception:  # housekeeping must never take the worker down
                 log.exception("housekeeping failed")
@@ -408,7 +433,8 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         beat = {"host": self._host, "pid": os.getpid(), "started": self._started, "seen": time.time(),
-                "group": self.config.group, "scorer": type(self.scorer).__name__, **self.stats.as_dict()}
+                "group": self.config.group, "partitions": self.keys.partitions, "scorer": getattr(self.scorer, "name", type(self.scorer).__name__),
+                **self.stats.as_dict()}
         await self._client.hset(self.keys.workers(), self.config.consumer, msgpack.packb(beat))
 
     async def _trim(self) -> None:
