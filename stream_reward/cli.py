@@ -44,7 +44,7 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
 
 def _add_common(parser: argparse.ArgumentParser, *, redis_required: bool = False) -> None:
     where = "required, here" if redis_required else "none: a private embedded server; or"
-    parser.add_argument("--redis", default=None, help=f"Redis URL ({where} in the config / $STREAM_REWARD_REDIS)")
+    parser.add_argument("--redis", default=None, help=f"Redis URL: redis://, rediss://, unix://, redis+cluster:// ({where} in the config / $STREAM_REWARD_REDIS)")
     parser.add_argument("--namespace", default=None, help="key namespace (default: sr)")
     parser.add_argument("--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG")
     _add_logging(parser)
@@ -159,15 +159,16 @@ async def _produce(url: str, rollouts: Any, response_len: int, settings: Any) ->
 def cmd_server(args: argparse.Namespace) -> int:
     from .embedded import EmbeddedServer
 
+    stop = {"flag": False}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop["flag"] = True
+
+    # Handlers first: whoever reads the URL may signal us right away.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     with EmbeddedServer(appendonly=args.appendonly) as server:
         print(server.url, flush=True)
-        stop = {"flag": False}
-
-        def on_signal(signum: int, frame: Any) -> None:
-            stop["flag"] = True
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
         while not stop["flag"]:
             time.sleep(0.2)
     return 0

@@ -28,7 +28,6 @@ from .keys import Keys
 __all__ = ["read_status", "read_heartbeats", "render_status", "record_batch", "ALIVE_FACTOR"]
 
 ALIVE_FACTOR = 3  # a heartbeat older than this many intervals means the worker is not alive
-_MAX_PARTITION_PROBE = 1024
 
 
 def _s(value: Any) -> Any:
@@ -60,15 +59,6 @@ async def read_heartbeats(client: Any, keys: Keys, *, interval_s: float = 2.0, n
         beat["alive"] = now - seen <= ALIVE_FACTOR * interval_s
         beats[_s(name)] = beat
     return beats
-
-
-async def _partitions(client: Any, namespace: str, batch_partitions: list[int]) -> int:
-    """The namespace's partition count: the most any open batch declared, or the streams that exist."""
-    count = max([1, *batch_partitions])
-    probe = Keys(namespace, _MAX_PARTITION_PROBE)
-    while count < _MAX_PARTITION_PROBE and await client.exists(probe.stream(count)):
-        count += 1
-    return count
 
 
 async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any]:
@@ -249,10 +239,13 @@ async def read_status(redis_url: str, namespace: str = "sr", *, partitions: int 
             value = await client.hget(bkeys.batch_meta(_s(raw)), "partitions")
             if value is not None:
                 declared.append(int(value))
-        parts = partitions or await _partitions(client, namespace, declared)
+        beats = await read_heartbeats(client, bkeys, interval_s=heartbeat_interval_s, now=now)
+        # Partition tags depend on P, so P cannot be probed from key names: take
+        # what open batches and live workers declare.
+        declared += [int(beat.get("partitions", 1) or 1) for beat in beats.values()]
+        parts = partitions or max([1, *declared])
         keys = Keys(namespace, parts)
         streams = [await _stream_info(client, keys, p) for p in range(parts)]
-        beats = await read_heartbeats(client, keys, interval_s=heartbeat_interval_s, now=now)
         throughput = None
         if window_s > 0:
             throughput = await _throughput(client, keys, streams, beats, window_s, heartbeat_interval_s)
