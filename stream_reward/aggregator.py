@@ -172,15 +172,19 @@ class RewardAggregator:
         async for result in self._results(batch_id, meta, timeout_s):
             yield result
 
-    async def _results(self, batch_id: str, meta: BatchMeta, timeout_s: float | None) -> AsyncIterator[ScoreResult]:
+    async def _results(self, batch_id: str, meta: BatchMeta, timeout_s: float | None,
+                       ended: dict[str, bool] | None = None) -> AsyncIterator[ScoreResult]:
+        """The batch's results, each uid once. When it stops short, ``ended["deadline"]``
+        says whether the batch deadline (rather than ``timeout_s``) was the limit."""
         keys = Keys(self._namespace, self._partitions or meta.partitions)
         loop = asyncio.get_running_loop()
-        ends = []
-        if timeout_s is not None:
-            ends.append(loop.time() + timeout_s)
-        if meta.deadline:
-            ends.append(loop.time() + (meta.deadline - time.time()))
-        end = min(ends) if ends else None
+        # Both limits on the monotonic clock; the deadline is converted once, so a
+        # wall-clock step during the wait cannot change which limit ended it.
+        timeout_end = loop.time() + timeout_s if timeout_s is not None else None
+        deadline_end = loop.time() + (meta.deadline - time.time()) if meta.deadline else None
+        end = min((e for e in (timeout_end, deadline_end) if e is not None), default=None)
+        if ended is not None:
+            ended["deadline"] = deadline_end is not None and deadline_end == end
         done = [keys.done(batch_id, p) for p in range(keys.partitions)]
         seen: set[str] = set()
         if meta.size <= 0:
@@ -265,7 +269,8 @@ class RewardAggregator:
         """
         meta = await self.meta(batch_id)
         by_index: dict[int, ScoreResult] = {}
-        async for result in self._results(batch_id, meta, timeout_s):
+        ended = {"deadline": False}
+        async for result in self._results(batch_id, meta, timeout_s, ended):
             if not 0 <= result.index < meta.size:
                 log.warning("batch %r: result for uid %r has index %d outside the batch size %d; ignored",
                             batch_id, result.uid, result.index, meta.size)
@@ -276,17 +281,27 @@ class RewardAggregator:
                 continue
             by_index[result.index] = result
         if len(by_index) < meta.size:
-            overdue = bool(meta.deadline) and time.time() >= meta.deadline
+            overdue = ended["deadline"]
             if not overdue and on_timeout == "raise":
                 raise CollectTimeoutError(batch_id, len(by_index), meta.size)
             reason = "deadline" if overdue else "timeout"
-            for index in range(meta.size):
-                if index not in by_index:
-                    by_index[index] = ScoreResult("", batch_id, index, 0.0, "failed", reason=reason,
-                                                  error=f"no result before the batch {reason}")
+            missing = [index for index in range(meta.size) if index not in by_index]
+            lengths = await self._pushed_lengths(batch_id, missing)
+            for index, length in zip(missing, lengths):
+                by_index[index] = ScoreResult("", batch_id, index, 0.0, "failed", reason=reason,
+                                              error=f"no result before the batch {reason}",
+                                              valid_response_length=length)
         rewards = build_rewards(batch_id, meta, [by_index[i] for i in range(meta.size)])
         await self._expire(batch_id, meta)
         return rewards
+
+    async def _pushed_lengths(self, batch_id: str, indices: list[int]) -> list[int | None]:
+        """Response lengths the producer recorded for samples without a result (None if never pushed)."""
+        if not indices:
+            return []
+        key = Keys(self._namespace).lengths(batch_id)
+        raw = await with_reconnect(lambda: self.client.hmget(key, indices), what="read lengths")
+        return [int(v) if v is not None else None for v in raw]
 
     async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
         keys = Keys(self._namespace, self._partitions or meta.partitions)
@@ -296,6 +311,7 @@ class RewardAggregator:
                     pipe.expire(keys.results(batch_id, p), self.collected_ttl_s)
                     pipe.expire(keys.done(batch_id, p), self.collected_ttl_s)
                 pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
+                pipe.expire(keys.lengths(batch_id), self.collected_ttl_s)
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
         except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
@@ -317,7 +333,9 @@ def build_rewards(batch_id: str, meta: BatchMeta, results: list[ScoreResult]) ->
         length = r.valid_response_length
         scores.append(score)
         lengths.append(length)
-        valid.append((ok or policy.on_failure == "fallback") and length != 0)
+        # A fallback score counts as a real reward only where we know which token it
+        # belongs to; a sample never pushed (unknown length) stays masked.
+        valid.append((ok or (policy.on_failure == "fallback" and length is not None)) and length != 0)
     extras = [dict(r.extra) for r in kept]
     return BatchRewards(
         batch_id=batch_id,

@@ -111,6 +111,11 @@ class Keys:
     def batch_meta(self, batch_id: str) -> str:
         return f"{self.tag()}:batch:{batch_id}"
 
+    def lengths(self, batch_id: str) -> str:
+        """Hash index -> valid response length, written at push time: lets the
+        aggregator place a fallback score for a sample that never got a result."""
+        return f"{self.tag()}:lens:{batch_id}"
+
     def batches(self) -> str:
         """Sorted set of open batch ids, scored by creation time (for `status`)."""
         return f"{self.tag()}:batches"

@@ -111,6 +111,12 @@ class RolloutProducer:
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.hset(self.keys.batch_meta(batch_id), mapping=meta)
                 pipe.zadd(self.keys.batches(), {batch_id: now})
+                # A batch that is never collected must not stay forever; collect
+                # shortens these TTLs. The lengths hash is created here so that the
+                # HSETs of later pushes inherit its TTL.
+                pipe.hset(self.keys.lengths(batch_id), "-", 0)
+                for key in (self.keys.batch_meta(batch_id), self.keys.lengths(batch_id)):
+                    pipe.expire(key, self.config.result_ttl_s)
                 await pipe.execute()
         except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             raise BrokerError(f"open_batch {batch_id!r} on {mask_url(self._url)}: {type(exc).__name__}") from exc
@@ -135,8 +141,13 @@ class RolloutProducer:
             await self._wait_for_room(len(entries))
             await self._ensure_groups()
             async with self.client.pipeline(transaction=False) as pipe:
+                lengths: dict[str, dict[int, int]] = {}
                 for traj, part, payload in entries:
                     pipe.xadd(self.keys.stream(part), entry_fields(payload, traj.batch_id, traj.index, traj.uid))
+                    if traj.response_length is not None:
+                        lengths.setdefault(traj.batch_id, {})[traj.index] = traj.response_length
+                for batch_id, by_index in lengths.items():  # one HSET per batch, same round trip
+                    pipe.hset(self.keys.lengths(batch_id), mapping=by_index)
                 await pipe.execute()
         except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             # Some entries of the pipeline may have landed; they will be scored and

@@ -133,8 +133,6 @@ async def test_deadline_with_drop(redis_url: str, namespace: str) -> None:
     assert tuple(rewards.rm_scores.shape) == (1, RESPONSE_LEN)
 
 
-@pytest.mark.xfail(strict=True, reason="aggregator: a sample with no result gets its fallback score on the last "
-                                       "column (a padding token), since its length is unknown; reported to the lead")
 async def test_deadline_fallback_lands_on_the_last_valid_token(redis_url: str, namespace: str) -> None:
     rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="fallback", fallback_score=-1.0, deadline_s=0.8),
                               responses=["a", "hang"], lengths=[1, 2])
