@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import msgpack
@@ -90,6 +90,7 @@ class Worker:
         self._reading = asyncio.Event()  # cleared while suspects are scored alone
         self._reading.set()
         self._started = time.time()
+        self._beats: deque[tuple[float, int]] = deque()
         self._host = socket.gethostname()
 
     # ------------------------------------------------------------------ running
@@ -432,8 +433,17 @@ class Worker:
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _heartbeat(self) -> None:
-        beat = {"host": self._host, "pid": os.getpid(), "started": self._started, "seen": time.time(),
-                "group": self.config.group, "partitions": self.keys.partitions, "scorer": getattr(self.scorer, "name", type(self.scorer).__name__),
+        now = time.time()
+        settled = self.stats.scored + self.stats.failed
+        # Samples settled per second over the last minute, from the heartbeats' own history.
+        self._beats.append((now, settled))
+        while now - self._beats[0][0] > 60:
+            self._beats.popleft()
+        first_at, first_settled = self._beats[0]
+        beat = {"host": self._host, "pid": os.getpid(), "started": self._started, "seen": now,
+                "group": self.config.group, "partitions": self.keys.partitions,
+                "scorer": getattr(self.scorer, "name", type(self.scorer).__name__),
+                "settled_per_s_1m": (settled - first_settled) / (now - first_at) if now > first_at else 0.0,
                 **self.stats.as_dict()}
         await self._client.hset(self.keys.workers(), self.config.consumer, msgpack.packb(beat))
 
