@@ -105,18 +105,28 @@ class Worker:
         log.info("worker %s joined group %r of namespace %r (%d partitions, concurrency %d)",
                  self.config.consumer, self.config.group, self.config.namespace, self.config.partitions, self.config.concurrency)
         writer_stop = asyncio.Event()
+        # Background loops end on this event as well as by cancel: a cancel that lands
+        # inside a redis-py command can be swallowed on Python 3.11, and the TaskGroup
+        # would then wait for them forever.
+        closing = asyncio.Event()
+        # Set once the reader is done: from then on this worker takes no new entries,
+        # including reclaimed ones (it may be releasing its own to others).
+        reading_done = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
             writer = tg.create_task(self._writer(writer_stop))
-            housekeeper = tg.create_task(self._housekeeper(stop))
-            reclaimer = tg.create_task(self._reclaimer(stop))
+            housekeeper = tg.create_task(self._housekeeper(closing))
+            reclaimer = tg.create_task(self._reclaimer(reading_done))
             try:
                 await self._reader(stop, burst)
+                reading_done.set()
                 if burst:
                     # Pending entries of dead consumers are ours to finish too.
                     while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
                         pass
                 await self._drain()
             finally:
+                reading_done.set()
+                closing.set()
                 reclaimer.cancel()
                 housekeeper.cancel()
                 writer_stop.set()
@@ -309,7 +319,7 @@ class Worker:
         # at most ~1.5x reclaim_idle_ms before someone takes them.
         interval = max(0.05, min(self.config.reclaim_interval_s, self.config.reclaim_idle_ms / 2000))
         while not stop.is_set():
-            await asyncio.sleep(interval)
+            await _sleep_unless(stop, interval)
             try:
                 await self._reclaim_once(self.config.reclaim_idle_ms)
             except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
@@ -430,7 +440,7 @@ class Worker:
                 log.debug("housekeeping skipped: %s", type(exc).__name__)
             except Exception:  # housekeeping must never take the worker down
                 log.exception("housekeeping failed")
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            await _sleep_unless(stop, self.config.heartbeat_interval_s)
 
     async def _heartbeat(self) -> None:
         now = time.time()
@@ -470,6 +480,14 @@ def _iter_reply(reply: Any) -> Any:
     if isinstance(reply, dict):
         return [(k, v[0] if v and isinstance(v[0], list) and len(v) == 1 and isinstance(v[0][0], list) else v) for k, v in reply.items()]
     return [(stream, entries) for stream, entries in reply]
+
+
+async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less if ``event`` is set meanwhile."""
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        pass
 
 
 def _parse_id(value: bytes | str) -> tuple[int, int]:

@@ -169,6 +169,7 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
                                 heartbeat_interval_s=config.heartbeat_interval_s)
     worker = Worker(url, scorer, config, hooks=metrics)
     refresher: asyncio.Task[None] | None = None
+    refresher_stop = asyncio.Event()
     try:
         if metrics is not None:
             metrics.bind(worker)
@@ -178,12 +179,16 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
             except OSError as exc:
                 raise ConfigError("worker.metrics_port", f"cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
             log.info("metrics on http://%s:%d/metrics", addr, bound)
-            refresher = asyncio.create_task(metrics.refresh_forever(url, worker.keys, settings["worker.metrics_refresh_s"]))
+            refresher = asyncio.create_task(metrics.refresh_forever(url, worker.keys, settings["worker.metrics_refresh_s"],
+                                                                    refresher_stop))
         await worker.run(stop, burst=args.burst)
     finally:
         if refresher is not None:
-            refresher.cancel()
-            await asyncio.gather(refresher, return_exceptions=True)
+            refresher_stop.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(refresher), 5)
+            except TimeoutError:
+                refresher.cancel()
         if metrics is not None:
             metrics.close()
         close = getattr(scorer, "aclose", None)

@@ -20,6 +20,7 @@ With ``--processes N`` each worker process serves its own endpoint on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -143,16 +144,20 @@ class WorkerMetrics:
         snap["open_batches"] = int(await client.zcard(keys.batches()))
         self._snapshot = snap  # one assignment: the scrape thread sees the old or the new reading
 
-    async def refresh_forever(self, redis_url: str, keys: Keys, interval_s: float) -> None:
+    async def refresh_forever(self, redis_url: str, keys: Keys, interval_s: float, stop: asyncio.Event) -> None:
+        """Refresh until ``stop`` is set. Stopped by an event, not by cancellation:
+        a cancel that lands inside a redis-py command can be swallowed (Python 3.11's
+        wait_for), and a swallowed cancel here would keep the worker from exiting."""
         client = connect(redis_url)
         try:
-            while True:
+            while not stop.is_set():
                 try:
                     await self.refresh(client, keys)
                 except (RedisError, *TRANSIENT_ERRORS) as exc:
                     log.debug("metrics refresh skipped: %s", type(exc).__name__)
                     self._snapshot = {**self._snapshot, "failed_at": time.time()}
-                await asyncio.sleep(interval_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval_s)
         finally:
             await client.aclose()
 
