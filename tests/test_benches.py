@@ -1,0 +1,87 @@
+"""Each bench end to end at a tiny size: one JSON object on stdout with the promised
+keys, and the basic bookkeeping right (everything pushed got scored). No timing
+assertions: the machine running the tests is not a benchmark machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import latency, memory, overlap, throughput, vs_verl
+
+
+def run_json(capsys: pytest.CaptureFixture[str], module: Any, argv: list[str]) -> dict[str, Any]:
+    assert module.main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, f"--json must print exactly one line on stdout, got: {out!r}"
+    return json.loads(out)
+
+
+def is_num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def test_throughput(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "throughput.png"
+    r = run_json(capsys, throughput, ["--n", "3000", "--batch-size", "1000", "--repeats", "1", "--plot", str(png)])
+    for key in ("traj_per_s", "baseline_traj_per_s", "ratio"):
+        assert is_num(r[key]) and r[key] > 0, key
+    assert r["processes"] == 2
+    assert r["scored"] == r["ok"] == 3000
+    assert r["all_scored"] is True
+    assert set(r["goals"]) == {"ratio >= 0.7", "every trajectory scored"}
+    assert png.stat().st_size > 0
+
+
+def test_overlap(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "overlap.png"
+    r = run_json(capsys, overlap, ["--batch", "32", "--group-size", "4", "--generation-s", "0.6", "--latency-median-s", "0.02", "--latency-p99-s", "0.05",
+                                   "--rpm", "30000", "--plot", str(png)])
+    for key in ("stream_step_s", "sync_step_s", "speedup", "ideal_step_s", "step_over_ideal", "reward_tail_s", "verifier_p99_s"):
+        assert is_num(r[key]) and r[key] > 0, key
+    assert r["scored"] == r["batch"] == 32
+    assert r["scores_match"] is True  # both modes scored the same samples alike
+    assert r["stream_step_s"] >= r["last_finish_s"]  # no step ends before its last rollout
+    assert png.stat().st_size > 0
+
+
+def test_latency(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "latency.png"
+    r = run_json(capsys, latency, ["--rate", "500", "--duration-s", "1", "--warmup-s", "0.2", "--plot", str(png)])
+    for key in ("p50_ms", "p99_ms", "max_ms", "offered_per_s", "achieved_per_s"):
+        assert is_num(r[key]) and r[key] > 0, key
+    assert r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+    assert r["landed"] == r["samples"] > 0
+    assert png.stat().st_size > 0
+
+
+def test_latency_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert latency.main(["--rate", "200", "--duration-s", "0.5", "--warmup-s", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "p50_ms" in out and "goal" in out
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out)
+
+
+def test_memory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "memory.png"
+    r = run_json(capsys, memory, ["--n", "6000", "--batch-size", "1000", "--max-backlog", "2000", "--sample-s", "0.05",
+                                  "--plot", str(png)])
+    assert r["collected"] == r["n"] == 6000
+    for key in ("worker_rss_10pct_bytes", "worker_rss_end_bytes", "server_used_memory_peak_bytes", "server_bound_bytes"):
+        assert isinstance(r[key], int) and r[key] > 0, key
+    assert is_num(r["rss_growth"])
+    assert png.stat().st_size > 0
+
+
+def test_vs_verl(capsys: pytest.CaptureFixture[str]) -> None:
+    if vs_verl.verl_status() is None:
+        r = run_json(capsys, vs_verl, ["--n", "256", "--repeats", "1"])
+        assert r["scores_agree"] == r["n"] == 256
+        assert is_num(r["verl_samples_per_s"]) and is_num(r["stream_reward_samples_per_s"]) and is_num(r["ratio"])
+    else:
+        r = run_json(capsys, vs_verl, ["--n", "256"])
+        assert list(r) == ["skipped"] and "verl" in r["skipped"]
