@@ -102,17 +102,14 @@ def place_scores(scores: list[float], lengths: list[int | None], response_len: i
     import torch
 
     tensor = torch.zeros((len(scores), response_len), dtype=torch.float32)
-    rows, cols, vals = [], [], []
-    for row, (score, length) in enumerate(zip(scores, lengths)):
-        if length is None:
-            length = response_len
-        if length <= 0:
-            continue
-        rows.append(row)
-        cols.append(min(length, response_len) - 1)
-        vals.append(score)
-    if rows:
-        tensor[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(vals, dtype=torch.float32)
+    if not scores:
+        return tensor
+    # Vectorized: a Python loop over the rows costs more than the fill at batch sizes in the thousands.
+    cols = torch.tensor([response_len if length is None else length for length in lengths], dtype=torch.long)
+    keep = cols > 0
+    cols = cols.clamp(max=response_len) - 1
+    rows = torch.arange(len(scores))
+    tensor[rows[keep], cols[keep]] = torch.tensor(scores, dtype=torch.float32)[keep]
     return tensor
 
 

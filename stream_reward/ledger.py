@@ -35,6 +35,7 @@ local n = tonumber(ARGV[3])
 local dlq_maxlen = ARGV[4]
 local written = 0
 local touched = {}
+local acks = {}
 for j = 0, n - 1 do
   local base = 5 + j * 5
   local id = ARGV[base]
@@ -57,8 +58,12 @@ for j = 0, n - 1 do
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', dlq_maxlen, '*', 'e', dead)
   end
   if id ~= '' then
-    redis.call('XACK', KEYS[1], group, id)
+    acks[#acks + 1] = id
   end
+end
+-- One XACK for the whole flush (in slices: unpack() is bounded by the Lua stack).
+for i = 1, #acks, 1000 do
+  redis.call('XACK', KEYS[1], group, unpack(acks, i, math.min(i + 999, #acks)))
 end
 return written
 """

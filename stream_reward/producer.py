@@ -25,7 +25,7 @@ from .config import BatchPolicy, ProducerConfig
 from .errors import BackpressureError, BrokerError, ConfigError
 from .keys import Keys
 from .ledger import LedgerItem, LedgerWriter
-from .stream import ensure_group, entry_fields
+from .stream import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, xadd_many_args
 from .trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["RolloutProducer", "SyncRolloutProducer"]
@@ -58,6 +58,7 @@ class RolloutProducer:
         self._seen: OrderedDict[str, set[str]] = OrderedDict()
         self._backlog_checked_at = 0.0
         self._backlog = 0
+        self._xadd_many: Any = None  # registered on first push; called with the current client
 
     @property
     def client(self) -> Any:
@@ -140,15 +141,7 @@ class RolloutProducer:
         try:
             await self._wait_for_room(len(entries))
             await self._ensure_groups()
-            async with self.client.pipeline(transaction=False) as pipe:
-                lengths: dict[str, dict[int, int]] = {}
-                for traj, part, payload in entries:
-                    pipe.xadd(self.keys.stream(part), entry_fields(payload, traj.batch_id, traj.index, traj.uid))
-                    if traj.response_length is not None:
-                        lengths.setdefault(traj.batch_id, {})[traj.index] = traj.response_length
-                for batch_id, by_index in lengths.items():  # one HSET per batch, same round trip
-                    pipe.hset(self.keys.lengths(batch_id), mapping=by_index)
-                await pipe.execute()
+            await self._xadd(entries)
         except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             # Some entries of the pipeline may have landed; they will be scored and
             # counted once, and the caller may push the whole call again safely
@@ -170,6 +163,33 @@ class RolloutProducer:
         else:
             self._seen.move_to_end(batch_id)
         return seen
+
+    async def _xadd(self, entries: list[tuple[Trajectory, int, bytes]]) -> None:
+        """XADD every entry (one script call per partition and chunk, see
+        XADD_MANY_SCRIPT) and record the batches' response lengths."""
+        if self._xadd_many is None:
+            self._xadd_many = self.client.register_script(XADD_MANY_SCRIPT)
+        by_part: dict[int, list[Any]] = {}
+        lengths: dict[str, dict[int, int]] = {}
+        for traj, part, payload in entries:
+            by_part.setdefault(part, []).extend(xadd_many_args(payload, traj.batch_id, traj.index, traj.uid))
+            if traj.response_length is not None:
+                lengths.setdefault(traj.batch_id, {})[traj.index] = traj.response_length
+        step = 4 * XADD_MANY_CHUNK
+        calls = [(self.keys.stream(part), args[lo:lo + step]) for part, args in by_part.items() for lo in range(0, len(args), step)]
+
+        async def xadds() -> None:
+            # Direct calls, not a pipeline: a redis-py pipeline holding a script
+            # first asks SCRIPT EXISTS, a second round trip on every push. In
+            # order, so that a large push lands in the order it was given.
+            for stream, args in calls:
+                await self._xadd_many(keys=[stream], args=args, client=self.client)
+
+        if not lengths:
+            await xadds()
+            return
+        # The lengths go at the same time on a second connection: one round trip of latency.
+        await asyncio.gather(xadds(), *(self.client.hset(self.keys.lengths(b), mapping=m) for b, m in lengths.items()))
 
     async def fail(self, batch_id: str, index: int, *, reason: str, error: str, uid: str | None = None,
                    group: str | None = None) -> None:

@@ -20,7 +20,8 @@ from redis.exceptions import ResponseError
 
 from .broker import is_cluster
 
-__all__ = ["ensure_group", "entry_fields", "read_group", "read_streams",
+__all__ = ["ensure_group", "entry_fields", "xadd_many_args", "XADD_MANY_SCRIPT", "XADD_MANY_CHUNK",
+           "read_group", "read_streams",
            "FIELD_PAYLOAD", "FIELD_BATCH", "FIELD_INDEX", "FIELD_UID"]
 
 FIELD_PAYLOAD = b"d"
@@ -31,6 +32,27 @@ FIELD_UID = b"u"
 
 def entry_fields(payload: bytes, batch_id: str, index: int, uid: str) -> dict[str, Any]:
     return {"d": payload, "b": batch_id, "i": index, "u": uid}
+
+
+# Many XADDs in one command. A redis-py pipeline of N XADDs costs the client a
+# packed command and a parsed reply (each under its own timeout context) per
+# entry: ~18 us of CPU for a 2 KB trajectory, more than encoding it. One EVALSHA
+# carrying N entries costs ~4 us of client CPU an entry and the server ~2-3 us
+# more than native XADDs. The script also makes each call all-or-nothing on the
+# server, which a pipeline is not. Fields as in ``entry_fields``.
+XADD_MANY_SCRIPT = """
+for j = 1, #ARGV, 4 do
+  redis.call('XADD', KEYS[1], '*', 'd', ARGV[j], 'b', ARGV[j + 1], 'i', ARGV[j + 2], 'u', ARGV[j + 3])
+end
+return #ARGV / 4
+"""
+# Entries per script call: bounds how long one call holds the server (~2 ms at 2 KB).
+XADD_MANY_CHUNK = 256
+
+
+def xadd_many_args(payload: bytes, batch_id: str, index: int, uid: str) -> tuple[bytes, str, int, str]:
+    """One entry's ARGV for XADD_MANY_SCRIPT."""
+    return payload, batch_id, index, uid
 
 
 async def ensure_group(client: Any, stream: str, group: str) -> None:
