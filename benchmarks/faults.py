@@ -73,7 +73,7 @@ async def run(n: int, workers: int, kills: int, kill_every_s: float, reclaim_idl
             client = connect(url)
             try:
                 ledger = await client.hlen(keys.results(batch))
-                done = await client.xlen(keys.done(batch))
+                done = sum(len(fields) for _, fields in await client.xrange(keys.done(batch)))  # uid -> result
                 dead = await client.xlen(keys.dead_letters())
             finally:
                 await client.aclose()

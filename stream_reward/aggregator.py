@@ -192,12 +192,12 @@ class RewardAggregator:
             pages = self._pages_together(done, end)
         try:
             async for entries in pages:
-                for _entry_id, fields in entries:
-                    result = decode_result(fields[b"r"])
-                    if result.uid in seen:
-                        continue
-                    seen.add(result.uid)
-                    yield result
+                for _entry_id, fields in entries:  # one entry per worker flush: uid -> result
+                    for uid, payload in fields.items():
+                        if uid in seen:
+                            continue
+                        seen.add(uid)
+                        yield decode_result(payload)
                 if len(seen) >= meta.size:
                     return
         finally:

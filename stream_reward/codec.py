@@ -80,18 +80,6 @@ def _unpack(data: bytes, max_bytes: int) -> dict[Any, Any]:
     return obj
 
 
-def _field(obj: dict[Any, Any], key: str, name: str, types: type | tuple[type, ...], *, required: bool = False) -> Any:
-    value = obj.get(key)
-    if value is None:
-        if required:
-            raise CodecError(f"missing field {name!r}")
-        return None
-    # bool is an int subclass; a boolean index or length is a producer bug, not a number.
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
-        raise CodecError(f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}")
-    return value
-
-
 def _type_names(types: type | tuple[type, ...]) -> str:
     if isinstance(types, tuple):
         return " or ".join(t.__name__ for t in types)
@@ -126,29 +114,58 @@ def encode_trajectory(traj: Trajectory, max_bytes: int = DEFAULT_MAX_MESSAGE_BYT
     return _pack(obj, max_bytes)
 
 
+# Wire key -> (field name, accepted types). Checked with ``type(v) in types``,
+# which is exact: bool is not accepted as an int, nor a subclass for a builtin.
+_TRAJECTORY_FIELDS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "u": ("uid", (str,)),
+    "b": ("batch_id", (str,)),
+    "i": ("index", (int,)),
+    "ds": ("data_source", (str,)),
+    "r": ("response", (str,)),
+    "p": ("prompt", (str,)),
+    "ids": ("response_ids", (bytes,)),
+    "vl": ("valid_response_length", (int,)),
+    "ml": ("max_response_length", (int,)),
+    "x": ("extra_info", (dict,)),
+    "g": ("group", (str,)),
+    "rm": ("rm_score", (int, float)),
+}
+_REQUIRED = ("i", "u", "b", "ds")
+
+
 def decode_trajectory(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Trajectory:
     obj = _unpack(data, max_bytes)
-    index = _field(obj, "i", "index", int, required=True)
+    # One pass over the fields present (this runs once per sample on the worker's
+    # hot path): type-check the known ones, then the required and ranged ones.
+    for key, value in obj.items():
+        spec = _TRAJECTORY_FIELDS.get(key)
+        if spec is not None and value is not None and type(value) not in spec[1]:
+            raise CodecError(f"field {spec[0]!r} must be {_type_names(spec[1])}, got {type(value).__name__}")
+    for key in _REQUIRED:
+        if obj.get(key) is None:
+            raise CodecError(f"missing field {_TRAJECTORY_FIELDS[key][0]!r}")
+    index = obj["i"]
     if index < 0:
         raise CodecError(f"field 'index' must be >= 0, got {index}")
-    ids = _field(obj, "ids", "response_ids", bytes)
-    vl = _field(obj, "vl", "valid_response_length", int)
+    get = obj.get
+    vl = get("vl")
     if vl is not None and vl < 0:
         raise CodecError(f"field 'valid_response_length' must be >= 0, got {vl}")
-    rm = _field(obj, "rm", "rm_score", (int, float))
+    ids = get("ids")
+    rm = get("rm")
     return Trajectory(
-        uid=_field(obj, "u", "uid", str, required=True),
-        batch_id=_field(obj, "b", "batch_id", str, required=True),
+        uid=obj["u"],
+        batch_id=obj["b"],
         index=index,
-        data_source=_field(obj, "ds", "data_source", str, required=True),
-        response=_field(obj, "r", "response", str) or "",
-        ground_truth=obj.get("gt"),
-        prompt=_field(obj, "p", "prompt", str),
+        data_source=obj["ds"],
+        response=get("r") or "",
+        ground_truth=get("gt"),
+        prompt=get("p"),
         response_ids=unpack_ids(ids) if ids is not None else None,
         valid_response_length=vl,
-        max_response_length=_field(obj, "ml", "max_response_length", int),
-        extra_info=_field(obj, "x", "extra_info", dict) or {},
-        group=_field(obj, "g", "group", str),
+        max_response_length=get("ml"),
+        extra_info=get("x") or {},
+        group=get("g"),
         rm_score=float(rm) if rm is not None else None,
     )
 

@@ -21,6 +21,7 @@ import msgpack
 
 from .broker import connect
 from .keys import Keys
+from .stream import read_header
 
 __all__ = ["DeadLetter", "list_dead_letters", "redrive_dead_letters"]
 
@@ -38,18 +39,13 @@ class DeadLetter:
 
     def summary(self) -> dict[str, Any]:
         """A JSON-able view; the payload is shown by size only."""
+        batch, index, uid = read_header(self.fields)
         return {
             "partition": self.partition, "id": self.id, "reason": self.reason, "error": self.error,
             "consumer": self.consumer, "deliveries": self.deliveries, "at": self.at,
-            "batch": _text(self.fields.get("b")), "index": _text(self.fields.get("i")), "uid": _text(self.fields.get("u")),
+            "batch": batch, "index": index if index >= 0 else None, "uid": uid,
             "payload_bytes": len(self.fields.get("d") or b""),
         }
-
-
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _parse(partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:

@@ -1,9 +1,9 @@
 """Write-once results: the exactly-once half of "at-least-once delivery, exactly-once results".
 
-One Lua call per flush does, for every scored entry: HSETNX the result into the
-batch's ledger under the sample's uid; only if that was the first write, XADD it
-to the batch's ``done`` stream (which the aggregator blocks on); dead-letter if
-asked; and XACK the entry. Running it as one script makes "result durable, then
+One Lua call per flush does, for every scored entry: store the result in the
+batch's ledger under the sample's uid unless one is there; only if it was the first write, add it
+to the batch's ``done`` stream (one entry per flush, fields uid -> result, which
+the aggregator blocks on); dead-letter if asked; and XACK the entry. Running it as one script makes "result durable, then
 ack" atomic, and makes a redelivered sample (a reclaimed entry whose first
 worker died after writing) a no-op instead of a second count.
 
@@ -20,6 +20,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from .broker import is_cluster
 from .keys import Keys
 
@@ -31,39 +33,64 @@ DLQ_MAXLEN = 100_000
 _WRITE_SCRIPT = """
 local group = ARGV[1]
 local ttl = tonumber(ARGV[2])
-local n = tonumber(ARGV[3])
-local dlq_maxlen = ARGV[4]
-local written = 0
-local touched = {}
+local dlq_maxlen = ARGV[3]
+-- The items come as one msgpack blob: packing one argument per field costs the
+-- client more than everything else the worker does for a sample.
+local items = cmsgpack.unpack(ARGV[4])
+local SLICE = 1000  -- unpack() is bounded by the Lua stack
+local by_batch = {}
 local acks = {}
-for j = 0, n - 1 do
-  local base = 5 + j * 5
-  local id = ARGV[base]
-  local k = tonumber(ARGV[base + 1])
-  local uid = ARGV[base + 2]
-  local payload = ARGV[base + 3]
-  local dead = ARGV[base + 4]
+for _, item in ipairs(items) do
+  local k = item[2]
   if k > 0 then
-    if redis.call('HSETNX', KEYS[k], uid, payload) == 1 then
-      redis.call('XADD', KEYS[k + 1], '*', 'r', payload)
-      written = written + 1
-      if not touched[k] then
-        touched[k] = true
-        redis.call('EXPIRE', KEYS[k], ttl, 'NX')
-        redis.call('EXPIRE', KEYS[k + 1], ttl, 'NX')
+    local list = by_batch[k]
+    if not list then
+      list = {}
+      by_batch[k] = list
+    end
+    list[#list + 1] = item
+  end
+  if item[5] ~= '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', dlq_maxlen, '*', 'e', item[5])
+  end
+  if item[1] ~= '' then
+    acks[#acks + 1] = item[1]
+  end
+end
+-- Write-once per uid, a few commands per batch rather than one per sample (each
+-- redis.call costs more than the work it does): HMGET which uids already have a
+-- result, HSET the others, and add those to the done stream as one entry.
+local written = 0
+for k, list in pairs(by_batch) do
+  local fresh = {}
+  local taken = {}
+  for lo = 1, #list, SLICE do
+    local hi = math.min(lo + SLICE - 1, #list)
+    local uids = {}
+    for i = lo, hi do
+      uids[#uids + 1] = list[i][3]
+    end
+    local existing = redis.call('HMGET', KEYS[k], unpack(uids))
+    for i = lo, hi do
+      local uid = list[i][3]
+      if not existing[i - lo + 1] and not taken[uid] then
+        taken[uid] = true
+        fresh[#fresh + 1] = uid
+        fresh[#fresh + 1] = list[i][4]
       end
     end
   end
-  if dead ~= '' then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', dlq_maxlen, '*', 'e', dead)
+  for lo = 1, #fresh, 2 * SLICE do
+    local hi = math.min(lo + 2 * SLICE - 1, #fresh)
+    redis.call('HSET', KEYS[k], unpack(fresh, lo, hi))
+    redis.call('XADD', KEYS[k + 1], '*', unpack(fresh, lo, hi))
   end
-  if id ~= '' then
-    acks[#acks + 1] = id
-  end
+  written = written + #fresh / 2
+  redis.call('EXPIRE', KEYS[k], ttl, 'NX')
+  redis.call('EXPIRE', KEYS[k + 1], ttl, 'NX')
 end
--- One XACK for the whole flush (in slices: unpack() is bounded by the Lua stack).
-for i = 1, #acks, 1000 do
-  redis.call('XACK', KEYS[1], group, unpack(acks, i, math.min(i + 999, #acks)))
+for lo = 1, #acks, SLICE do
+  redis.call('XACK', KEYS[1], group, unpack(acks, lo, math.min(lo + SLICE - 1, #acks)))
 end
 return written
 """
@@ -94,7 +121,7 @@ class LedgerWriter:
     def _call_args(self, partition: int, items: list[LedgerItem]) -> tuple[list[str], list[Any]]:
         keys = [self._keys.stream(partition), self._keys.dead_letters(partition)]
         slot_of: dict[str, int] = {}
-        args: list[Any] = [self._group, self._ttl, len(items), DLQ_MAXLEN]
+        rows = []
         for item in items:
             k = 0
             if item.result is not None and item.batch_id is not None and item.uid is not None:
@@ -104,8 +131,8 @@ class LedgerWriter:
                     keys.append(self._keys.results(item.batch_id, partition))
                     keys.append(self._keys.done(item.batch_id, partition))
                     slot_of[item.batch_id] = k
-            args += [item.entry_id, k, item.uid or "", item.result or b"", item.dead_letter or b""]
-        return keys, args
+            rows.append((item.entry_id, k, item.uid or "", item.result or b"", item.dead_letter or b""))
+        return keys, [self._group, self._ttl, DLQ_MAXLEN, msgpack.packb(rows, use_bin_type=False)]
 
     async def write(self, partition: int, items: list[LedgerItem]) -> int:
         """Settle ``items`` of one partition in one round trip; returns how many results were new."""

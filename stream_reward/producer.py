@@ -25,7 +25,7 @@ from .config import BatchPolicy, ProducerConfig
 from .errors import BackpressureError, BrokerError, ConfigError
 from .keys import Keys
 from .ledger import LedgerItem, LedgerWriter
-from .stream import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, xadd_many_args
+from .stream import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
 from .trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["RolloutProducer", "SyncRolloutProducer"]
@@ -169,14 +169,15 @@ class RolloutProducer:
         XADD_MANY_SCRIPT) and record the batches' response lengths."""
         if self._xadd_many is None:
             self._xadd_many = self.client.register_script(XADD_MANY_SCRIPT)
-        by_part: dict[int, list[Any]] = {}
+        by_part: dict[int, list[tuple[bytes, bytes]]] = {}
         lengths: dict[str, dict[int, int]] = {}
         for traj, part, payload in entries:
-            by_part.setdefault(part, []).extend(xadd_many_args(payload, traj.batch_id, traj.index, traj.uid))
+            by_part.setdefault(part, []).append((payload, entry_header(traj.batch_id, traj.index, traj.uid)))
             if traj.response_length is not None:
                 lengths.setdefault(traj.batch_id, {})[traj.index] = traj.response_length
-        step = 4 * XADD_MANY_CHUNK
-        calls = [(self.keys.stream(part), args[lo:lo + step]) for part, args in by_part.items() for lo in range(0, len(args), step)]
+        step = XADD_MANY_CHUNK
+        calls = [(self.keys.stream(part), xadd_many_args(rows[lo:lo + step]))
+                 for part, rows in by_part.items() for lo in range(0, len(rows), step)]
 
         async def xadds() -> None:
             # Direct calls, not a pipeline: a redis-py pipeline holding a script

@@ -24,6 +24,7 @@ from redis.exceptions import ResponseError
 
 from .broker import connect, mask_url
 from .keys import Keys
+from .stream import read_header
 
 __all__ = ["read_status", "read_heartbeats", "render_status", "record_batch", "ALIVE_FACTOR"]
 
@@ -126,11 +127,11 @@ async def _dead_letters(client: Any, keys: Keys, recent: int) -> dict[str, Any]:
                 record = msgpack.unpackb(fields[b"e"], raw=False)
             except (KeyError, ValueError, msgpack.UnpackException):
                 record = {}
-            plain = {_s(k): _s(v) for k, v in (record.get("fields") or {}).items() if _s(k) in ("b", "i", "u")}
+            batch, index, uid = read_header(record.get("fields") or {})
             error = str(record.get("error", ""))
             latest.append({"id": _s(entry_id), "partition": p, "reason": record.get("reason"),
                            "error": error[:200] + ("..." if len(error) > 200 else ""),
-                           "batch": plain.get("b"), "index": plain.get("i"), "uid": plain.get("u"),
+                           "batch": batch, "index": index if index >= 0 else None, "uid": uid,
                            "consumer": _s(record.get("consumer")), "deliveries": record.get("deliveries"),
                            "at": record.get("at")})
     latest.sort(key=lambda d: d.get("at") or 0, reverse=True)

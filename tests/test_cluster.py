@@ -59,7 +59,7 @@ async def ledger_uids(client, keys: Keys, batch_id: str) -> list[set[str]]:
     for p in range(keys.partitions):
         ledger = await client.hgetall(keys.results(batch_id, p))
         done = await client.xrange(keys.done(batch_id, p))
-        assert sorted(decode_result(f[b"r"]).uid for _, f in done) == sorted(u.decode() for u in ledger)
+        assert sorted(decode_result(v).uid for _, f in done for v in f.values()) == sorted(u.decode() for u in ledger)
         out.append({u.decode() for u in ledger})
     return out
 

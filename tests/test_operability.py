@@ -22,6 +22,7 @@ from stream_reward.broker import connect
 from stream_reward.cli import main
 from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.keys import Keys
+from stream_reward.stream import entry_fields, entry_header
 from stream_reward.producer import RolloutProducer
 from stream_reward.status import read_status, record_batch
 from stream_reward.trajectory import ScoreResult, Trajectory
@@ -94,7 +95,7 @@ def test_metrics_endpoint_after_a_real_run(redis_url: str, namespace: str, spawn
             await producer.open_batch("m", 22, 16)
             await producer.push_many([gsm8k("m", i) for i in range(20)] + [gsm8k("m", 20, data_source="no/such-source")])
             # A malformed entry: the worker dead-letters it and still resolves its sample.
-            await producer.client.xadd(keys.stream(), {"d": b"\xc1not msgpack", "b": "m", "i": 21, "u": "m/21"})
+            await producer.client.xadd(keys.stream(), entry_fields(b"\xc1not msgpack", "m", 21, "m/21"))
             return await agg.collect("m", timeout_s=30)
 
     rewards = asyncio.run(run())
@@ -215,7 +216,7 @@ def known_state(redis_url: str, namespace: str) -> Iterator[float]:
             "w-stale": heartbeat("w-stale", now - 60, scored=3),
         })
         dead = {"reason": "malformed", "error": "payload is not msgpack", "consumer": "w-alive", "deliveries": 1,
-                "at": now, "fields": {"b": b"a", "i": b"2", "u": b"a/2"}}
+                "at": now, "fields": {"h": entry_header("a", 2, "a/2")}}
         await client.xadd(keys.dead_letters(), {"e": msgpack.packb(dead, use_bin_type=True)})
         limiter = QuotaLimiter(client, QuotaConfig(name="judge", max_rpm=600), namespace=namespace)
         async with limiter.lease():
@@ -249,7 +250,7 @@ def test_status_json_against_a_known_state(redis_url: str, namespace: str, known
 
     dead = status["dead_letters"]
     assert dead["total"] == 1 and dead["partitions"] == [1]
-    assert (dead["recent"][0]["reason"], dead["recent"][0]["batch"], dead["recent"][0]["index"]) == ("malformed", "a", "2")
+    assert (dead["recent"][0]["reason"], dead["recent"][0]["batch"], dead["recent"][0]["index"]) == ("malformed", "a", 2)
 
     (quota,) = status["quota"]
     assert quota["name"] == "judge" and quota["state"]["requests"] == 1 and quota["state"]["in_flight"] == 0

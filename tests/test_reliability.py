@@ -55,7 +55,8 @@ async def ledger_sizes(url: str, namespace: str, batch_id: str) -> tuple[int, in
     client = connect(url)
     keys = Keys(namespace)
     try:
-        return await client.hlen(keys.results(batch_id)), await client.xlen(keys.done(batch_id))
+        done = sum(len(fields) for _, fields in await client.xrange(keys.done(batch_id)))  # uid -> result fields
+        return await client.hlen(keys.results(batch_id)), done
     finally:
         await client.aclose()
 
@@ -104,7 +105,7 @@ async def test_poison_message_is_dead_lettered_and_its_neighbours_are_not(redis_
     # Two crashes with neighbours in flight, then the one that pinned it: scored alone, it crashed again.
     assert crashes == 3
     letters = await list_dead_letters(redis_url, namespace=namespace)
-    assert [(d.reason, d.fields["i"]) for d in letters] == [("poison", b"2")]
+    assert [(d.reason, d.summary()["index"]) for d in letters] == [("poison", 2)]
 
 
 async def run_burst(url: str, namespace: str, **config) -> Worker:

@@ -40,7 +40,7 @@ from stream_reward.errors import CodecError, ScoringError
 from stream_reward.keys import Keys
 from stream_reward.ledger import LedgerItem, LedgerWriter
 from stream_reward.scoring import Scorer
-from stream_reward.stream import FIELD_BATCH, FIELD_INDEX, FIELD_PAYLOAD, FIELD_UID, ensure_group, read_group
+from stream_reward.stream import FIELD_PAYLOAD, ensure_group, read_group, read_header
 from stream_reward.trajectory import ScoreResult, Trajectory
 
 __all__ = ["Worker", "WorkerStats"]
@@ -263,12 +263,7 @@ class Worker:
         """Resolve an entry that cannot be scored: dead-letter it and, when its
         batch is known from the entry's plain fields, record a `failed` result so
         the batch still completes."""
-        batch = _text(fields.get(FIELD_BATCH))
-        uid = _text(fields.get(FIELD_UID))
-        try:
-            index = int(fields.get(FIELD_INDEX, b""))
-        except ValueError:
-            index = -1
+        batch, index, uid = read_header(fields)
         dead = msgpack.packb({
             "reason": reason, "error": error, "entry_id": entry_id, "partition": partition,
             "consumer": self.config.consumer, "deliveries": deliveries, "at": time.time(),
@@ -494,12 +489,3 @@ def _parse_id(value: bytes | str) -> tuple[int, int]:
     text = value.decode() if isinstance(value, bytes) else value
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _text(value: bytes | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return value.decode()
-    except UnicodeDecodeError:
-        return None
