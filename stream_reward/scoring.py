@@ -40,6 +40,8 @@ class Scorer(Protocol):
 
 def normalize(value: Any) -> Scored:
     """Turn a verl-style return value (float, int, bool or dict with "score") into Scored."""
+    if type(value) is float and math.isfinite(value):  # the common case, once per sample
+        return Scored(value)
     if isinstance(value, Scored):
         return value
     if isinstance(value, dict):

@@ -240,20 +240,18 @@ class Worker:
         started = time.perf_counter()
         try:
             scored = await self.scorer.score(traj)
-            result = ScoreResult(traj.uid, traj.batch_id, traj.index, scored.score, "ok", scored.extra)
-        except ScoringError as exc:
-            result = ScoreResult(traj.uid, traj.batch_id, traj.index, 0.0, "failed",
-                                 reason=exc.reason, error=str(exc), attempts=exc.attempts or 1)
-        except Exception as exc:  # a scorer bug fails its sample, never the pool
-            result = ScoreResult(traj.uid, traj.batch_id, traj.index, 0.0, "failed",
-                                 reason="scorer_error", error=f"{type(exc).__name__}: {exc}")
-        result.valid_response_length = traj.response_length
-        result.data_source = traj.data_source
-        result.group = traj.group
-        result.scored_at = time.time()
-        if result.status == "ok":
+            result = ScoreResult(traj.uid, traj.batch_id, traj.index, scored.score, "ok", scored.extra,
+                                 valid_response_length=traj.response_length, data_source=traj.data_source,
+                                 group=traj.group, scored_at=time.time())
             self.stats.scored += 1
-        else:
+        except Exception as exc:  # a scorer bug fails its sample, never the pool
+            if isinstance(exc, ScoringError):
+                reason, error, attempts = exc.reason, str(exc), exc.attempts or 1
+            else:
+                reason, error, attempts = "scorer_error", f"{type(exc).__name__}: {exc}", 1
+            result = ScoreResult(traj.uid, traj.batch_id, traj.index, 0.0, "failed", reason=reason, error=error,
+                                 attempts=attempts, valid_response_length=traj.response_length,
+                                 data_source=traj.data_source, group=traj.group, scored_at=time.time())
             self.stats.failed += 1
         if self.hooks is not None:
             self.hooks.on_scored(result, time.perf_counter() - started)
