@@ -52,6 +52,9 @@ def is_transient(exc: BaseException) -> bool:
 _KEEPALIVE = {opt: value for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
               if (opt := getattr(socket, name, None)) is not None}
 
+# Per client; a worker's in-flight samples share them (see connect()).
+_MAX_CONNECTIONS = 128
+
 _CRED = re.compile(r"(?P<scheme>[a-z+]+://)(?P<cred>[^@/]*)@")
 _QUERY_SECRET = re.compile(r"(?P<key>[?&](?:password|pass|token)=)[^&]*", re.IGNORECASE)
 
@@ -104,7 +107,12 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
             options.setdefault("socket_keepalive", True)
             options.setdefault("socket_keepalive_options", _KEEPALIVE)
             return RedisCluster.from_url(plain, **options)
-        return aredis.Redis.from_url(url, **options)
+        # A blocking pool: past max_connections a command waits for a free
+        # connection instead of failing with MaxConnectionsError (a worker may have
+        # hundreds of samples acquiring quota at once).
+        max_connections = options.pop("max_connections", _MAX_CONNECTIONS)
+        pool = aredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=60, **options)
+        return aredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
     except ValueError as exc:
         raise BrokerError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
 
