@@ -76,7 +76,9 @@ class SandboxConfig:
     backend: str = "auto"  # auto | bwrap | unshare | none
     bwrap_path: str = "bwrap"
     unshare_path: str = "unshare"
-    python: str = sys.executable
+    # The real interpreter, not a venv's symlink to it: a venv may live under /tmp,
+    # which inside the sandbox is a fresh tmpfs. The harness needs no site-packages.
+    python: str = os.path.realpath(sys.executable)
     site_packages: bool = True  # put the host's site-packages on sys.path (no .pth processing)
     extra_ro_binds: tuple[str, ...] = ()
     uid_base: int = 60000
@@ -265,6 +267,7 @@ class SandboxScorer:
         self._job_base: dict[str, Any] | None = None
         same_python = os.path.realpath(self.config.python) == os.path.realpath(sys.executable)
         self._harness = marshal.dumps(compile(_HARNESS, "<sandbox-harness>", "exec") if same_python else _HARNESS, 4)
+        self.backend = self.config.backend  # named in errors while the probe runs
         self.backend = choose_backend(self.config, root=self._root, probe=self._probe_run)
         if self.backend == "none":
             logger.warning(
