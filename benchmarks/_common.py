@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "say",
     "plot_unavailable",
     "plot_figure",
+    "save_figure",
+    "bench_main",
     "quiet_server",
     "add_torch_threads",
     "setup_torch",
@@ -186,6 +188,54 @@ def plot_figure(path: str) -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: str, dpi: int = 110) -> None:
+    """Lay out ``fig``, write it to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def bench_main(
+    name: str,
+    argv: Sequence[str] | None,
+    parse: Callable[[list[str]], argparse.Namespace],
+    run: Callable[[argparse.Namespace], Any],
+    plot: Callable[..., None],
+    goals: Callable[[dict[str, Any]], dict[str, bool]],
+    *,
+    skip: Callable[[], str | None] | None = None,
+    check_plot: bool = True,
+) -> int:
+    """A bench's ``main``: parse, refuse an unusable ``--plot`` up front (exit 2),
+    report ``skip()``'s reason if it has one (exit 0), run ``run(args)``, plot, emit.
+
+    ``run`` returns the result dict, or ``(result, *extra)``; the plot is then
+    ``plot(path, result, *extra)``. ``goals(result)`` gives the goals emitted.
+    """
+    args = parse(list(argv or []))
+    if check_plot:
+        problem = plot_unavailable(args)
+        if problem:
+            print(f"bench {name}: {problem}", file=sys.stderr)
+            return 2
+    if skip is not None:
+        reason = skip()
+        if reason is not None:
+            if args.json:
+                print(json.dumps({"skipped": reason}))
+            else:
+                print(f"{name} skipped: {reason}")
+            return 0
+    out = asyncio.run(run(args))
+    result, extra = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+    if args.plot:
+        plot(args.plot, result, *extra)
+    emit(args, f"stream-reward bench {name}", result, goals=goals(result))
+    return 0
 
 
 # ---------------------------------------------------------------------- stats

@@ -21,13 +21,13 @@ from benchmarks._common import (
     Progress,
     Workers,
     add_torch_threads,
+    bench_main,
     bench_parser,
-    emit,
     gsm8k_pool,
     percentile,
     plot_figure,
-    plot_unavailable,
     quiet_server,
+    save_figure,
     setup_torch,
 )
 
@@ -124,26 +124,19 @@ def plot(path: str, result: dict[str, Any], trace: dict[str, Any]) -> None:
         ax2.axvline(result[q], color="red", linestyle=style, label=f"{q[:-3]} {result[q]:.1f} ms")
     ax2.set_xlabel("latency (ms)")
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(list(argv or []))
-    problem = plot_unavailable(args)
-    if problem:
-        print(f"bench latency: {problem}", file=sys.stderr)
-        return 2
-    result, trace = asyncio.run(run(args))
-    if args.plot:
-        plot(args.plot, result, trace)
-    emit(args, "stream-reward bench latency", result, goals={
+def goals(result: dict[str, Any]) -> dict[str, bool]:
+    return {
         "p50 <= 5 ms": result["p50_ms"] <= 5.0,
         "p99 <= 20 ms": result["p99_ms"] <= 20.0,
         "every sample landed": result["landed"] == result["samples"],
-    })
-    return 0
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("latency", argv, parse, run, plot, goals)
 
 
 if __name__ == "__main__":

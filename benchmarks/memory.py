@@ -21,12 +21,12 @@ from benchmarks._common import (
     Progress,
     Workers,
     add_torch_threads,
+    bench_main,
     bench_parser,
-    emit,
     gsm8k_pool,
     plot_figure,
-    plot_unavailable,
     quiet_server,
+    save_figure,
     rss_bytes,
     setup_torch,
 )
@@ -164,26 +164,19 @@ def plot(path: str, result: dict[str, Any], samples: list[dict[str, Any]]) -> No
     extra = ax2.get_legend_handles_labels()
     ax1.legend(lines[0] + extra[0], lines[1] + extra[1], loc="upper left", fontsize=8)
     ax1.set_title(f"memory: {result['n']:,} trajectories, rss_growth {result['rss_growth']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(list(argv or []))
-    problem = plot_unavailable(args)
-    if problem:
-        print(f"bench memory: {problem}", file=sys.stderr)
-        return 2
-    result, samples = asyncio.run(run(args))
-    if args.plot:
-        plot(args.plot, result, samples)
-    emit(args, "stream-reward bench memory", result, goals={
+def goals(result: dict[str, Any]) -> dict[str, bool]:
+    return {
         "rss_growth <= 1.10": result["rss_growth"] is not None and result["rss_growth"] <= 1.10,
         "server memory within the backlog bound": result["server_used_memory_peak_bytes"] <= result["server_bound_bytes"],
         "every trajectory collected": result["collected"] == result["n"],
-    })
-    return 0
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("memory", argv, parse, run, plot, goals)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,13 @@ from benchmarks._common import (
     Progress,
     Workers,
     add_torch_threads,
+    bench_main,
     bench_parser,
     child_env,
-    emit,
     percentile,
     plot_figure,
-    plot_unavailable,
     quiet_server,
+    save_figure,
     say,
     setup_torch,
     stop_procs,
@@ -345,25 +345,18 @@ def plot(path: str, result: dict[str, Any], trace: dict[str, Any]) -> None:
     axes[1].set_xlabel("seconds since the step started")
     fig.suptitle(f"overlap: B={result['batch']}, quota {result['rpm']:g} rpm, {result['verifier']} verifier, "
                  f"speedup {result['speedup']}x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def goals(result: dict[str, Any]) -> dict[str, bool]:
+    return {
+        "step_over_ideal <= 1.05": result["step_over_ideal"] <= 1.05,
+        "reward_tail_s <= 1.5 x verifier p99": result["reward_tail_s"] <= 1.5 * result["verifier_p99_s"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(list(argv or []))
-    problem = plot_unavailable(args)
-    if problem:
-        print(f"bench overlap: {problem}", file=sys.stderr)
-        return 2
-    result, trace = asyncio.run(run(args))
-    if args.plot:
-        plot(args.plot, result, trace)
-    emit(args, "stream-reward bench overlap", result, goals={
-        "step_over_ideal <= 1.05": result["step_over_ideal"] <= 1.05,
-        "reward_tail_s <= 1.5 x verifier p99": result["reward_tail_s"] <= 1.5 * result["verifier_p99_s"],
-    })
-    return 0
+    return bench_main("overlap", argv, parse, run, plot, goals)
 
 
 if __name__ == "__main__":

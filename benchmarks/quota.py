@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._common import Workers, bench_parser, child_env, emit, plot_figure, quiet_server, say, stop_procs
+from benchmarks._common import Workers, bench_parser, child_env, emit, plot_figure, quiet_server, save_figure, say, stop_procs
 
 QUOTA_KEY = "bench-quota"
 
@@ -182,9 +182,7 @@ def plot(path: str, result: dict[str, Any]) -> None:
     ax.set_title(f"{result['processes']} workers, one global limiter: utilization {result['utilization']:.3f}, "
                  f"{result['http_429']} x 429")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,8 +34,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks._common import (Progress, Workers, bench_parser, child_env, cpu_seconds, emit, gsm8k_pool, plot_figure, say,
-                                stop_procs)
+from benchmarks._common import (Progress, Workers, bench_main, bench_parser, child_env, cpu_seconds, gsm8k_pool, plot_figure,
+                                save_figure, say, stop_procs)
 
 NAMESPACE = "scale"
 RESPONSE_LEN = 1024
@@ -245,18 +245,16 @@ def plot(path: str, result: dict[str, Any]) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title(f"scale, {result['n']:,} trajectories per point, {result['cores']} cores")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def goals(result: dict[str, Any]) -> dict[str, bool]:
+    return {"every trajectory scored": result["all_scored"]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(list(argv or []))
-    result = asyncio.run(run(args))
-    if args.plot:
-        plot(args.plot, result)
-    emit(args, "stream-reward bench scale", result, goals={"every trajectory scored": result["all_scored"]})
-    return 0
+    # scale never checked --plot up front; check_plot=False keeps that as it was.
+    return bench_main("scale", argv, parse, run, plot, goals, check_plot=False)
 
 
 if __name__ == "__main__":

@@ -31,14 +31,14 @@ from benchmarks._common import (
     Progress,
     Workers,
     add_torch_threads,
+    bench_main,
     bench_parser,
     child_env,
     cpu_seconds,
-    emit,
     gsm8k_pool,
     plot_figure,
-    plot_unavailable,
     quiet_server,
+    save_figure,
     say,
     setup_torch,
     stop_procs,
@@ -305,24 +305,16 @@ def plot(path: str, result: dict[str, Any]) -> None:
     ax2.set_ylabel("CPU us / trajectory (all processes)")
     ax2.set_title("CPU per trajectory", fontsize=10)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def goals(result: dict[str, Any]) -> dict[str, bool]:
+    ratio = result["ratio"]
+    return {"ratio >= 0.7": ratio is not None and ratio >= 0.7, "every trajectory scored": result["all_scored"]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(list(argv or []))
-    problem = plot_unavailable(args)
-    if problem:
-        print(f"bench throughput: {problem}", file=sys.stderr)
-        return 2
-    result = asyncio.run(run(args))
-    if args.plot:
-        plot(args.plot, result)
-    ratio = result["ratio"]
-    emit(args, "stream-reward bench throughput", result,
-         goals={"ratio >= 0.7": ratio is not None and ratio >= 0.7, "every trajectory scored": result["all_scored"]})
-    return 0
+    return bench_main("throughput", argv, parse, run, plot, goals)
 
 
 if __name__ == "__main__":

@@ -39,12 +39,12 @@ from benchmarks._common import (
     Progress,
     Workers,
     add_torch_threads,
+    bench_main,
     bench_parser,
-    emit,
     gsm8k_pool,
     plot_figure,
-    plot_unavailable,
     quiet_server,
+    save_figure,
     say,
     setup_torch,
 )
@@ -253,31 +253,16 @@ def plot(path: str, result: dict[str, Any]) -> None:
     ax.set_ylabel("samples / s")
     ax.set_title(f"GSM8K, {result['n']:,} samples: {result['ratio']}x verl "
                  f"({result['ratio_text']}x with text pushed)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def goals(result: dict[str, Any]) -> dict[str, bool]:
+    return {"stream-reward >= 5x verl reward loop": result["ratio"] >= 5.0,
+            "same scores as verl": result["scores_agree"] == result["n"]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(list(argv or []))
-    problem = plot_unavailable(args)
-    if problem:
-        print(f"bench vs_verl: {problem}", file=sys.stderr)
-        return 2
-    reason = verl_status()
-    if reason is not None:
-        if args.json:
-            print(__import__("json").dumps({"skipped": reason}))
-        else:
-            print(f"vs_verl skipped: {reason}")
-        return 0
-    result = asyncio.run(run(args))
-    if args.plot:
-        plot(args.plot, result)
-    emit(args, "stream-reward bench vs_verl", result,
-         goals={"stream-reward >= 5x verl reward loop": result["ratio"] >= 5.0,
-                "same scores as verl": result["scores_agree"] == result["n"]})
-    return 0
+    return bench_main("vs_verl", argv, parse, run, plot, goals, skip=verl_status)
 
 
 if __name__ == "__main__":
