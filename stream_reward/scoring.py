@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from .errors import BadReplyError, ConfigError
 from .trajectory import Trajectory
 
-__all__ = ["Scored", "Scorer", "normalize", "load_function", "FunctionScorer"]
+__all__ = ["Scored", "Scorer", "normalize", "load_function"]
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from stream_reward.config import ConsumerConfig, default_consumer_name
+from stream_reward.config import ConsumerConfig
 from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.logs import LOG_FORMATS
 from stream_reward.logs import configure_logging as _configure_logging
