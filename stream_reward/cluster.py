@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .embedded import _die_with_parent, find_server_binary
+from .embedded import die_with_parent, find_server_binary
 from .errors import BrokerError
 
 __all__ = ["LocalCluster", "HASH_SLOTS"]
@@ -174,7 +174,7 @@ class LocalCluster:
         ]
         with open(os.path.join(node_dir, "stderr.log"), "ab") as err_file:
             return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=die_with_parent)
 
     def _wait_up(self) -> bool:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .errors import BrokerError
 
-__all__ = ["EmbeddedServer", "find_server_binary"]
+__all__ = ["EmbeddedServer", "find_server_binary", "die_with_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def find_server_binary() -> str:
     )
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Runs in the child between fork and exec: ask the kernel to SIGTERM us when
     # the parent dies, however it dies.
     try:
@@ -141,7 +141,7 @@ class EmbeddedServer:
         with open(os.path.join(self._tmp, "stderr.log"), "ab") as err_file:
             self._proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .embedded import EmbeddedServer
+from .embedded import EmbeddedServer, die_with_parent
 from .keys import DEFAULT_NAMESPACE
 
 __all__ = ["LocalPipeline", "spawn_worker"]
@@ -25,7 +25,10 @@ def spawn_worker(redis_url: str, *args: str, namespace: str = DEFAULT_NAMESPACE,
     argv = [sys.executable, "-m", "workers", "--redis", redis_url, "--namespace", namespace, *args]
     if quiet and "--log-level" not in args:
         argv += ["--log-level", "WARNING"]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    # A local worker belongs to this process: if we die without stopping it (a
+    # SIGKILLed trainer or bench), the kernel stops it rather than leaving it
+    # retrying against a private server that died with us.
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
 
 @dataclass

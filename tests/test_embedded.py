@@ -74,3 +74,23 @@ def test_server_command_prints_its_url_first():
         assert proc.wait(timeout=10) == 0
         proc.stdout.close()
     assert not os.path.exists(url.removeprefix("unix://"))
+
+
+def test_local_workers_die_with_their_owner(redis_url):
+    owner_code = (
+        "import sys, time\n"
+        "from stream_reward.local import spawn_worker\n"
+        f"w = spawn_worker({redis_url!r}, namespace='orphans')\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
+    worker_pid = int(owner.stdout.readline())
+    assert _alive(worker_pid)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    owner.stdout.close()
+    deadline = time.monotonic() + 15  # the worker drains (SIGTERM) before it exits
+    while _alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker_pid)
