@@ -171,35 +171,19 @@ def decode_trajectory(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -
 
 
 def encode_result(result: ScoreResult) -> bytes:
-    obj: dict[str, Any] = {
-        "v": SCHEMA_VERSION,
-        "u": result.uid,
-        "b": result.batch_id,
-        "i": result.index,
-        "s": result.score,
-        "st": result.status,
-        "a": result.attempts,
-        "t": result.scored_at,
-    }
-    if result.extra:
-        obj["x"] = result.extra
-    if result.reason is not None:
-        obj["rs"] = result.reason
-    if result.error is not None:
-        obj["e"] = result.error
-    if result.valid_response_length is not None:
-        obj["vl"] = result.valid_response_length
-    if result.data_source is not None:
-        obj["ds"] = result.data_source
-    if result.group is not None:
-        obj["g"] = result.group
+    """A result as a positional msgpack array: results are written and read only by
+    this code (worker -> aggregator), once per sample on both hot paths, and an
+    array packs and unpacks ~2-3x faster than a map with key strings."""
+    row = (SCHEMA_VERSION, result.uid, result.batch_id, result.index, result.score, result.status,
+           result.attempts, result.scored_at, result.extra or None, result.reason, result.error,
+           result.valid_response_length, result.data_source, result.group)
     try:
-        return msgpack.packb(obj, use_bin_type=True)
+        return msgpack.packb(row, use_bin_type=True)
     except (TypeError, ValueError, OverflowError):
         # A scorer returned extra info msgpack cannot carry (a tensor, a set...):
         # keep the score, stringify the extras rather than lose the sample.
-        obj["x"] = {str(k): _plain(v) for k, v in result.extra.items()}
-        return msgpack.packb(obj, use_bin_type=True)
+        extra = {str(k): _plain(v) for k, v in result.extra.items()}
+        return msgpack.packb(row[:8] + (extra,) + row[9:], use_bin_type=True)
 
 
 def _plain(value: Any) -> Any:
@@ -219,19 +203,13 @@ def _plain(value: Any) -> Any:
 
 
 def decode_result(data: bytes) -> ScoreResult:
-    obj = _unpack(data, sys.maxsize)
-    return ScoreResult(
-        uid=obj["u"],
-        batch_id=obj["b"],
-        index=obj["i"],
-        score=float(obj["s"]),
-        status=obj["st"],
-        extra=obj.get("x") or {},
-        reason=obj.get("rs"),
-        error=obj.get("e"),
-        attempts=obj.get("a", 1),
-        valid_response_length=obj.get("vl"),
-        data_source=obj.get("ds"),
-        group=obj.get("g"),
-        scored_at=obj.get("t", 0.0),
-    )
+    try:
+        row = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        version, uid, batch_id, index, score, status, attempts, scored_at, extra, reason, error, vl, ds, group = row
+    except Exception as exc:  # garbage of any kind: msgpack and unpacking raise unrelated types
+        raise CodecError(f"not a result record: {type(exc).__name__}: {exc}") from exc
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(f"result schema version {version!r}, this build reads version {SCHEMA_VERSION}")
+    return ScoreResult(uid=uid, batch_id=batch_id, index=index, score=float(score), status=status, extra=extra or {},
+                       reason=reason, error=error, attempts=attempts, valid_response_length=vl, data_source=ds,
+                       group=group, scored_at=scored_at)
