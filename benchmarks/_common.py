@@ -416,3 +416,13 @@ def gsm8k_pool(rng: random.Random, size: int, target_bytes: int) -> list[dict[st
             "valid_response_length": max(1, len(response) // 4),
         })
     return pool
+
+
+def payload_bytes(sample: dict[str, Any]) -> int:
+    """Encoded size of one pool sample as a trajectory (what the stream carries)."""
+    from stream_reward.codec import encode_trajectory
+    from stream_reward.trajectory import Trajectory
+
+    return len(encode_trajectory(Trajectory(batch_id="b0", index=0, data_source="openai/gsm8k", response=sample["response"],
+                                            ground_truth=sample["ground_truth"], prompt=sample["prompt"],
+                                            valid_response_length=sample["valid_response_length"], group="b0-0")))

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks._common import (Progress, Workers, bench_main, bench_parser, child_env, cpu_seconds, gsm8k_pool, plot_figure,
+from benchmarks._common import (Progress, Workers, bench_main, payload_bytes, bench_parser, child_env, cpu_seconds, gsm8k_pool, plot_figure,
                                 save_figure, say, stop_procs)
 
 NAMESPACE = "scale"
@@ -215,22 +215,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "producers": args.producers,
         "cores": len(os.sched_getaffinity(0)),
         "scorer": args.scorer,
-        "payload_bytes": _payload_bytes(args),
+        "payload_bytes": payload_bytes(gsm8k_pool(random.Random(args.seed), 1, args.bytes)[0]),
         "layout": f"{args.producers} producer processes, 1 aggregator process, worker processes, "
                   "Redis on 127.0.0.1 (a single node, or 3 masters)",
         "all_scored": all(r["scored"] == r["ok"] == args.n for r in rows) if args.scorer == "rules" else
                       all(r["scored"] == args.n for r in rows),
     }
-
-
-def _payload_bytes(args: argparse.Namespace) -> int:
-    from stream_reward.codec import encode_trajectory
-    from stream_reward.trajectory import Trajectory
-
-    s = gsm8k_pool(random.Random(args.seed), 1, args.bytes)[0]
-    return len(encode_trajectory(Trajectory(batch_id="b0", index=0, data_source="openai/gsm8k", response=s["response"],
-                                            ground_truth=s["ground_truth"], prompt=s["prompt"],
-                                            valid_response_length=s["valid_response_length"], group="b0-0")))
 
 
 def plot(path: str, result: dict[str, Any]) -> None:

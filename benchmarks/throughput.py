@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from benchmarks._common import (
+    payload_bytes,
     Progress,
     Workers,
     add_torch_threads,
@@ -232,7 +233,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rate = statistics.median(r["traj_per_s"] for r in runs["pipeline"])
     base = statistics.median(r["traj_per_s"] for r in runs["baseline"]) if runs["baseline"] else float("nan")
     last = runs["pipeline"][-1]
-    payload_bytes = _payload_bytes(pool[0])
+    entry_bytes = payload_bytes(pool[0])
     return {
         "n": args.n,
         "traj_per_s": round(rate, 1),
@@ -241,7 +242,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "processes": args.processes,
         "layout": f"1 producer+aggregator process, {args.processes} consumer processes, 1 server, {_cores()} cores",
         "scorer": args.scorer,
-        "payload_bytes": payload_bytes,
+        "payload_bytes": entry_bytes,
         "scored": last["scored"],
         "ok": last["ok"],
         "repeats": args.repeats,
@@ -257,15 +258,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_cpu_s": runs["baseline"][-1]["cpu_s"] if runs["baseline"] else None,
         "all_scored": all(r["scored"] == args.n for side in runs.values() for r in side),
     }
-
-
-def _payload_bytes(sample: dict[str, Any]) -> int:
-    from stream_reward.codec import encode_trajectory
-    from stream_reward.trajectory import Trajectory
-
-    return len(encode_trajectory(Trajectory(batch_id="b0", index=0, data_source="openai/gsm8k", response=sample["response"],
-                                            ground_truth=sample["ground_truth"], prompt=sample["prompt"],
-                                            valid_response_length=sample["valid_response_length"], group="b0-0")))
 
 
 def _cores() -> int:
