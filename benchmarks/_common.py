@@ -62,10 +62,14 @@ def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
 
 
 def add_torch_threads(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="intra-op threads of torch in this (trainer-side) process; 0 keeps torch's default. "
-                             "One by default: on a small machine shared with the workers and the server, OpenMP "
-                             "threads spinning after each rm_scores fill take CPU from them")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="intra-op threads of torch in this (trainer-side) process; 0 keeps torch's default. "
+        "One by default: on a small machine shared with the workers and the server, OpenMP "
+        "threads spinning after each rm_scores fill take CPU from them",
+    )
 
 
 def setup_torch(args: argparse.Namespace) -> None:
@@ -298,7 +302,10 @@ class GcWatch:
         gc.callbacks.remove(self._callback)
 
     def summary(self) -> dict[str, float]:
-        return {"gc_pauses_over_1ms": len(self.pauses), "gc_max_pause_ms": round(max(self.pauses, default=0.0) * 1000, 1)}
+        return {
+            "gc_pauses_over_1ms": len(self.pauses),
+            "gc_max_pause_ms": round(max(self.pauses, default=0.0) * 1000, 1),
+        }
 
 
 # ---------------------------------------------------------------------- processes
@@ -313,7 +320,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-async def wait_for_workers(url: str, namespace: str, n: int, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
+async def wait_for_workers(
+    url: str, namespace: str, n: int, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 60.0
+) -> None:
     """Until ``n`` workers have heartbeated into the namespace (they have joined the group)."""
     from stream_reward.broker import connect
     from stream_reward.keys import Keys
@@ -409,12 +418,14 @@ def gsm8k_pool(rng: random.Random, size: int, target_bytes: int) -> list[dict[st
         pad = max(0, target_bytes - len(core))
         filler = (_FILLER * (pad // len(_FILLER) + 1))[:pad]
         response = filler + core
-        pool.append({
-            "prompt": f"What is {a} + {b} * {c}?",
-            "response": response,
-            "ground_truth": str(answer),
-            "valid_response_length": max(1, len(response) // 4),
-        })
+        pool.append(
+            {
+                "prompt": f"What is {a} + {b} * {c}?",
+                "response": response,
+                "ground_truth": str(answer),
+                "valid_response_length": max(1, len(response) // 4),
+            }
+        )
     return pool
 
 
@@ -423,6 +434,17 @@ def payload_bytes(sample: dict[str, Any]) -> int:
     from stream_reward.codec import encode_trajectory
     from stream_reward.trajectory import Trajectory
 
-    return len(encode_trajectory(Trajectory(batch_id="b0", index=0, data_source="openai/gsm8k", response=sample["response"],
-                                            ground_truth=sample["ground_truth"], prompt=sample["prompt"],
-                                            valid_response_length=sample["valid_response_length"], group="b0-0")))
+    return len(
+        encode_trajectory(
+            Trajectory(
+                batch_id="b0",
+                index=0,
+                data_source="openai/gsm8k",
+                response=sample["response"],
+                ground_truth=sample["ground_truth"],
+                prompt=sample["prompt"],
+                valid_response_length=sample["valid_response_length"],
+                group="b0-0",
+            )
+        )
+    )

@@ -39,16 +39,27 @@ async def run(n: int, workers: int, kills: int, kill_every_s: float, reclaim_idl
         pending_at_kills: list[int] = []
         started = time.perf_counter()
         try:
-            async with RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer, \
-                    RewardAggregator(url, namespace=namespace) as agg:
+            async with (
+                RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer,
+                RewardAggregator(url, namespace=namespace) as agg,
+            ):
                 await producer.open_batch(batch, n, 64)
-                trajs = [Trajectory(batch, i, "bench", response=str(i), ground_truth=str(i if i % 3 else -1),
-                                    valid_response_length=1 + i % 64) for i in range(n)]
+                trajs = [
+                    Trajectory(
+                        batch,
+                        i,
+                        "bench",
+                        response=str(i),
+                        ground_truth=str(i if i % 3 else -1),
+                        valid_response_length=1 + i % 64,
+                    )
+                    for i in range(n)
+                ]
                 collect = asyncio.create_task(agg.collect(batch, timeout_s=600))
 
                 async def push() -> None:
                     for pos in range(0, n, 200):
-                        await producer.push_many(trajs[pos:pos + 200])
+                        await producer.push_many(trajs[pos : pos + 200])
                         await asyncio.sleep(0.01)
 
                 pusher = asyncio.create_task(push())

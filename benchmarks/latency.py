@@ -59,8 +59,10 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     batch_id = "latency"
     with quiet_server() as server, Workers(server.url, NAMESPACE, args.processes, "--scorer", "rules") as workers:
         await workers.ready()
-        async with RolloutProducer(server.url, ProducerConfig(namespace=NAMESPACE)) as producer, \
-                RewardAggregator(server.url, namespace=NAMESPACE) as agg:
+        async with (
+            RolloutProducer(server.url, ProducerConfig(namespace=NAMESPACE)) as producer,
+            RewardAggregator(server.url, namespace=NAMESPACE) as agg,
+        ):
             await producer.open_batch(batch_id, n, RESPONSE_LEN)
             start = time.perf_counter()
 
@@ -70,10 +72,17 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
                     now = time.perf_counter()
                     due = min(n, int((now - start) * args.rate) + 1)
                     if due > sent:
-                        chunk = [Trajectory(batch_id=batch_id, index=i, data_source="openai/gsm8k",
-                                            response=pool[i % 1024]["response"], ground_truth=pool[i % 1024]["ground_truth"],
-                                            valid_response_length=pool[i % 1024]["valid_response_length"])
-                                 for i in range(sent, due)]
+                        chunk = [
+                            Trajectory(
+                                batch_id=batch_id,
+                                index=i,
+                                data_source="openai/gsm8k",
+                                response=pool[i % 1024]["response"],
+                                ground_truth=pool[i % 1024]["ground_truth"],
+                                valid_response_length=pool[i % 1024]["valid_response_length"],
+                            )
+                            for i in range(sent, due)
+                        ]
                         t = time.perf_counter()
                         await producer.push_many(chunk)
                         for i in range(sent, due):

@@ -26,8 +26,8 @@ from benchmarks._common import (
     gsm8k_pool,
     plot_figure,
     quiet_server,
-    save_figure,
     rss_bytes,
+    save_figure,
     setup_torch,
 )
 
@@ -69,19 +69,29 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, 
         used_start = int((await monitor.info("memory"))["used_memory"])
         opened = {bid: asyncio.Event() for bid, _ in batches}
         start = time.perf_counter()
-        async with RolloutProducer(server.url, ProducerConfig(namespace=NAMESPACE, max_backlog=args.max_backlog)) as producer, \
-                RewardAggregator(server.url, namespace=NAMESPACE, collected_ttl_s=args.collected_ttl_s) as agg:
+        async with (
+            RolloutProducer(server.url, ProducerConfig(namespace=NAMESPACE, max_backlog=args.max_backlog)) as producer,
+            RewardAggregator(server.url, namespace=NAMESPACE, collected_ttl_s=args.collected_ttl_s) as agg,
+        ):
 
             async def produce() -> None:
                 for bid, size in batches:
                     await producer.open_batch(bid, size, RESPONSE_LEN)
                     opened[bid].set()
                     for lo in range(0, size, 500):
-                        await producer.push_many([
-                            Trajectory(batch_id=bid, index=i, data_source="openai/gsm8k", response=pool[i % 1024]["response"],
-                                       ground_truth=pool[i % 1024]["ground_truth"], valid_response_length=pool[i % 1024]["valid_response_length"])
-                            for i in range(lo, min(size, lo + 500))
-                        ])
+                        await producer.push_many(
+                            [
+                                Trajectory(
+                                    batch_id=bid,
+                                    index=i,
+                                    data_source="openai/gsm8k",
+                                    response=pool[i % 1024]["response"],
+                                    ground_truth=pool[i % 1024]["ground_truth"],
+                                    valid_response_length=pool[i % 1024]["valid_response_length"],
+                                )
+                                for i in range(lo, min(size, lo + 500))
+                            ]
+                        )
 
             async def collect(bar: Progress) -> None:
                 nonlocal collected
@@ -94,10 +104,15 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, 
             async def sample() -> None:
                 while True:
                     info = await monitor.info("memory")
-                    samples.append({
-                        "t": time.perf_counter() - start, "collected": collected, "worker_rss": rss_bytes(pid),
-                        "used_memory": int(info["used_memory"]), "stream_len": int(await monitor.xlen(keys.stream())),
-                    })
+                    samples.append(
+                        {
+                            "t": time.perf_counter() - start,
+                            "collected": collected,
+                            "worker_rss": rss_bytes(pid),
+                            "used_memory": int(info["used_memory"]),
+                            "stream_len": int(await monitor.xlen(keys.stream())),
+                        }
+                    )
                     await asyncio.sleep(args.sample_s)
 
             with Progress(args, "memory", total=n) as bar:
@@ -112,10 +127,21 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, 
     at10 = next((s for s in samples if s["collected"] >= n // 10), samples[0] if samples else None)
     rss_10 = at10["worker_rss"] if at10 else rss_end
     peak = max((s["used_memory"] for s in samples), default=used_end)
-    entry_bytes = len(encode_trajectory(Trajectory(batch_id="m0", index=0, data_source="openai/gsm8k",
-                                                   response=pool[0]["response"], ground_truth=pool[0]["ground_truth"],
-                                                   valid_response_length=1)))
-    result_bytes = len(encode_result(ScoreResult("m0/0", "m0", 0, 1.0, valid_response_length=1, data_source="openai/gsm8k")))
+    entry_bytes = len(
+        encode_trajectory(
+            Trajectory(
+                batch_id="m0",
+                index=0,
+                data_source="openai/gsm8k",
+                response=pool[0]["response"],
+                ground_truth=pool[0]["ground_truth"],
+                valid_response_length=1,
+            )
+        )
+    )
+    result_bytes = len(
+        encode_result(ScoreResult("m0/0", "m0", 0, 1.0, valid_response_length=1, data_source="openai/gsm8k"))
+    )
     # What may be outstanding on the server, each item at its payload plus ~64 bytes
     # of stream / hash overhead:
     # * trajectories: max_backlog unread + what the worker holds (its concurrency)
@@ -170,7 +196,8 @@ def plot(path: str, result: dict[str, Any], samples: list[dict[str, Any]]) -> No
 def goals(result: dict[str, Any]) -> dict[str, bool]:
     return {
         "rss_growth <= 1.10": result["rss_growth"] is not None and result["rss_growth"] <= 1.10,
-        "server memory within the backlog bound": result["server_used_memory_peak_bytes"] <= result["server_bound_bytes"],
+        "server memory within the backlog bound": result["server_used_memory_peak_bytes"]
+        <= result["server_bound_bytes"],
         "every trajectory collected": result["collected"] == result["n"],
     }
 

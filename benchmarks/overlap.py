@@ -64,14 +64,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=256, help="trajectories in the step (B)")
     parser.add_argument("--group-size", type=int, default=8, help="GRPO group size")
     parser.add_argument("--generation-s", type=float, default=10.0, help="when the last rollout finishes")
-    parser.add_argument("--generation-sigma", type=float, default=0.6, help="lognormal sigma of finish times (the long tail)")
+    parser.add_argument(
+        "--generation-sigma", type=float, default=0.6, help="lognormal sigma of finish times (the long tail)"
+    )
     parser.add_argument("--latency-median-s", type=float, default=0.4, help="verifier latency median")
     parser.add_argument("--latency-p99-s", type=float, default=1.28, help="verifier latency 99th percentile")
     parser.add_argument("--rpm", type=float, default=1800.0, help="verifier quota, requests per minute")
     parser.add_argument("--margin", type=float, default=0.02, help="the workers' limiter runs at quota * (1 - margin)")
     parser.add_argument("--processes", type=int, default=2, help="worker processes (one global quota in Redis)")
-    parser.add_argument("--verifier", choices=("auto", "server", "simulated"), default="auto",
-                        help="auto: the reference server workers.verifier_server when it is there")
+    parser.add_argument(
+        "--verifier",
+        choices=("auto", "server", "simulated"),
+        default="auto",
+        help="auto: the reference server workers.verifier_server when it is there",
+    )
     add_torch_threads(parser)
     args = parser.parse_args(argv)
     if args.verifier == "auto":
@@ -107,8 +113,14 @@ def verdict(solution_str: str, ground_truth: Any) -> float:
     return 1.0 if solution_str.rstrip().endswith(f"#### {ground_truth}") else 0.0
 
 
-async def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None,
-                        rate_per_s: float = 30.0, **kwargs: Any) -> dict[str, Any]:
+async def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    rate_per_s: float = 30.0,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """verl-style async compute_score of the simulated verifier (runs in a worker)."""
     pacer = _pacers.get(rate_per_s)
     if pacer is None:  # created lazily, on the worker's own loop
@@ -132,9 +144,23 @@ class ServerVerifier:
 
     def start(self) -> None:
         a = self.args
-        argv = [sys.executable, "-m", "workers.verifier_server", "--port", "0", "--rpm", str(a.rpm),
-                "--latency-ms-p50", str(a.latency_median_s * 1000), "--latency-ms-p99", str(a.latency_p99_s * 1000),
-                "--rule", "rules", "--seed", str(a.seed)]
+        argv = [
+            sys.executable,
+            "-m",
+            "workers.verifier_server",
+            "--port",
+            "0",
+            "--rpm",
+            str(a.rpm),
+            "--latency-ms-p50",
+            str(a.latency_median_s * 1000),
+            "--latency-ms-p99",
+            str(a.latency_p99_s * 1000),
+            "--rule",
+            "rules",
+            "--seed",
+            str(a.seed),
+        ]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=child_env())
         assert self.proc.stdout is not None
         self.url = self.proc.stdout.readline().strip()
@@ -177,8 +203,12 @@ class SimulatedVerifier:
 
     def worker_args(self) -> list[str]:
         a = self.args
-        return ["--scorer", f"python:{os.path.abspath(__file__)}:compute_score",
-                "--reward-kwargs", json.dumps({"rate_per_s": a.rpm / 60.0 / a.processes})]
+        return [
+            "--scorer",
+            f"python:{os.path.abspath(__file__)}:compute_score",
+            "--reward-kwargs",
+            json.dumps({"rate_per_s": a.rpm / 60.0 / a.processes}),
+        ]
 
     async def accepted(self, rewards: Any) -> list[float]:
         return [t for t in rewards.reward_extra_info.get("sent_at", []) if t is not None]
@@ -198,14 +228,16 @@ def make_step(args: argparse.Namespace) -> list[dict[str, Any]]:
         a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 9)
         answer = a + b * c
         final = answer if rng.random() < 0.7 else answer + 1
-        samples.append({
-            "index": i,
-            "finish_s": args.generation_s * raw[i] / top,
-            "latency_s": rng.lognormvariate(math.log(args.latency_median_s), sigma),
-            "response": f"First {b} * {c} = {b * c}. Then {a} + {b * c} = {answer}.\n#### {final}",
-            "ground_truth": str(answer),
-            "group": f"g{i // args.group_size}",
-        })
+        samples.append(
+            {
+                "index": i,
+                "finish_s": args.generation_s * raw[i] / top,
+                "latency_s": rng.lognormvariate(math.log(args.latency_median_s), sigma),
+                "response": f"First {b} * {c} = {b * c}. Then {a} + {b * c} = {answer}.\n#### {final}",
+                "ground_truth": str(answer),
+                "group": f"g{i // args.group_size}",
+            }
+        )
     return samples
 
 
@@ -219,12 +251,21 @@ async def run_mode(mode: str, url: str, step: list[dict[str, Any]], verifier: An
     batch_id = f"{mode}-{int(time.time() * 1000)}"
 
     def trajectory(s: dict[str, Any]) -> Any:
-        return Trajectory(batch_id=batch_id, index=s["index"], data_source="openai/gsm8k", response=s["response"],
-                          ground_truth=s["ground_truth"], group=s["group"], valid_response_length=24,
-                          extra_info={"verifier_latency_s": s["latency_s"]})
+        return Trajectory(
+            batch_id=batch_id,
+            index=s["index"],
+            data_source="openai/gsm8k",
+            response=s["response"],
+            ground_truth=s["ground_truth"],
+            group=s["group"],
+            valid_response_length=24,
+            extra_info={"verifier_latency_s": s["latency_s"]},
+        )
 
-    async with RolloutProducer(url, ProducerConfig(namespace=NAMESPACE)) as producer, \
-            RewardAggregator(url, namespace=NAMESPACE) as agg:
+    async with (
+        RolloutProducer(url, ProducerConfig(namespace=NAMESPACE)) as producer,
+        RewardAggregator(url, namespace=NAMESPACE) as agg,
+    ):
         await producer.open_batch(batch_id, len(step), RESPONSE_LEN)
         start = time.perf_counter()
         wall0 = time.time()
@@ -265,8 +306,12 @@ async def run_mode(mode: str, url: str, step: list[dict[str, Any]], verifier: An
         await watcher
     accepted = sorted(t - wall0 for t in await verifier.accepted(rewards) if wall0 <= t <= wall0 + done)
     return {
-        "step_s": done, "last_push_s": max(pushed_at), "landed_at": landed_at, "accepted_at": accepted,
-        "scores": rewards.scores, "status": rewards.status_counts(),
+        "step_s": done,
+        "last_push_s": max(pushed_at),
+        "landed_at": landed_at,
+        "accepted_at": accepted,
+        "scores": rewards.scores,
+        "status": rewards.status_counts(),
     }
 
 
@@ -328,23 +373,35 @@ def plot(path: str, result: dict[str, Any], trace: dict[str, Any]) -> None:
     fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     finishes = sorted(s["finish_s"] for s in trace["step"])
     n = len(finishes)
-    for ax, mode, title in ((axes[0], "streaming", "streaming: pushed as each rollout finishes"),
-                            (axes[1], "sync", "synchronous: scored after the last rollout")):
+    for ax, mode, title in (
+        (axes[0], "streaming", "streaming: pushed as each rollout finishes"),
+        (axes[1], "sync", "synchronous: scored after the last rollout"),
+    ):
         data = trace[mode]
         ax.step(finishes, range(1, n + 1), where="post", label="rollouts finished", color="#7f7f7f")
         accepted = data["accepted_at"]
         if accepted:
-            ax.step(accepted, range(1, len(accepted) + 1), where="post", label="verifier requests accepted",
-                    color="#ff7f0e", alpha=0.8)
+            ax.step(
+                accepted,
+                range(1, len(accepted) + 1),
+                where="post",
+                label="verifier requests accepted",
+                color="#ff7f0e",
+                alpha=0.8,
+            )
         ax.step(sorted(data["landed_at"]), range(1, n + 1), where="post", label="scores landed", color="#1f77b4")
         ax.axvline(data["step_s"], color="#d62728", linestyle="--", label=f"rm_scores ready ({data['step_s']:.2f} s)")
-        ax.axvline(result["ideal_step_s"], color="#2ca02c", linestyle=":", label=f"ideal ({result['ideal_step_s']:.2f} s)")
+        ax.axvline(
+            result["ideal_step_s"], color="#2ca02c", linestyle=":", label=f"ideal ({result['ideal_step_s']:.2f} s)"
+        )
         ax.set_ylabel("samples")
         ax.set_title(title, fontsize=10)
         ax.legend(loc="lower right", fontsize=8)
     axes[1].set_xlabel("seconds since the step started")
-    fig.suptitle(f"overlap: B={result['batch']}, quota {result['rpm']:g} rpm, {result['verifier']} verifier, "
-                 f"speedup {result['speedup']}x")
+    fig.suptitle(
+        f"overlap: B={result['batch']}, quota {result['rpm']:g} rpm, {result['verifier']} verifier, "
+        f"speedup {result['speedup']}x"
+    )
     save_figure(fig, path)
 
 

@@ -29,14 +29,26 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._common import Workers, bench_parser, child_env, emit, plot_figure, quiet_server, save_figure, say, stop_procs
+from benchmarks._common import (
+    Workers,
+    bench_parser,
+    child_env,
+    emit,
+    plot_figure,
+    quiet_server,
+    save_figure,
+    say,
+    stop_procs,
+)
 
 QUOTA_KEY = "bench-quota"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = bench_parser("quota", __doc__.splitlines()[0])
-    parser.add_argument("--duration-s", type=float, default=30.0, help="measured seconds, from the server's first request")
+    parser.add_argument(
+        "--duration-s", type=float, default=30.0, help="measured seconds, from the server's first request"
+    )
     parser.add_argument("--quota-rpm", type=float, default=6000.0, help="the server's strict quota")
     parser.add_argument("--margin", type=float, default=0.01, help="the limiter runs at quota * (1 - margin)")
     parser.add_argument("--server-burst-s", type=float, default=0.1, help="the server's headroom, in seconds of quota")
@@ -49,9 +61,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def start_verifier(args: argparse.Namespace, burst: float) -> tuple[subprocess.Popen[str], str]:
-    argv = [sys.executable, "-m", "workers.verifier_server", "--port", "0", "--rpm", str(args.quota_rpm),
-            "--rpm-burst", str(burst), "--latency-ms-p50", str(args.latency_ms_p50),
-            "--latency-ms-p99", str(args.latency_ms_p99), "--seed", str(args.seed)]
+    argv = [
+        sys.executable,
+        "-m",
+        "workers.verifier_server",
+        "--port",
+        "0",
+        "--rpm",
+        str(args.quota_rpm),
+        "--rpm-burst",
+        str(burst),
+        "--latency-ms-p50",
+        str(args.latency_ms_p50),
+        "--latency-ms-p99",
+        str(args.latency_ms_p99),
+        "--seed",
+        str(args.seed),
+    ]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=child_env())
     assert proc.stdout is not None
     url = proc.stdout.readline().strip()
@@ -80,9 +106,22 @@ async def measure(args: argparse.Namespace, redis_url: str, namespace: str) -> d
     server, url = start_verifier(args, burst)
     say(args, f"verifier {url}: {args.quota_rpm:g} rpm, {burst:g} requests of headroom; limiter at {limiter_rpm:g} rpm")
     try:
-        worker_args = ("--scorer", f"http:{url}", "--max-rpm", str(limiter_rpm), "--quota-key", QUOTA_KEY,
-                       "--concurrency", str(args.concurrency), "--read-count", str(args.concurrency),
-                       "--drain-timeout-s", "1", "--retries", "3")
+        worker_args = (
+            "--scorer",
+            f"http:{url}",
+            "--max-rpm",
+            str(limiter_rpm),
+            "--quota-key",
+            QUOTA_KEY,
+            "--concurrency",
+            str(args.concurrency),
+            "--read-count",
+            str(args.concurrency),
+            "--drain-timeout-s",
+            "1",
+            "--retries",
+            "3",
+        )
         # More work than the quota can serve in the run: the limiter, not the queue,
         # sets the pace. Queued before the workers start, so that pushing does not
         # compete for the CPUs with the first requests.
@@ -90,8 +129,10 @@ async def measure(args: argparse.Namespace, redis_url: str, namespace: str) -> d
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, max_backlog=0)) as producer:
             await producer.open_batch("quota", n, 16)
             for lo in range(0, n, 1000):
-                await producer.push_many(Trajectory("quota", i, "bench", response=str(i), ground_truth=str(i),
-                                                    valid_response_length=1) for i in range(lo, min(n, lo + 1000)))
+                await producer.push_many(
+                    Trajectory("quota", i, "bench", response=str(i), ground_truth=str(i), valid_response_length=1)
+                    for i in range(lo, min(n, lo + 1000))
+                )
         with Workers(redis_url, namespace, args.processes, *worker_args):
             async with aiohttp.ClientSession() as session:
                 loop = asyncio.get_running_loop()
@@ -174,13 +215,17 @@ def plot(path: str, result: dict[str, Any]) -> None:
     plt = plot_figure(path)
     per_second = result["_per_second"]
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(range(len(per_second)), [c * 60 for c in per_second], drawstyle="steps-post", label="accepted (per second x 60)")
+    ax.plot(
+        range(len(per_second)), [c * 60 for c in per_second], drawstyle="steps-post", label="accepted (per second x 60)"
+    )
     ax.axhline(result["quota_rpm"], color="red", linestyle="--", label=f"quota {result['quota_rpm']:g} rpm")
     ax.set_xlabel("seconds since the first request")
     ax.set_ylabel("requests per minute")
     ax.set_ylim(0, result["quota_rpm"] * 1.2)
-    ax.set_title(f"{result['processes']} workers, one global limiter: utilization {result['utilization']:.3f}, "
-                 f"{result['http_429']} x 429")
+    ax.set_title(
+        f"{result['processes']} workers, one global limiter: utilization {result['utilization']:.3f}, "
+        f"{result['http_429']} x 429"
+    )
     ax.legend(loc="lower right")
     save_figure(fig, path, dpi=120)
 
@@ -198,8 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = round(time.perf_counter() - started, 1)
     if not args.json:
         say(args, "per second: " + json.dumps(per_second))
-    emit(args, "quota: two workers, one global limiter", result,
-         goals={"utilization >= 0.97": result["utilization"] >= 0.97, "no 429": result["http_429"] == 0})
+    emit(
+        args,
+        "quota: two workers, one global limiter",
+        result,
+        goals={"utilization >= 0.97": result["utilization"] >= 0.97, "no 429": result["http_429"] == 0},
+    )
     return 0
 
 

@@ -34,8 +34,20 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks._common import (Progress, Workers, bench_main, payload_bytes, bench_parser, child_env, cpu_seconds, gsm8k_pool, plot_figure,
-                                save_figure, say, stop_procs)
+from benchmarks._common import (
+    Progress,
+    Workers,
+    bench_main,
+    bench_parser,
+    child_env,
+    cpu_seconds,
+    gsm8k_pool,
+    payload_bytes,
+    plot_figure,
+    save_figure,
+    say,
+    stop_procs,
+)
 
 NAMESPACE = "scale"
 RESPONSE_LEN = 1024
@@ -48,15 +60,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=60_000, help="trajectories per configuration")
     parser.add_argument("--processes", default="1,2,4", help="worker process counts, comma-separated")
     parser.add_argument("--redis", default="single,cluster3", help="single, cluster3 or both, comma-separated")
-    parser.add_argument("--partitions", type=int, default=None,
-                        help="partitions of the namespace on the cluster (default: 3, one per master)")
-    parser.add_argument("--single-partitions", type=int, default=1, help="partitions of the namespace on the single node")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="partitions of the namespace on the cluster (default: 3, one per master)",
+    )
+    parser.add_argument(
+        "--single-partitions", type=int, default=1, help="partitions of the namespace on the single node"
+    )
     parser.add_argument("--bytes", type=int, default=2048, help="approximate response size of a trajectory")
     parser.add_argument("--batch-size", type=int, default=4096, help="trajectories per trainer batch (collect() each)")
     parser.add_argument("--push-chunk", type=int, default=256, help="trajectories per pipelined push")
-    parser.add_argument("--producers", type=int, default=None,
-                        help="producer processes (default: 2 on 8 cores or more, else 1; one alone tops out "
-                             "near 20-30k traj/s and caps every row)")
+    parser.add_argument(
+        "--producers",
+        type=int,
+        default=None,
+        help="producer processes (default: 2 on 8 cores or more, else 1; one alone tops out "
+        "near 20-30k traj/s and caps every row)",
+    )
     parser.add_argument("--scorer", default="rules", help="worker --scorer spec")
     parser.add_argument("--concurrency", type=int, default=None, help="worker --concurrency")
     args = parser.parse_args(argv)
@@ -84,7 +106,9 @@ def redis_under_test(kind: str) -> Iterator[tuple[str, list[int]]]:
         raise SystemExit(f"unknown --redis kind {kind!r}: single or cluster3")
 
 
-async def run_one(args: argparse.Namespace, kind: str, processes: int, partitions: int, bar: Progress) -> dict[str, Any]:
+async def run_one(
+    args: argparse.Namespace, kind: str, processes: int, partitions: int, bar: Progress
+) -> dict[str, Any]:
     from stream_reward import RewardAggregator, RolloutProducer
     from stream_reward.config import ProducerConfig
 
@@ -99,11 +123,30 @@ async def run_one(args: argparse.Namespace, kind: str, processes: int, partition
             for bid, size in batches:
                 await opener.open_batch(bid, size, RESPONSE_LEN)
             go = opener.client
-            producers = [subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.scale", "_produce", json.dumps({
-                    "url": url, "partitions": partitions, "batches": batches[k::args.producers], "seed": args.seed + k,
-                    "bytes": args.bytes, "push_chunk": args.push_chunk})],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=child_env()) for k in range(args.producers)]
+            producers = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.scale",
+                        "_produce",
+                        json.dumps(
+                            {
+                                "url": url,
+                                "partitions": partitions,
+                                "batches": batches[k :: args.producers],
+                                "seed": args.seed + k,
+                                "bytes": args.bytes,
+                                "push_chunk": args.push_chunk,
+                            }
+                        ),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    env=child_env(),
+                )
+                for k in range(args.producers)
+            ]
             try:
                 while int(await go.get(_READY) or 0) < args.producers:  # imported, connected, pool built
                     if any(p.poll() is not None for p in producers):
@@ -130,10 +173,17 @@ async def run_one(args: argparse.Namespace, kind: str, processes: int, partition
                 stop_procs(producers)
     cpu = {"workers": worker_cpu, "redis": server_cpu, "producers": producer_cpu, "aggregator": main_cpu}
     return {
-        "processes": processes, "redis": kind, "partitions": partitions,
-        "traj_per_s": round(n / elapsed, 1), "elapsed_s": round(elapsed, 3), "scored": scored, "ok": ok,
+        "processes": processes,
+        "redis": kind,
+        "partitions": partitions,
+        "traj_per_s": round(n / elapsed, 1),
+        "elapsed_s": round(elapsed, 3),
+        "scored": scored,
+        "ok": ok,
         "cpu_s": cpu,
-        "cpu_us_per_traj": {side: round((sum(v) if isinstance(v, list) else v) * 1e6 / n, 1) for side, v in cpu.items()},
+        "cpu_us_per_traj": {
+            side: round((sum(v) if isinstance(v, list) else v) * 1e6 / n, 1) for side, v in cpu.items()
+        },
     }
 
 
@@ -144,13 +194,16 @@ def produce(spec: dict[str, Any]) -> int:
     """One producer process: push its batches as fast as Redis takes them, once told to go.
     Prints its CPU seconds (from go to the last push) as JSON on stdout."""
     import json as json_
+
     from stream_reward import RolloutProducer, Trajectory
     from stream_reward.config import ProducerConfig
 
     pool = gsm8k_pool(random.Random(spec["seed"]), POOL, spec["bytes"])
 
     async def run() -> float:
-        async with RolloutProducer(spec["url"], ProducerConfig(namespace=NAMESPACE, partitions=spec["partitions"])) as producer:
+        async with RolloutProducer(
+            spec["url"], ProducerConfig(namespace=NAMESPACE, partitions=spec["partitions"])
+        ) as producer:
             client = producer.client
             await client.incr(_READY)
             while not await client.get(_GO):
@@ -161,11 +214,18 @@ def produce(spec: dict[str, Any]) -> int:
                     chunk = []
                     for i in range(lo, min(size, lo + spec["push_chunk"])):
                         s = pool[i % POOL]
-                        chunk.append(Trajectory(
-                            batch_id=bid, index=i, data_source="openai/gsm8k", response=s["response"],
-                            ground_truth=s["ground_truth"], prompt=s["prompt"],
-                            valid_response_length=s["valid_response_length"], group=f"{bid}-{i // GROUP_SIZE}",
-                        ))
+                        chunk.append(
+                            Trajectory(
+                                batch_id=bid,
+                                index=i,
+                                data_source="openai/gsm8k",
+                                response=s["response"],
+                                ground_truth=s["ground_truth"],
+                                prompt=s["prompt"],
+                                valid_response_length=s["valid_response_length"],
+                                group=f"{bid}-{i // GROUP_SIZE}",
+                            )
+                        )
                     await producer.push_many(chunk)
             return time.process_time() - cpu0
 
@@ -217,9 +277,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "scorer": args.scorer,
         "payload_bytes": payload_bytes(gsm8k_pool(random.Random(args.seed), 1, args.bytes)[0]),
         "layout": f"{args.producers} producer processes, 1 aggregator process, worker processes, "
-                  "Redis on 127.0.0.1 (a single node, or 3 masters)",
-        "all_scored": all(r["scored"] == r["ok"] == args.n for r in rows) if args.scorer == "rules" else
-                      all(r["scored"] == args.n for r in rows),
+        "Redis on 127.0.0.1 (a single node, or 3 masters)",
+        "all_scored": all(r["scored"] == r["ok"] == args.n for r in rows)
+        if args.scorer == "rules"
+        else all(r["scored"] == args.n for r in rows),
     }
 
 
@@ -228,8 +289,12 @@ def plot(path: str, result: dict[str, Any]) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind in sorted({r["redis"] for r in result["rows"]}):
         mine = [r for r in result["rows"] if r["redis"] == kind]
-        ax.plot([r["processes"] for r in mine], [r["traj_per_s"] for r in mine], "o-",
-                label=f"{kind} ({mine[0]['partitions']} partitions)")
+        ax.plot(
+            [r["processes"] for r in mine],
+            [r["traj_per_s"] for r in mine],
+            "o-",
+            label=f"{kind} ({mine[0]['partitions']} partitions)",
+        )
     ax.set_xlabel("worker processes")
     ax.set_ylabel("trajectories / s")
     ax.set_ylim(bottom=0)

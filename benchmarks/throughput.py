@@ -28,7 +28,6 @@ import time
 from typing import Any
 
 from benchmarks._common import (
-    payload_bytes,
     Progress,
     Workers,
     add_torch_threads,
@@ -37,6 +36,7 @@ from benchmarks._common import (
     child_env,
     cpu_seconds,
     gsm8k_pool,
+    payload_bytes,
     plot_figure,
     quiet_server,
     save_figure,
@@ -59,9 +59,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--scorer", default="rules", help="worker --scorer spec")
     parser.add_argument("--batch-size", type=int, default=4096, help="trajectories per trainer batch (collect() each)")
     parser.add_argument("--push-chunk", type=int, default=256, help="trajectories per pipelined push")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating baseline/pipeline runs; medians are reported")
-    parser.add_argument("--gc-freeze", action="store_true",
-                        help="gc.freeze() the producer process's start-up heap (torch) before the runs, as a tuned trainer would")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="alternating baseline/pipeline runs; medians are reported"
+    )
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() the producer process's start-up heap (torch) before the runs, as a tuned trainer would",
+    )
     parser.add_argument("--skip-baseline", action="store_true", help=argparse.SUPPRESS)
     add_torch_threads(parser)
     return parser.parse_args(argv)
@@ -81,8 +86,10 @@ async def run_pipeline(args: argparse.Namespace, pool: list[dict[str, Any]], bar
         cpu0 = {pid: cpu_seconds(pid) for pid in [*workers.pids, server.pid or 0]}
         main_cpu0 = time.process_time()
         start = time.perf_counter()
-        async with RolloutProducer(server.url, ProducerConfig(namespace=NAMESPACE)) as producer, \
-                RewardAggregator(server.url, namespace=NAMESPACE) as agg:
+        async with (
+            RolloutProducer(server.url, ProducerConfig(namespace=NAMESPACE)) as producer,
+            RewardAggregator(server.url, namespace=NAMESPACE) as agg,
+        ):
 
             async def produce() -> None:
                 for bid, size in batches:
@@ -92,11 +99,18 @@ async def run_pipeline(args: argparse.Namespace, pool: list[dict[str, Any]], bar
                         chunk = []
                         for i in range(lo, min(size, lo + args.push_chunk)):
                             s = pool[i % POOL]
-                            chunk.append(Trajectory(
-                                batch_id=bid, index=i, data_source="openai/gsm8k", response=s["response"],
-                                ground_truth=s["ground_truth"], prompt=s["prompt"],
-                                valid_response_length=s["valid_response_length"], group=f"{bid}-{i // GROUP_SIZE}",
-                            ))
+                            chunk.append(
+                                Trajectory(
+                                    batch_id=bid,
+                                    index=i,
+                                    data_source="openai/gsm8k",
+                                    response=s["response"],
+                                    ground_truth=s["ground_truth"],
+                                    prompt=s["prompt"],
+                                    valid_response_length=s["valid_response_length"],
+                                    group=f"{bid}-{i // GROUP_SIZE}",
+                                )
+                            )
                         await producer.push_many(chunk)
 
             async def collect() -> None:
@@ -160,8 +174,14 @@ async def run_baseline(args: argparse.Namespace, pool: list[dict[str, Any]], bar
 
     n = args.n
     with quiet_server() as server:
-        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.throughput", "_consumer", server.url, f"c{k}"],
-                                  stdin=subprocess.DEVNULL, env=child_env()) for k in range(args.processes)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.throughput", "_consumer", server.url, f"c{k}"],
+                stdin=subprocess.DEVNULL,
+                env=child_env(),
+            )
+            for k in range(args.processes)
+        ]
         try:
             client = aredis.Redis.from_url(server.url)
             reader = aredis.Redis.from_url(server.url)
@@ -180,8 +200,15 @@ async def run_baseline(args: argparse.Namespace, pool: list[dict[str, Any]], bar
                         pipe = client.pipeline(transaction=False)
                         for i in range(lo, min(n, lo + args.push_chunk)):
                             s = pool[i % POOL]
-                            payload = msgpack.packb({"u": f"b/{i}", "r": s["response"], "gt": s["ground_truth"],
-                                                     "p": s["prompt"], "vl": s["valid_response_length"]})
+                            payload = msgpack.packb(
+                                {
+                                    "u": f"b/{i}",
+                                    "r": s["response"],
+                                    "gt": s["ground_truth"],
+                                    "p": s["prompt"],
+                                    "vl": s["valid_response_length"],
+                                }
+                            )
                             pipe.xadd(BL_STREAM, {"d": payload})
                         await pipe.execute()
 
@@ -226,7 +253,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with Progress(args, "throughput", total=args.n * args.repeats * len(sides)) as bar:
         for rep in range(args.repeats):
             for side in sides:
-                bar.update(completed=(rep * len(sides) + sides.index(side)) * args.n, description=f"{side} {rep + 1}/{args.repeats}")
+                bar.update(
+                    completed=(rep * len(sides) + sides.index(side)) * args.n,
+                    description=f"{side} {rep + 1}/{args.repeats}",
+                )
                 fn = run_baseline if side == "baseline" else run_pipeline
                 runs[side].append(await fn(args, pool, bar))
                 say(args, f"{side} run {rep + 1}: {runs[side][-1]['traj_per_s']:,.0f} traj/s")
@@ -250,9 +280,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs_baseline_traj_per_s": [round(r["traj_per_s"]) for r in runs["baseline"]],
         # CPU time of every process involved (producer, consumers, server) per
         # trajectory: less sensitive than wall time to other load on the machine.
-        "cpu_us_per_traj": round(statistics.median(sum(r["cpu_s"].values()) for r in runs["pipeline"]) / args.n * 1e6, 1),
-        "baseline_cpu_us_per_traj": (round(statistics.median(sum(r["cpu_s"].values()) for r in runs["baseline"]) / args.n * 1e6, 1)
-                                     if runs["baseline"] else None),
+        "cpu_us_per_traj": round(
+            statistics.median(sum(r["cpu_s"].values()) for r in runs["pipeline"]) / args.n * 1e6, 1
+        ),
+        "baseline_cpu_us_per_traj": (
+            round(statistics.median(sum(r["cpu_s"].values()) for r in runs["baseline"]) / args.n * 1e6, 1)
+            if runs["baseline"]
+            else None
+        ),
         "gc_freeze": args.gc_freeze,
         "cpu_s": last["cpu_s"],
         "baseline_cpu_s": runs["baseline"][-1]["cpu_s"] if runs["baseline"] else None,
@@ -277,8 +312,11 @@ def plot(path: str, result: dict[str, Any]) -> None:
     ax1.set_xlabel("run")
     ax1.set_ylabel("trajectories / s")
     ax1.set_ylim(bottom=0)
-    ax1.set_title(f"{result['n']:,} x {result['payload_bytes']} B, {result['processes']} consumer processes: "
-                  f"ratio {result['ratio']}", fontsize=10)
+    ax1.set_title(
+        f"{result['n']:,} x {result['payload_bytes']} B, {result['processes']} consumer processes: "
+        f"ratio {result['ratio']}",
+        fontsize=10,
+    )
     ax1.legend(loc="lower right")
     # Where the CPU goes, per trajectory, in the last run of each side.
     sides = [("pipeline", result["cpu_s"])]
@@ -286,8 +324,11 @@ def plot(path: str, result: dict[str, Any]) -> None:
         sides.append(("baseline", result["baseline_cpu_s"]))
     colors = {"producer": "#1f77b4", "server": "#ff7f0e", "consumers": "#2ca02c"}
     for x, (label, cpu) in enumerate(sides):
-        parts = {"producer": cpu["producer"], "server": cpu["server"],
-                 "consumers": sum(v for k, v in cpu.items() if k not in ("producer", "server"))}
+        parts = {
+            "producer": cpu["producer"],
+            "server": cpu["server"],
+            "consumers": sum(v for k, v in cpu.items() if k not in ("producer", "server")),
+        }
         bottom = 0.0
         for part, seconds in parts.items():
             us = seconds / result["n"] * 1e6

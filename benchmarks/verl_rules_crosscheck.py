@@ -144,7 +144,9 @@ def same(a: Any, b: Any) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--verl-python", default=os.environ.get("VERL_PYTHON"), help="an interpreter that can import verl")
+    parser.add_argument(
+        "--verl-python", default=os.environ.get("VERL_PYTHON"), help="an interpreter that can import verl"
+    )
     parser.add_argument("--fuzz", type=int, default=2000, help="random responses per data source (default 2000)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -171,10 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         # Both raising counts as agreement; the error types may differ (verl asserts).
         if ("raise" in verl_out and "raise" in our_out) or same(verl_out.get("ok"), our_out.get("ok")):
             continue
-        mismatches.append({"id": label, "data_source": ds, "solution_str": sol, "ground_truth": gt, "verl": verl_out, "ours": our_out})
-    stale = [
-        c.id for c, verl_out in zip(cases, theirs) if "raise" in verl_out or not same(c.expected, verl_out["ok"])
-    ]
+        mismatches.append(
+            {"id": label, "data_source": ds, "solution_str": sol, "ground_truth": gt, "verl": verl_out, "ours": our_out}
+        )
+    stale = [c.id for c, verl_out in zip(cases, theirs) if "raise" in verl_out or not same(c.expected, verl_out["ok"])]
     report = {"cases": len(cases), "fuzz": len(inputs) - len(cases), "verl": verl_version, "mismatches": mismatches}
     if stale:
         report["stale_expected"] = stale  # the table's recorded outputs disagree with this verl

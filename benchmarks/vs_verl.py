@@ -59,7 +59,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=16384, help="samples in the batch")
     parser.add_argument("--bytes", type=int, default=1024, help="approximate response size")
     parser.add_argument("--processes", type=int, default=2, help="stream-reward worker processes")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating verl / stream-reward runs; medians reported")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="alternating verl / stream-reward runs; medians reported"
+    )
     add_torch_threads(parser)
     return parser.parse_args(argv)
 
@@ -86,8 +88,12 @@ def build_tokenizer(texts: list[str], directory: str) -> Any:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<pad>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     fast.save_pretrained(directory)
@@ -110,16 +116,22 @@ def build_batch(tokenizer: Any, pool: list[dict[str, Any]], n: int) -> tuple[Any
     lengths = []
     for i in range(n):
         p, r = prompts[i % len(pool)], responses[i % len(pool)]
-        prompt_t[i, PROMPT_LEN - len(p):] = torch.tensor(p)
-        resp_t[i, :len(r)] = torch.tensor(r)
-        mask[i, PROMPT_LEN - len(p):PROMPT_LEN + len(r)] = 1
+        prompt_t[i, PROMPT_LEN - len(p) :] = torch.tensor(p)
+        resp_t[i, : len(r)] = torch.tensor(r)
+        mask[i, PROMPT_LEN - len(p) : PROMPT_LEN + len(r)] = 1
         lengths.append(len(r))
     data = DataProto.from_dict(
-        tensors={"prompts": prompt_t, "responses": resp_t, "attention_mask": mask,
-                 "input_ids": torch.cat([prompt_t, resp_t], dim=1)},
+        tensors={
+            "prompts": prompt_t,
+            "responses": resp_t,
+            "attention_mask": mask,
+            "input_ids": torch.cat([prompt_t, resp_t], dim=1),
+        },
         non_tensors={
             "data_source": np.array(["openai/gsm8k"] * n, dtype=object),
-            "reward_model": np.array([{"ground_truth": pool[i % len(pool)]["ground_truth"], "style": "rule"} for i in range(n)], dtype=object),
+            "reward_model": np.array(
+                [{"ground_truth": pool[i % len(pool)]["ground_truth"], "style": "rule"} for i in range(n)], dtype=object
+            ),
             "extra_info": np.array([{"index": i} for i in range(n)], dtype=object),
         },
     )
@@ -131,16 +143,18 @@ def build_batch(tokenizer: Any, pool: list[dict[str, Any]], n: int) -> tuple[Any
 def verl_config(tokenizer_dir: str) -> Any:
     from omegaconf import OmegaConf
 
-    return OmegaConf.create({
-        "actor_rollout_ref": {"model": {"path": tokenizer_dir, "tokenizer_path": tokenizer_dir}},
-        "reward": {
-            "num_workers": 1,
-            "reward_manager": {"name": "naive", "source": "register", "module": {"path": None, "name": None}},
-            "custom_reward_function": {"path": None, "name": None},
-            "reward_model": {"enable": False, "enable_resource_pool": False, "model_path": None},
-            "sandbox_fusion": None,
-        },
-    })
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {"model": {"path": tokenizer_dir, "tokenizer_path": tokenizer_dir}},
+            "reward": {
+                "num_workers": 1,
+                "reward_manager": {"name": "naive", "source": "register", "module": {"path": None, "name": None}},
+                "custom_reward_function": {"path": None, "name": None},
+                "reward_model": {"enable": False, "enable_resource_pool": False, "model_path": None},
+                "sandbox_fusion": None,
+            },
+        }
+    )
 
 
 async def run_verl(worker: Any, data: Any) -> tuple[float, list[float], Any]:
@@ -154,8 +168,18 @@ async def run_verl(worker: Any, data: Any) -> tuple[float, list[float], Any]:
 
 
 # ---------------------------------------------------------------------- stream-reward
-async def run_stream(url: str, batch_id: str, tokenizer: Any, data: Any, ground_truths: list[str], lengths: list[int],
-                     resp_len: int, *, texts: list[str] | None = None, chunk: int = 256) -> tuple[float, list[float], Any]:
+async def run_stream(
+    url: str,
+    batch_id: str,
+    tokenizer: Any,
+    data: Any,
+    ground_truths: list[str],
+    lengths: list[int],
+    resp_len: int,
+    *,
+    texts: list[str] | None = None,
+    chunk: int = 256,
+) -> tuple[float, list[float], Any]:
     """Push, score, collect; detokenizing each chunk first unless ``texts`` are given."""
     from stream_reward import RewardAggregator, RolloutProducer, Trajectory
     from stream_reward.config import ProducerConfig
@@ -163,23 +187,34 @@ async def run_stream(url: str, batch_id: str, tokenizer: Any, data: Any, ground_
     responses = data.batch["responses"]
     n = len(lengths)
     start = time.perf_counter()
-    async with RolloutProducer(url, ProducerConfig(namespace=NAMESPACE)) as producer, \
-            RewardAggregator(url, namespace=NAMESPACE) as agg:
+    async with (
+        RolloutProducer(url, ProducerConfig(namespace=NAMESPACE)) as producer,
+        RewardAggregator(url, namespace=NAMESPACE) as agg,
+    ):
         await producer.open_batch(batch_id, n, resp_len)
 
         async def produce() -> None:
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
                 if texts is None:
-                    chunk_texts = tokenizer.batch_decode([responses[i, :lengths[i]].tolist() for i in range(lo, hi)],
-                                                         skip_special_tokens=True)
+                    chunk_texts = tokenizer.batch_decode(
+                        [responses[i, : lengths[i]].tolist() for i in range(lo, hi)], skip_special_tokens=True
+                    )
                 else:
                     chunk_texts = texts[lo:hi]
-                await producer.push_many([
-                    Trajectory(batch_id=batch_id, index=i, data_source="openai/gsm8k", response=chunk_texts[i - lo],
-                               ground_truth=ground_truths[i], valid_response_length=lengths[i])
-                    for i in range(lo, hi)
-                ])
+                await producer.push_many(
+                    [
+                        Trajectory(
+                            batch_id=batch_id,
+                            index=i,
+                            data_source="openai/gsm8k",
+                            response=chunk_texts[i - lo],
+                            ground_truth=ground_truths[i],
+                            valid_response_length=lengths[i],
+                        )
+                        for i in range(lo, hi)
+                    ]
+                )
 
         pusher = asyncio.create_task(produce())
         rewards = await agg.collect(batch_id, timeout_s=600)
@@ -202,7 +237,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         data, ground_truths, lengths, resp_len = build_batch(tokenizer, pool, args.n)
         worker = RewardLoopWorker(verl_config(tokdir), None)
         responses = data.batch["responses"]
-        texts = tokenizer.batch_decode([responses[i, :lengths[i]].tolist() for i in range(args.n)], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(
+            [responses[i, : lengths[i]].tolist() for i in range(args.n)], skip_special_tokens=True
+        )
         with quiet_server() as server, Workers(server.url, NAMESPACE, args.processes, "--scorer", "rules") as workers:
             await workers.ready()
             with Progress(args, "vs_verl", total=3 * args.repeats) as bar:
@@ -211,12 +248,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     verl_rates.append(args.n / v_elapsed)
                     bar.advance()
                     say(args, f"verl reward loop run {rep + 1}: {verl_rates[-1]:,.0f} samples/s")
-                    s_elapsed, s_scores, s_rm = await run_stream(server.url, f"vs{rep}", tokenizer, data, ground_truths, lengths, resp_len)
+                    s_elapsed, s_scores, s_rm = await run_stream(
+                        server.url, f"vs{rep}", tokenizer, data, ground_truths, lengths, resp_len
+                    )
                     sr_rates.append(args.n / s_elapsed)
                     bar.advance()
                     say(args, f"stream-reward run {rep + 1}: {sr_rates[-1]:,.0f} samples/s")
-                    t_elapsed, t_scores, _ = await run_stream(server.url, f"vs{rep}-text", tokenizer, data, ground_truths,
-                                                              lengths, resp_len, texts=texts)
+                    t_elapsed, t_scores, _ = await run_stream(
+                        server.url, f"vs{rep}-text", tokenizer, data, ground_truths, lengths, resp_len, texts=texts
+                    )
                     text_rates.append(args.n / t_elapsed)
                     bar.advance()
                     say(args, f"stream-reward run {rep + 1}, text pushed: {text_rates[-1]:,.0f} samples/s")
@@ -247,18 +287,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def plot(path: str, result: dict[str, Any]) -> None:
     plt = plot_figure(path)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(["verl reward loop\n(naive)", f"stream-reward\n({result['processes']} workers)", "stream-reward,\ntext pushed"],
-           [result["verl_samples_per_s"], result["stream_reward_samples_per_s"], result["stream_reward_text_samples_per_s"]],
-           color=["#999999", "#1f77b4", "#aec7e8"])
+    ax.bar(
+        ["verl reward loop\n(naive)", f"stream-reward\n({result['processes']} workers)", "stream-reward,\ntext pushed"],
+        [
+            result["verl_samples_per_s"],
+            result["stream_reward_samples_per_s"],
+            result["stream_reward_text_samples_per_s"],
+        ],
+        color=["#999999", "#1f77b4", "#aec7e8"],
+    )
     ax.set_ylabel("samples / s")
-    ax.set_title(f"GSM8K, {result['n']:,} samples: {result['ratio']}x verl "
-                 f"({result['ratio_text']}x with text pushed)", fontsize=10)
+    ax.set_title(
+        f"GSM8K, {result['n']:,} samples: {result['ratio']}x verl ({result['ratio_text']}x with text pushed)",
+        fontsize=10,
+    )
     save_figure(fig, path)
 
 
 def goals(result: dict[str, Any]) -> dict[str, bool]:
-    return {"stream-reward >= 5x verl reward loop": result["ratio"] >= 5.0,
-            "same scores as verl": result["scores_agree"] == result["n"]}
+    return {
+        "stream-reward >= 5x verl reward loop": result["ratio"] >= 5.0,
+        "same scores as verl": result["scores_agree"] == result["n"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,10 +54,15 @@ def _one(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
 
 
 def _batch(fn: Any, rows: list[list[Any]], kwargs: dict[str, Any]) -> list[Any]:
-    values = _resolve(fn(
-        data_sources=[r[0] for r in rows], solution_strs=[r[1] for r in rows],
-        ground_truths=[r[2] for r in rows], extra_infos=[r[3] for r in rows], **kwargs,
-    ))
+    values = _resolve(
+        fn(
+            data_sources=[r[0] for r in rows],
+            solution_strs=[r[1] for r in rows],
+            ground_truths=[r[2] for r in rows],
+            extra_infos=[r[3] for r in rows],
+            **kwargs,
+        )
+    )
     values = list(values)
     if len(values) != len(rows):
         raise ValueError(f"batched scorer returned {len(values)} results for {len(rows)} samples")

@@ -116,12 +116,21 @@ def place_scores(scores: list[float], lengths: list[int | None], response_len: i
 class RewardAggregator:
     """``async with RewardAggregator(url) as agg: rewards = await agg.collect(batch_id)``."""
 
-    def __init__(self, redis_url: str, *, namespace: str = "sr", partitions: int | None = None,
-                 collected_ttl_s: int = 3600, client: Any = None, block_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        namespace: str = "sr",
+        partitions: int | None = None,
+        collected_ttl_s: int = 3600,
+        client: Any = None,
+        block_ms: int = 1000,
+    ) -> None:
         # torch is imported here, not at module level (workers import this package
         # and must start fast), and not at the first collect (its ~1 s import would
         # land in the reward tail of the first batch).
         import torch  # noqa: F401
+
         self._url = redis_url
         self._namespace = namespace
         self._partitions = partitions
@@ -148,14 +157,20 @@ class RewardAggregator:
         self._client = None
 
     async def meta(self, batch_id: str) -> BatchMeta:
-        raw = await with_reconnect(lambda: self.client.hgetall(Keys(self._namespace).batch_meta(batch_id)), what="read batch meta")
+        raw = await with_reconnect(
+            lambda: self.client.hgetall(Keys(self._namespace).batch_meta(batch_id)), what="read batch meta"
+        )
         if not raw:
             raise ConfigError("batch_id", f"batch {batch_id!r} was never opened in namespace {self._namespace!r}")
         m = {k.decode(): v.decode() for k, v in raw.items()}
         return BatchMeta(
-            size=int(m["size"]), response_len=int(m["response_len"]),
-            policy=BatchPolicy(on_failure=m.get("on_failure", "mask"), fallback_score=float(m.get("fallback_score", 0.0))),  # type: ignore[arg-type]
-            created=float(m.get("created", 0)), deadline=float(m.get("deadline", 0) or 0),
+            size=int(m["size"]),
+            response_len=int(m["response_len"]),
+            policy=BatchPolicy(
+                on_failure=m.get("on_failure", "mask"), fallback_score=float(m.get("fallback_score", 0.0))
+            ),  # type: ignore[arg-type]
+            created=float(m.get("created", 0)),
+            deadline=float(m.get("deadline", 0) or 0),
             partitions=int(m.get("partitions", 1)),
         )
 
@@ -169,8 +184,9 @@ class RewardAggregator:
         async for result in self._results(batch_id, meta, timeout_s):
             yield result
 
-    async def _results(self, batch_id: str, meta: BatchMeta, timeout_s: float | None,
-                       ended: dict[str, bool] | None = None) -> AsyncIterator[ScoreResult]:
+    async def _results(
+        self, batch_id: str, meta: BatchMeta, timeout_s: float | None, ended: dict[str, bool] | None = None
+    ) -> AsyncIterator[ScoreResult]:
         """The batch's results, each uid once. When it stops short, ``ended["deadline"]``
         says whether the batch deadline (rather than ``timeout_s``) was the limit."""
         keys = Keys(self._namespace, self._partitions or meta.partitions)
@@ -214,7 +230,9 @@ class RewardAggregator:
         """Entries of every done stream, one XREAD over all of them (a single node)."""
         cursors = {name: "0-0" for name in done}
         while (block := self._block_ms(end)) is not None:
-            reply = await with_reconnect(lambda: read_streams(self.client, cursors, count=1000, block=block), what="read results")
+            reply = await with_reconnect(
+                lambda: read_streams(self.client, cursors, count=1000, block=block), what="read results"
+            )
             for stream, entries in reply or []:
                 cursors[stream.decode()] = entries[-1][0]
                 yield entries
@@ -227,8 +245,9 @@ class RewardAggregator:
         async def follow(name: str) -> None:
             cursor = "0-0"
             while (block := self._block_ms(end)) is not None:
-                reply = await with_reconnect(lambda: read_streams(self.client, {name: cursor}, count=1000, block=block),
-                                             what="read results")
+                reply = await with_reconnect(
+                    lambda: read_streams(self.client, {name: cursor}, count=1000, block=block), what="read results"
+                )
                 for _stream, entries in reply or []:
                     cursor = entries[-1][0]
                     queue.put_nowait(entries)
@@ -256,7 +275,9 @@ class RewardAggregator:
             # A reader cancelled mid-BLOCK drops its connection (redis-py closes it); the pool opens another.
             await asyncio.gather(*readers, return_exceptions=True)
 
-    async def collect(self, batch_id: str, timeout_s: float | None = None, *, on_timeout: str = "raise") -> BatchRewards:
+    async def collect(
+        self, batch_id: str, timeout_s: float | None = None, *, on_timeout: str = "raise"
+    ) -> BatchRewards:
         """Wait for every sample of the batch and build its rewards.
 
         Past ``timeout_s``: ``on_timeout="raise"`` raises CollectTimeoutError;
@@ -269,12 +290,22 @@ class RewardAggregator:
         ended = {"deadline": False}
         async for result in self._results(batch_id, meta, timeout_s, ended):
             if not 0 <= result.index < meta.size:
-                log.warning("batch %r: result for uid %r has index %d outside the batch size %d; ignored",
-                            batch_id, result.uid, result.index, meta.size)
+                log.warning(
+                    "batch %r: result for uid %r has index %d outside the batch size %d; ignored",
+                    batch_id,
+                    result.uid,
+                    result.index,
+                    meta.size,
+                )
                 continue
             if result.index in by_index:
-                log.warning("batch %r: two uids share index %d (%r, %r); kept the first",
-                            batch_id, result.index, by_index[result.index].uid, result.uid)
+                log.warning(
+                    "batch %r: two uids share index %d (%r, %r); kept the first",
+                    batch_id,
+                    result.index,
+                    by_index[result.index].uid,
+                    result.uid,
+                )
                 continue
             by_index[result.index] = result
         if len(by_index) < meta.size:
@@ -285,9 +316,16 @@ class RewardAggregator:
             missing = [index for index in range(meta.size) if index not in by_index]
             lengths = await self._pushed_lengths(batch_id, missing)
             for index, length in zip(missing, lengths):
-                by_index[index] = ScoreResult("", batch_id, index, 0.0, "failed", reason=reason,
-                                              error=f"no result before the batch {reason}",
-                                              valid_response_length=length)
+                by_index[index] = ScoreResult(
+                    "",
+                    batch_id,
+                    index,
+                    0.0,
+                    "failed",
+                    reason=reason,
+                    error=f"no result before the batch {reason}",
+                    valid_response_length=length,
+                )
         rewards = build_rewards(batch_id, meta, [by_index[i] for i in range(meta.size)])
         await self._expire(batch_id, meta)
         return rewards

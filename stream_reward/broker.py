@@ -25,7 +25,16 @@ from redis.retry import Retry
 
 from .errors import BrokerError
 
-__all__ = ["connect", "mask_url", "is_cluster_url", "is_cluster", "is_transient", "with_reconnect", "TRANSIENT_ERRORS", "CLUSTER_ERRORS"]
+__all__ = [
+    "connect",
+    "mask_url",
+    "is_cluster_url",
+    "is_cluster",
+    "is_transient",
+    "with_reconnect",
+    "TRANSIENT_ERRORS",
+    "CLUSTER_ERRORS",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +45,12 @@ T = TypeVar("T")
 # In a cluster, CLUSTERDOWN / TRYAGAIN and an uncovered slot are what a failover
 # or a resharding looks like from a client: transient too.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, TryAgainError, SlotNotCoveredError,
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
 )
 # With every node of a cluster away, redis-py raises a plain RedisClusterException
 # (not a RedisError): told apart from a programming error (a cross-slot command)
@@ -49,8 +63,12 @@ def is_transient(exc: BaseException) -> bool:
         return True
     return isinstance(exc, RedisClusterException) and "cannot be connected" in str(exc)
 
-_KEEPALIVE = {opt: value for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
-              if (opt := getattr(socket, name, None)) is not None}
+
+_KEEPALIVE = {
+    opt: value
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
+    if (opt := getattr(socket, name, None)) is not None
+}
 
 # Per client; a worker's in-flight samples share them (see connect()).
 _MAX_CONNECTIONS = 128

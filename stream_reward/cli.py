@@ -44,9 +44,15 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
 
 def _add_common(parser: argparse.ArgumentParser, *, redis_required: bool = False) -> None:
     where = "required, here" if redis_required else "none: a private embedded server; or"
-    parser.add_argument("--redis", default=None, help=f"Redis URL: redis://, rediss://, unix://, redis+cluster:// ({where} in the config / $STREAM_REWARD_REDIS)")
+    parser.add_argument(
+        "--redis",
+        default=None,
+        help=f"Redis URL: redis://, rediss://, unix://, redis+cluster:// ({where} in the config / $STREAM_REWARD_REDIS)",
+    )
     parser.add_argument("--namespace", default=None, help="key namespace (default: sr)")
-    parser.add_argument("--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG")
+    parser.add_argument(
+        "--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG"
+    )
     _add_logging(parser)
     parser.set_defaults(redis_required=redis_required)
 
@@ -196,6 +202,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from .aggregator import RewardAggregator
 
     with progress_bar(f"collecting {args.batch}", total=0, enabled=not args.json) as progress:
+
         async def run() -> Any:
             async with RewardAggregator(args.redis, namespace=args.namespace) as agg:
                 watcher = _watch_batch(args.redis, args.namespace, args.batch, progress) if progress.drawn else None
@@ -205,13 +212,26 @@ def cmd_collect(args: argparse.Namespace) -> int:
     if args.out:
         import torch
 
-        torch.save({"rm_scores": rewards.rm_scores, "valid": rewards.valid, "scores": rewards.scores,
-                    "status": rewards.status, "indices": rewards.indices,
-                    "reward_extra_info": rewards.reward_extra_info}, args.out)
+        torch.save(
+            {
+                "rm_scores": rewards.rm_scores,
+                "valid": rewards.valid,
+                "scores": rewards.scores,
+                "status": rewards.status,
+                "indices": rewards.indices,
+                "reward_extra_info": rewards.reward_extra_info,
+            },
+            args.out,
+        )
     summary = {
-        "batch": args.batch, "n": rewards.n, "scores": rewards.scores, "status": rewards.status,
-        "rm_scores_shape": list(rewards.rm_scores.shape), "reward_extra_info": rewards.reward_extra_info,
-        "indices": rewards.indices, "errors": rewards.errors,
+        "batch": args.batch,
+        "n": rewards.n,
+        "scores": rewards.scores,
+        "status": rewards.status,
+        "rm_scores_shape": list(rewards.rm_scores.shape),
+        "reward_extra_info": rewards.reward_extra_info,
+        "indices": rewards.indices,
+        "errors": rewards.errors,
     }
     if args.json:
         print(json.dumps(summary, default=repr))
@@ -234,8 +254,13 @@ def cmd_score(args: argparse.Namespace) -> int:
     for error in rollouts.bad_lines.values():
         print(f"{args.file}: {error}", file=sys.stderr)
     worker_args = _pipeline_worker_args(args)
-    with LocalPipeline(args.redis, processes=_processes(args), namespace=args.namespace, worker_args=worker_args) as pipeline, \
-            progress_bar("scoring", total=rollouts.size) as progress:
+    with (
+        LocalPipeline(
+            args.redis, processes=_processes(args), namespace=args.namespace, worker_args=worker_args
+        ) as pipeline,
+        progress_bar("scoring", total=rollouts.size) as progress,
+    ):
+
         async def run() -> Any:
             await _produce(pipeline.url, rollouts, args.response_len, settings)
             async with RewardAggregator(pipeline.url, namespace=args.namespace) as agg:
@@ -262,17 +287,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     _settings(args)
     processes = _processes(args)
-    with LocalPipeline(args.redis, processes=processes, namespace=args.namespace, worker_args=_pipeline_worker_args(args)) as pipeline, \
-            progress_bar("scoring as rollouts stream", total=args.n, enabled=not args.json) as progress:
-        report = asyncio.run(run_demo(pipeline.url, args.n, namespace=args.namespace, generation_s=args.generation_s,
-                                      progress=progress if progress.drawn else None))
+    with (
+        LocalPipeline(
+            args.redis, processes=processes, namespace=args.namespace, worker_args=_pipeline_worker_args(args)
+        ) as pipeline,
+        progress_bar("scoring as rollouts stream", total=args.n, enabled=not args.json) as progress,
+    ):
+        report = asyncio.run(
+            run_demo(
+                pipeline.url,
+                args.n,
+                namespace=args.namespace,
+                generation_s=args.generation_s,
+                progress=progress if progress.drawn else None,
+            )
+        )
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
         print(f"stream-reward demo: {report.n} trajectories, {processes} worker processes")
         print(f"  status:      {report.status}")
         print(f"  accuracy:    {report.accuracy:.3f}")
-        print(f"  throughput:  {report.throughput_traj_per_s:,.0f} trajectories/s (a burst of n, first push -> rm_scores)")
+        print(
+            f"  throughput:  {report.throughput_traj_per_s:,.0f} trajectories/s (a burst of n, first push -> rm_scores)"
+        )
         print(f"  generation:  {report.generation_s:.2f} s (last push)")
         print(f"  reward tail: {report.reward_tail_s * 1000:.1f} ms (last push -> rm_scores ready)")
         print(f"  rm_scores:   {report.rm_scores_shape} float32")
@@ -285,15 +323,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args)
     interval = settings["consumer.heartbeat_interval_s"]
     window = args.window_s if args.window_s is not None else 1.5 * interval
-    partitions = args.partitions or (settings["connection.partitions"] if settings.is_set("connection.partitions") else None)
+    partitions = args.partitions or (
+        settings["connection.partitions"] if settings.is_set("connection.partitions") else None
+    )
     quota = settings.values["quota"]
     limits = {}
     if quota.get("quota_key"):
-        limits[quota["quota_key"]] = {"max_rpm": quota.get("max_rpm"), "max_tpm": quota.get("max_tpm"),
-                                      "max_inflight": quota.get("max_concurrent"),
-                                      "estimated_tokens_per_request": quota.get("estimated_tokens_per_request")}
-    status = asyncio.run(read_status(args.redis, args.namespace, partitions=partitions, heartbeat_interval_s=interval,
-                                     window_s=window, batch_limit=args.batches, quota_limits=limits))
+        limits[quota["quota_key"]] = {
+            "max_rpm": quota.get("max_rpm"),
+            "max_tpm": quota.get("max_tpm"),
+            "max_inflight": quota.get("max_concurrent"),
+            "estimated_tokens_per_request": quota.get("estimated_tokens_per_request"),
+        }
+    status = asyncio.run(
+        read_status(
+            args.redis,
+            args.namespace,
+            partitions=partitions,
+            heartbeat_interval_s=interval,
+            window_s=window,
+            batch_limit=args.batches,
+            quota_limits=limits,
+        )
+    )
     if args.json:
         print(json.dumps(status, default=repr))
     else:
@@ -307,12 +359,19 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     settings = _settings(args)
     shown = settings.as_dict(masked=True)
     if args.json:
-        print(json.dumps({"file": settings.path, "config": shown, "sources": dict(sorted(settings.sources.items()))}, default=repr))
+        print(
+            json.dumps(
+                {"file": settings.path, "config": shown, "sources": dict(sorted(settings.sources.items()))},
+                default=repr,
+            )
+        )
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"effective config (file: {settings.path or 'none'}; precedence file < env < flag)", title_justify="left")
+    table = Table(
+        title=f"effective config (file: {settings.path or 'none'}; precedence file < env < flag)", title_justify="left"
+    )
     for col in ("key", "value", "from", "environment variable"):
         table.add_column(col)
     for section, values in shown.items():
@@ -328,7 +387,9 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
     from .deadletters import list_dead_letters
 
     _settings(args)
-    letters = asyncio.run(list_dead_letters(args.redis, namespace=args.namespace, partitions=args.partitions, count=args.count))
+    letters = asyncio.run(
+        list_dead_letters(args.redis, namespace=args.namespace, partitions=args.partitions, count=args.count)
+    )
     rows = [letter.summary() for letter in letters]
     if args.json:
         print(json.dumps({"namespace": args.namespace, "count": len(rows), "dead_letters": rows}))
@@ -336,8 +397,10 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no dead letters in namespace {args.namespace!r}")
     for row in rows:
-        print(f"{row['id']:>22}  p{row['partition']}  {row['reason']:<16} batch={row['batch']} index={row['index']} "
-              f"deliveries={row['deliveries']}  {row['error']}")
+        print(
+            f"{row['id']:>22}  p{row['partition']}  {row['reason']:<16} batch={row['batch']} index={row['index']} "
+            f"deliveries={row['deliveries']}  {row['error']}"
+        )
     return 0
 
 
@@ -345,8 +408,9 @@ def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     from .deadletters import redrive_dead_letters
 
     _settings(args)
-    moved = asyncio.run(redrive_dead_letters(args.redis, namespace=args.namespace, partitions=args.partitions,
-                                             ids=args.ids or None))
+    moved = asyncio.run(
+        redrive_dead_letters(args.redis, namespace=args.namespace, partitions=args.partitions, ids=args.ids or None)
+    )
     print(json.dumps({"namespace": args.namespace, "redriven": moved}))
     return 0
 
@@ -417,8 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="streams, groups, workers, lag, throughput, dead letters, quota, open batches")
     _add_common(p, redis_required=True)
     p.add_argument("--partitions", type=int, default=None, help="default: discovered")
-    p.add_argument("--window-s", type=float, default=None,
-                   help="sample throughput over this many seconds (default 1.5 heartbeat intervals; 0: skip)")
+    p.add_argument(
+        "--window-s",
+        type=float,
+        default=None,
+        help="sample throughput over this many seconds (default 1.5 heartbeat intervals; 0: skip)",
+    )
     p.add_argument("--batches", type=int, default=20, help="show this many newest open batches")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
@@ -437,8 +505,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dlq_redrive)
 
     actions = _actions(sub, "config", "inspect the configuration")
-    p = actions.add_parser("show", help="the effective config (file < env < flags), secrets masked; "
-                                        "takes the worker's flags to show what `worker` with them would use")
+    p = actions.add_parser(
+        "show",
+        help="the effective config (file < env < flags), secrets masked; "
+        "takes the worker's flags to show what `worker` with them would use",
+    )
     add_worker_arguments(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_config_show, resolve=_worker_settings)

@@ -159,22 +159,34 @@ class LocalCluster:
         os.makedirs(node_dir, exist_ok=True)
         args = [
             binary,
-            "--port", str(port),
-            "--bind", HOST,
-            "--cluster-enabled", "yes",
-            "--cluster-config-file", os.path.join(node_dir, "nodes.conf"),
-            "--cluster-node-timeout", "5000",
-            "--dir", node_dir,
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-            "--logfile", os.path.join(node_dir, "server.log"),
+            "--port",
+            str(port),
+            "--bind",
+            HOST,
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            os.path.join(node_dir, "nodes.conf"),
+            "--cluster-node-timeout",
+            "5000",
+            "--dir",
+            node_dir,
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            os.path.join(node_dir, "server.log"),
             *self.extra_args,
         ]
         with open(os.path.join(node_dir, "stderr.log"), "ab") as err_file:
-            return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
-                                    preexec_fn=die_with_parent)
+            return subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file, preexec_fn=die_with_parent
+            )
 
     def _wait_up(self) -> bool:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -209,8 +221,11 @@ class LocalCluster:
             info = _info_fields(_command(port, "CLUSTER", "INFO"))
         except (OSError, BrokerError):
             return False
-        return (info.get("cluster_state") == "ok" and info.get("cluster_slots_ok") == str(HASH_SLOTS)
-                and info.get("cluster_known_nodes") == str(len(self.ports)))
+        return (
+            info.get("cluster_state") == "ok"
+            and info.get("cluster_slots_ok") == str(HASH_SLOTS)
+            and info.get("cluster_known_nodes") == str(len(self.ports))
+        )
 
     def kill_node(self, index: int) -> None:
         """SIGKILL one master (its dir and cluster config stay, for ``restart_node``)."""

@@ -174,9 +174,22 @@ def encode_result(result: ScoreResult) -> bytes:
     """A result as a positional msgpack array: results are written and read only by
     this code (worker -> aggregator), once per sample on both hot paths, and an
     array packs and unpacks ~2-3x faster than a map with key strings."""
-    row = (SCHEMA_VERSION, result.uid, result.batch_id, result.index, result.score, result.status,
-           result.attempts, result.scored_at, result.extra or None, result.reason, result.error,
-           result.valid_response_length, result.data_source, result.group)
+    row = (
+        SCHEMA_VERSION,
+        result.uid,
+        result.batch_id,
+        result.index,
+        result.score,
+        result.status,
+        result.attempts,
+        result.scored_at,
+        result.extra or None,
+        result.reason,
+        result.error,
+        result.valid_response_length,
+        result.data_source,
+        result.group,
+    )
     try:
         return msgpack.packb(row, use_bin_type=True)
     except (TypeError, ValueError, OverflowError):
@@ -210,6 +223,18 @@ def decode_result(data: bytes) -> ScoreResult:
         raise CodecError(f"not a result record: {type(exc).__name__}: {exc}") from exc
     if version != SCHEMA_VERSION:
         raise SchemaVersionError(f"result schema version {version!r}, this build reads version {SCHEMA_VERSION}")
-    return ScoreResult(uid=uid, batch_id=batch_id, index=index, score=float(score), status=status, extra=extra or {},
-                       reason=reason, error=error, attempts=attempts, valid_response_length=vl, data_source=ds,
-                       group=group, scored_at=scored_at)
+    return ScoreResult(
+        uid=uid,
+        batch_id=batch_id,
+        index=index,
+        score=float(score),
+        status=status,
+        extra=extra or {},
+        reason=reason,
+        error=error,
+        attempts=attempts,
+        valid_response_length=vl,
+        data_source=ds,
+        group=group,
+        scored_at=scored_at,
+    )

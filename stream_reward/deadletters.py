@@ -41,9 +41,16 @@ class DeadLetter:
         """A JSON-able view; the payload is shown by size only."""
         batch, index, uid = read_header(self.fields)
         return {
-            "partition": self.partition, "id": self.id, "reason": self.reason, "error": self.error,
-            "consumer": self.consumer, "deliveries": self.deliveries, "at": self.at,
-            "batch": batch, "index": index if index >= 0 else None, "uid": uid,
+            "partition": self.partition,
+            "id": self.id,
+            "reason": self.reason,
+            "error": self.error,
+            "consumer": self.consumer,
+            "deliveries": self.deliveries,
+            "at": self.at,
+            "batch": batch,
+            "index": index if index >= 0 else None,
+            "uid": uid,
             "payload_bytes": len(self.fields.get("d") or b""),
         }
 
@@ -51,14 +58,20 @@ class DeadLetter:
 def _parse(partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
     record = msgpack.unpackb(fields[b"e"], raw=False, strict_map_key=False)
     return DeadLetter(
-        partition=partition, id=entry_id.decode(), reason=record.get("reason", "?"), error=record.get("error", ""),
-        consumer=record.get("consumer", ""), deliveries=int(record.get("deliveries", 0)), at=float(record.get("at", 0)),
+        partition=partition,
+        id=entry_id.decode(),
+        reason=record.get("reason", "?"),
+        error=record.get("error", ""),
+        consumer=record.get("consumer", ""),
+        deliveries=int(record.get("deliveries", 0)),
+        at=float(record.get("at", 0)),
         fields=record.get("fields", {}),
     )
 
 
-async def list_dead_letters(redis_url: str, *, namespace: str = "sr", partitions: int = 1, count: int = 100,
-                            client: Any = None) -> list[DeadLetter]:
+async def list_dead_letters(
+    redis_url: str, *, namespace: str = "sr", partitions: int = 1, count: int = 100, client: Any = None
+) -> list[DeadLetter]:
     owned = client is None
     client = client or connect(redis_url)
     try:
@@ -73,8 +86,9 @@ async def list_dead_letters(redis_url: str, *, namespace: str = "sr", partitions
             await client.aclose()
 
 
-async def redrive_dead_letters(redis_url: str, *, namespace: str = "sr", partitions: int = 1,
-                               ids: list[str] | None = None, client: Any = None) -> int:
+async def redrive_dead_letters(
+    redis_url: str, *, namespace: str = "sr", partitions: int = 1, ids: list[str] | None = None, client: Any = None
+) -> int:
     """Push dead letters (all, or those with ``ids``) back onto their stream and delete them
     from the dead-letter stream, in one transaction per entry. Returns how many."""
     owned = client is None
@@ -82,7 +96,9 @@ async def redrive_dead_letters(redis_url: str, *, namespace: str = "sr", partiti
     moved = 0
     try:
         keys = Keys(namespace, partitions)
-        for letter in await list_dead_letters(redis_url, namespace=namespace, partitions=partitions, count=1_000_000, client=client):
+        for letter in await list_dead_letters(
+            redis_url, namespace=namespace, partitions=partitions, count=1_000_000, client=client
+        ):
             if ids is not None and letter.id not in ids:
                 continue
             if not letter.fields.get("d"):

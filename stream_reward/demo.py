@@ -38,9 +38,14 @@ def make_gsm8k_sample(rng: random.Random, batch_id: str, index: int, group_size:
     response = f"First {b} * {c} = {b * c}. Then {a} + {b * c} = {answer}.\n{final}"
     tokens = len(response.split())
     return Trajectory(
-        batch_id=batch_id, index=index, data_source="openai/gsm8k",
-        prompt=f"What is {a} + {b} * {c}?", response=response, ground_truth=str(answer),
-        valid_response_length=min(tokens, RESPONSE_LEN), group=f"{batch_id}-g{index // group_size}",
+        batch_id=batch_id,
+        index=index,
+        data_source="openai/gsm8k",
+        prompt=f"What is {a} + {b} * {c}?",
+        response=response,
+        ground_truth=str(answer),
+        valid_response_length=min(tokens, RESPONSE_LEN),
+        group=f"{batch_id}-g{index // group_size}",
     )
 
 
@@ -59,8 +64,15 @@ class DemoReport:
         return dict(self.__dict__)
 
 
-async def run_demo(redis_url: str, n: int = 2000, *, namespace: str = "sr", generation_s: float = 3.0, seed: int = 0,
-                   progress: Any = None) -> DemoReport:
+async def run_demo(
+    redis_url: str,
+    n: int = 2000,
+    *,
+    namespace: str = "sr",
+    generation_s: float = 3.0,
+    seed: int = 0,
+    progress: Any = None,
+) -> DemoReport:
     rng = random.Random(seed)
     batch_id = f"demo-{int(time.time() * 1000)}"
     samples = [make_gsm8k_sample(rng, batch_id, i) for i in range(n)]
@@ -72,8 +84,10 @@ async def run_demo(redis_url: str, n: int = 2000, *, namespace: str = "sr", gene
 
     start = time.perf_counter()
     last_push = 0.0
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch(batch_id, n, RESPONSE_LEN)
 
         async def rollouts() -> None:
@@ -110,7 +124,7 @@ async def run_demo(redis_url: str, n: int = 2000, *, namespace: str = "sr", gene
         burst_start = time.perf_counter()
         await producer.open_batch(burst_id, n, RESPONSE_LEN)
         for pos in range(0, n, 1000):
-            await producer.push_many(burst[pos:pos + 1000])
+            await producer.push_many(burst[pos : pos + 1000])
         await agg.collect(burst_id, timeout_s=120)
         burst_s = time.perf_counter() - burst_start
     ok_scores = [s for s, st in zip(rewards.scores, rewards.status) if st == "ok"]

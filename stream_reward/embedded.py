@@ -126,21 +126,33 @@ class EmbeddedServer:
         data_dir = self.data_dir or self._tmp
         args = [
             binary,
-            "--port", "0",
-            "--unixsocket", self.socket_path,
-            "--unixsocketperm", "700",
-            "--dir", data_dir,
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-            "--logfile", os.path.join(self._tmp, "server.log"),
+            "--port",
+            "0",
+            "--unixsocket",
+            self.socket_path,
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            data_dir,
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            os.path.join(self._tmp, "server.log"),
             *self.extra_args,
         ]
         # stderr goes to a file, not a pipe: nobody drains a pipe for the server's lifetime.
         with open(os.path.join(self._tmp, "stderr.log"), "ab") as err_file:
             self._proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err_file,
                 preexec_fn=die_with_parent,
             )
         deadline = time.monotonic() + self.startup_timeout_s

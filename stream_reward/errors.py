@@ -116,7 +116,9 @@ class RetryLater(StreamRewardError):
     with every worker when it came from a 429), and tries again.
     """
 
-    def __init__(self, message: str = "retry later", *, retry_after_s: float | None = None, rate_limited: bool = False) -> None:
+    def __init__(
+        self, message: str = "retry later", *, retry_after_s: float | None = None, rate_limited: bool = False
+    ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.rate_limited = rate_limited

@@ -48,8 +48,13 @@ def read_rollouts(path: str | Path, batch_id: str) -> Rollouts:
     return Rollouts(batch_id, trajectories, bad)
 
 
-async def produce_rollouts(redis_url: str, rollouts: Rollouts, response_len: int, config: ProducerConfig | None = None,
-                           policy: BatchPolicy | None = None) -> None:
+async def produce_rollouts(
+    redis_url: str,
+    rollouts: Rollouts,
+    response_len: int,
+    config: ProducerConfig | None = None,
+    policy: BatchPolicy | None = None,
+) -> None:
     """Open the batch, resolve bad lines as failed, push the rest."""
     async with RolloutProducer(redis_url, config) as producer:
         await producer.open_batch(rollouts.batch_id, rollouts.size, response_len, policy=policy)
@@ -57,7 +62,7 @@ async def produce_rollouts(redis_url: str, rollouts: Rollouts, response_len: int
             log.warning("%s", error)
             await producer.fail(rollouts.batch_id, index, reason="bad_input", error=error)
         for start in range(0, len(rollouts.trajectories), 512):
-            await producer.push_many(rollouts.trajectories[start:start + 512])
+            await producer.push_many(rollouts.trajectories[start : start + 512])
 
 
 def result_rows(rewards: BatchRewards) -> list[dict[str, Any]]:

@@ -42,7 +42,7 @@ def key_slot(key: str) -> int:
     if start > -1:
         end = data.find(b"}", start + 1)
         if end > start + 1:
-            data = data[start + 1:end]
+            data = data[start + 1 : end]
     return crc_hqx(data, 0) % HASH_SLOTS
 
 

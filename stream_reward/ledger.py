@@ -150,7 +150,7 @@ class LedgerWriter:
         dead letter is appended, not written once, and must not be sent twice).
         """
         if len(batch) == 1:
-            (partition, items), = batch.items()
+            ((partition, items),) = batch.items()
             return await self.write(partition, items)
         if not self._cluster:
             async with self._client.pipeline(transaction=False) as pipe:

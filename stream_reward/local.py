@@ -20,7 +20,9 @@ __all__ = ["LocalPipeline", "spawn_worker"]
 log = logging.getLogger(__name__)
 
 
-def spawn_worker(redis_url: str, *args: str, namespace: str = DEFAULT_NAMESPACE, quiet: bool = True) -> subprocess.Popen[bytes]:
+def spawn_worker(
+    redis_url: str, *args: str, namespace: str = DEFAULT_NAMESPACE, quiet: bool = True
+) -> subprocess.Popen[bytes]:
     """Start one worker process (``python -m workers``) with extra CLI ``args``."""
     argv = [sys.executable, "-m", "workers", "--redis", redis_url, "--namespace", namespace, *args]
     if quiet and "--log-level" not in args:
@@ -82,4 +84,3 @@ class LocalPipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-

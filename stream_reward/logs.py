@@ -116,7 +116,9 @@ _active: list[Any] = []  # the bar on screen; rich allows one live display at a 
 
 
 @contextmanager
-def progress_bar(description: str, total: int | None = None, *, enabled: bool = True, console: Any = None) -> Iterator[Progress]:
+def progress_bar(
+    description: str, total: int | None = None, *, enabled: bool = True, console: Any = None
+) -> Iterator[Progress]:
     """A rich progress bar on stderr when ``enabled`` and stderr is a terminal; else a no-op handle.
 
     Nested calls (a bench's own bars under the CLI's spinner) add a line to the
@@ -139,11 +141,24 @@ def progress_bar(description: str, total: int | None = None, *, enabled: bool = 
     if not console.is_terminal:
         yield Progress()
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.progress import Progress as RichProgress
 
-    columns = [SpinnerColumn(), TextColumn("[progress.description]{task.description}"),
-               BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), TimeElapsedColumn()]
+    columns = [
+        SpinnerColumn(),
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TimeElapsedColumn(),
+    ]
     with RichProgress(*columns, console=console, transient=False) as bar:
         _active.append(bar)
         try:

@@ -99,6 +99,7 @@ def register_manager(name: str) -> Callable[[Builder], Builder]:
     def decorator(builder: Builder) -> Builder:
         _REGISTRY[name] = builder
         return builder
+
     return decorator
 
 
@@ -132,13 +133,17 @@ class RuleScorer:
         self._kwargs = reward_kwargs or {}
 
     async def score(self, traj: Trajectory) -> Scored:
-        return normalize(self._compute(traj.data_source, traj.response, traj.ground_truth, traj.extra_info, **self._kwargs))
+        return normalize(
+            self._compute(traj.data_source, traj.response, traj.ground_truth, traj.extra_info, **self._kwargs)
+        )
 
 
 class AsyncFunctionScorer:
     """A user ``async def compute_score``, awaited on the worker's loop under a timeout."""
 
-    def __init__(self, fn: Callable[..., Any], *, timeout_s: float, reward_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], *, timeout_s: float, reward_kwargs: dict[str, Any] | None = None
+    ) -> None:
         self._fn = fn
         self._timeout_s = timeout_s
         self._kwargs = reward_kwargs or {}
@@ -150,7 +155,9 @@ class AsyncFunctionScorer:
                 self._timeout_s,
             )
         except TimeoutError:
-            raise ScorerTimeoutError(f"async scorer ran past its {self._timeout_s:g}s timeout and was cancelled") from None
+            raise ScorerTimeoutError(
+                f"async scorer ran past its {self._timeout_s:g}s timeout and was cancelled"
+            ) from None
         return normalize(value)
 
 
@@ -176,7 +183,9 @@ def _http(spec: str, config: ManagerConfig) -> Scorer:
 
 def _sandbox(spec: str, config: ManagerConfig) -> Scorer:
     if spec != "sandbox":
-        raise ConfigError("scorer", f"{spec!r}: the local sandbox takes no argument; set its limits with the 'sandbox' option")
+        raise ConfigError(
+            "scorer", f"{spec!r}: the local sandbox takes no argument; set its limits with the 'sandbox' option"
+        )
     module = _import("stream_reward.scorers.sandbox", spec)
     try:
         sandbox_config = module.SandboxConfig(**config.sandbox)
@@ -211,8 +220,11 @@ def function_scorer(config: ManagerConfig, *, force_process: bool = False) -> Sc
     kind = _spec_kind(config.scorer)
     if kind is not None:
         if force_process:
-            raise ConfigError("scorer", f"manager {config.manager!r} runs Python functions in scorer processes; "
-                                        f"{config.scorer!r} is not one (use naive or rate_limited)")
+            raise ConfigError(
+                "scorer",
+                f"manager {config.manager!r} runs Python functions in scorer processes; "
+                f"{config.scorer!r} is not one (use naive or rate_limited)",
+            )
         return _SPEC_KINDS[kind](config.scorer, config)
     if config.scorer == "rules" and not force_process:
         return RuleScorer(config.reward_kwargs)
@@ -244,13 +256,20 @@ def _dapo(config: ManagerConfig) -> Scorer:
 def _async_batch_call(fn: Callable[..., Any], config: ManagerConfig) -> BatchCall:
     async def call(trajs: list[Trajectory]) -> list[Scored | ScoringError]:
         try:
-            values = await asyncio.wait_for(fn(
-                data_sources=[t.data_source for t in trajs], solution_strs=[t.response for t in trajs],
-                ground_truths=[t.ground_truth for t in trajs], extra_infos=[t.extra_info for t in trajs],
-                **config.reward_kwargs,
-            ), config.timeout)
+            values = await asyncio.wait_for(
+                fn(
+                    data_sources=[t.data_source for t in trajs],
+                    solution_strs=[t.response for t in trajs],
+                    ground_truths=[t.ground_truth for t in trajs],
+                    extra_infos=[t.extra_info for t in trajs],
+                    **config.reward_kwargs,
+                ),
+                config.timeout,
+            )
         except TimeoutError:
-            raise ScorerTimeoutError(f"batched async scorer ran past its {config.timeout:g}s timeout and was cancelled") from None
+            raise ScorerTimeoutError(
+                f"batched async scorer ran past its {config.timeout:g}s timeout and was cancelled"
+            ) from None
         out: list[Scored | ScoringError] = []
         for value in list(values):
             try:
@@ -258,6 +277,7 @@ def _async_batch_call(fn: Callable[..., Any], config: ManagerConfig) -> BatchCal
             except ScoringError as exc:
                 out.append(exc)
         return out
+
     return call
 
 
@@ -265,14 +285,23 @@ def _async_batch_call(fn: Callable[..., Any], config: ManagerConfig) -> BatchCal
 def _batch(config: ManagerConfig) -> Scorer:
     """One batched compute_score call per micro-batch of samples."""
     if config.scorer == "rules" or _spec_kind(config.scorer) is not None:
-        raise ConfigError("scorer", f"the batch manager calls a batched compute_score(data_sources=, solution_strs=, "
-                                    f"ground_truths=, extra_infos=); {config.scorer!r} is not one")
+        raise ConfigError(
+            "scorer",
+            f"the batch manager calls a batched compute_score(data_sources=, solution_strs=, "
+            f"ground_truths=, extra_infos=); {config.scorer!r} is not one",
+        )
     fn = load_function(config.scorer)
     if inspect.iscoroutinefunction(fn):
-        batcher = MicroBatchScorer(_async_batch_call(fn, config), batch_size=config.batch_size, batch_wait_s=config.batch_wait_ms / 1000)
+        batcher = MicroBatchScorer(
+            _async_batch_call(fn, config), batch_size=config.batch_size, batch_wait_s=config.batch_wait_ms / 1000
+        )
     else:
-        pool = ProcessPool(config.scorer, size=config.num_processes, timeout_s=config.timeout, reward_kwargs=config.reward_kwargs)
-        batcher = MicroBatchScorer(pool.score_batch, batch_size=config.batch_size, batch_wait_s=config.batch_wait_ms / 1000, close=pool.aclose)
+        pool = ProcessPool(
+            config.scorer, size=config.num_processes, timeout_s=config.timeout, reward_kwargs=config.reward_kwargs
+        )
+        batcher = MicroBatchScorer(
+            pool.score_batch, batch_size=config.batch_size, batch_wait_s=config.batch_wait_ms / 1000, close=pool.aclose
+        )
     return PrecomputedScore(batcher)
 
 

@@ -68,8 +68,15 @@ class ProcessPool:
     as verl's ``reward_kwargs`` are.
     """
 
-    def __init__(self, spec: str, *, size: int | None = None, timeout_s: float = 30.0,
-                 reward_kwargs: dict[str, Any] | None = None, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        spec: str,
+        *,
+        size: int | None = None,
+        timeout_s: float = 30.0,
+        reward_kwargs: dict[str, Any] | None = None,
+        start_timeout_s: float = 60.0,
+    ) -> None:
         self.spec = spec
         self.size = size or os.cpu_count() or 1
         self.timeout_s = timeout_s
@@ -82,9 +89,15 @@ class ProcessPool:
 
     async def _spawn(self) -> _Child:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "stream_reward._scorer_child", self.spec,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
-            start_new_session=True, limit=2**26,
+            sys.executable,
+            "-m",
+            "stream_reward._scorer_child",
+            self.spec,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=None,
+            start_new_session=True,
+            limit=2**26,
         )
         child = _Child(proc)
         self._all.add(child)
@@ -92,7 +105,9 @@ class ProcessPool:
             ready = await asyncio.wait_for(child.request(["ping"]), self.start_timeout_s)
         except (asyncio.IncompleteReadError, TimeoutError, BrokenPipeError, ConnectionResetError) as exc:
             self._discard(child)
-            raise ScorerCrashedError(f"scorer process for {self.spec!r} failed to start ({type(exc).__name__})", reason="scorer_start") from None
+            raise ScorerCrashedError(
+                f"scorer process for {self.spec!r} failed to start ({type(exc).__name__})", reason="scorer_start"
+            ) from None
         if not ready[0]:
             self._discard(child)
             raise ScoringError(f"scorer {self.spec!r} failed to load: {ready[2]}", reason="scorer_load")

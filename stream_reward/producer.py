@@ -148,7 +148,9 @@ class RolloutProducer:
             # because results are write-once per uid.
             for traj, _, _ in entries:
                 self._seen[traj.batch_id].discard(traj.uid)
-            raise BrokerError(f"push of {len(entries)} trajectories failed: {type(exc).__name__}: Redis unreachable or refused") from exc
+            raise BrokerError(
+                f"push of {len(entries)} trajectories failed: {type(exc).__name__}: Redis unreachable or refused"
+            ) from exc
         for traj, _, _ in entries:
             self._seen[traj.batch_id].add(traj.uid)
         self._backlog += len(entries)
@@ -176,8 +178,11 @@ class RolloutProducer:
             if traj.response_length is not None:
                 lengths.setdefault(traj.batch_id, {})[traj.index] = traj.response_length
         step = XADD_MANY_CHUNK
-        calls = [(self.keys.stream(part), xadd_many_args(rows[lo:lo + step]))
-                 for part, rows in by_part.items() for lo in range(0, len(rows), step)]
+        calls = [
+            (self.keys.stream(part), xadd_many_args(rows[lo : lo + step]))
+            for part, rows in by_part.items()
+            for lo in range(0, len(rows), step)
+        ]
 
         async def xadds() -> None:
             # Direct calls, not a pipeline: a redis-py pipeline holding a script
@@ -192,18 +197,22 @@ class RolloutProducer:
         # The lengths go at the same time on a second connection: one round trip of latency.
         await asyncio.gather(xadds(), *(self.client.hset(self.keys.lengths(b), mapping=m) for b, m in lengths.items()))
 
-    async def fail(self, batch_id: str, index: int, *, reason: str, error: str, uid: str | None = None,
-                   group: str | None = None) -> None:
+    async def fail(
+        self, batch_id: str, index: int, *, reason: str, error: str, uid: str | None = None, group: str | None = None
+    ) -> None:
         """Resolve a sample as `failed` without pushing it (a rollout that could not be
         turned into a trajectory), so that its batch still completes. Give the sample's
         GRPO ``group`` if it has one: the result then lands in the partition its
         trajectory would have gone to, where a late push of it would find it."""
         uid = uid or default_uid(batch_id, index)
-        result = ScoreResult(uid, batch_id, index, 0.0, "failed", reason=reason, error=error, group=group,
-                             scored_at=time.time())
+        result = ScoreResult(
+            uid, batch_id, index, 0.0, "failed", reason=reason, error=error, group=group, scored_at=time.time()
+        )
         ledger = LedgerWriter(self.client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
         try:
-            await ledger.write(self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))])
+            await ledger.write(
+                self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))]
+            )
         except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             raise BrokerError(f"recording failed sample {uid!r}: {type(exc).__name__}") from exc
 

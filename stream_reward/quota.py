@@ -337,9 +337,17 @@ class QuotaLimiter:
     def _script(self, name: str) -> Any:
         if self._scripts is None:
             client = self.client
-            self._scripts = {n: client.register_script(src) for n, src in
-                             (("acquire", _ACQUIRE), ("release", _RELEASE), ("renew", _RENEW), ("block", _BLOCK),
-                              ("paused", _PAUSED), ("state", _STATE))}
+            self._scripts = {
+                n: client.register_script(src)
+                for n, src in (
+                    ("acquire", _ACQUIRE),
+                    ("release", _RELEASE),
+                    ("renew", _RENEW),
+                    ("block", _BLOCK),
+                    ("paused", _PAUSED),
+                    ("state", _STATE),
+                )
+            }
         return self._scripts[name]
 
     async def _call(self, name: str, args: list[Any], *, what: str) -> Any:
@@ -373,9 +381,19 @@ class QuotaLimiter:
         began = loop.time()
         inflight_poll_s = 0.005
         lease_id = uuid.uuid4().hex
-        args = [self._rpm_t_us, self._rpm_tau_us, self._tpm_t_us, self._tpm_tau_us, tokens,
-                cfg.max_inflight or 0, lease_id, int(cfg.lease_ttl_s * _US), int(cfg.adaptive),
-                cfg.recovery_s * _US, _KEY_TTL_MS]
+        args = [
+            self._rpm_t_us,
+            self._rpm_tau_us,
+            self._tpm_t_us,
+            self._tpm_tau_us,
+            tokens,
+            cfg.max_inflight or 0,
+            lease_id,
+            int(cfg.lease_ttl_s * _US),
+            int(cfg.adaptive),
+            cfg.recovery_s * _US,
+            _KEY_TTL_MS,
+        ]
         while True:
             if self._paused_until > loop.time():
                 await asyncio.sleep(self._paused_until - loop.time() + random.random() * 0.01)
@@ -470,8 +488,15 @@ class QuotaLimiter:
         seconds = max(0.0, float(seconds))
         remaining_us, f_ppm = await self._call(
             "block",
-            [int(seconds * _US), int(cfg.adaptive), cfg.recovery_s * _US, cfg.rate_decrease,
-             cfg.min_rate_factor, cfg.repeat_window_s * _US, _KEY_TTL_MS],
+            [
+                int(seconds * _US),
+                int(cfg.adaptive),
+                cfg.recovery_s * _US,
+                cfg.rate_decrease,
+                cfg.min_rate_factor,
+                cfg.repeat_window_s * _US,
+                _KEY_TTL_MS,
+            ],
             what="quota block",
         )
         self._pause_locally(remaining_us / _US)
@@ -482,7 +507,8 @@ class QuotaLimiter:
     async def state(self) -> dict[str, Any]:
         """Limits, effective rate, counters, leases in flight and the pause, for `status`."""
         now, rtat, ttat, blocked, f_ppm, requests, tokens, http_429, inflight = await self._call(
-            "state", [self.config.recovery_s * _US], what="quota state")
+            "state", [self.config.recovery_s * _US], what="quota state"
+        )
         cfg = self.config
         factor = f_ppm / _US
         return {

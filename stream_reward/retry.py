@@ -106,7 +106,9 @@ def _clamp(seconds: float) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
-def status_error(status: int, headers: Mapping[str, str], body: bytes | str = b"", *, what: str = "verifier") -> Exception:
+def status_error(
+    status: int, headers: Mapping[str, str], body: bytes | str = b"", *, what: str = "verifier"
+) -> Exception:
     """The taxonomy's exception for a non-2xx HTTP status (returned, not raised)."""
     snippet = body.decode(errors="replace") if isinstance(body, bytes) else body
     snippet = " ".join(snippet.split())[:200]
@@ -203,7 +205,11 @@ async def call_with_retry(
                 raise VerifierError(f"{exc} (gave up after {n} attempts)", reason=reason, attempts=n) from exc
             # The shared pause (if any) already holds every worker back until
             # retry_after; a little jitter keeps the restart from being a stampede.
-            delay = retry_after * (1.0 + 0.1 * (rng or random).random()) if retry_after is not None else policy.backoff_s(n, rng)
+            delay = (
+                retry_after * (1.0 + 0.1 * (rng or random).random())
+                if retry_after is not None
+                else policy.backoff_s(n, rng)
+            )
         except VerifierError as exc:
             fault = exc
             if n > policy.retries:

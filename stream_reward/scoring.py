@@ -15,9 +15,10 @@ import importlib
 import importlib.util
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .errors import BadReplyError, ConfigError
 from .trajectory import Trajectory
@@ -46,7 +47,9 @@ def normalize(value: Any) -> Scored:
         return value
     if isinstance(value, dict):
         if "score" not in value:
-            raise BadReplyError(f"scorer returned a dict without a 'score' key (keys: {sorted(map(str, value))})", reason="no_score")
+            raise BadReplyError(
+                f"scorer returned a dict without a 'score' key (keys: {sorted(map(str, value))})", reason="no_score"
+            )
         extra = {str(k): v for k, v in value.items() if k != "score"}
         return Scored(_as_float(value["score"]), extra)
     return Scored(_as_float(value))

@@ -59,8 +59,9 @@ MASK = "***"
 _QUOTA_KEYS = ("max_concurrent", "max_rpm", "max_tpm", "estimated_tokens_per_request", "quota_key")
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_SECRET_WORDS = frozenset({"password", "passwd", "secret", "token", "apikey", "authorization", "auth",
-                           "credential", "credentials", "bearer"})
+_SECRET_WORDS = frozenset(
+    {"password", "passwd", "secret", "token", "apikey", "authorization", "auth", "credential", "credentials", "bearer"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,13 +226,20 @@ def _parse_env(key: str, text: str, base: type, secret: bool) -> Any:
             return value
         return base(text)
     except ValueError:
-        raise ConfigError(key, f"must be {_type_name(base)}{' as JSON' if base in (dict, list) else ''}, "
-                               f"got {_shown(text, secret)}") from None
+        raise ConfigError(
+            key, f"must be {_type_name(base)}{' as JSON' if base in (dict, list) else ''}, got {_shown(text, secret)}"
+        ) from None
 
 
 def _type_name(base: type) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            dict: "a table/mapping", list: "a list"}.get(base, base.__name__)
+    return {
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        str: "a string",
+        dict: "a table/mapping",
+        list: "a list",
+    }.get(base, base.__name__)
 
 
 # ---------------------------------------------------------------------- loading
@@ -289,20 +297,28 @@ class Settings:
 
     def require_redis(self) -> str:
         if not self.redis:
-            raise ConfigError("connection.redis", f"required: give --redis, {env_name('connection.redis')}, "
-                                                  "or redis under [connection] in the config file")
+            raise ConfigError(
+                "connection.redis",
+                f"required: give --redis, {env_name('connection.redis')}, "
+                "or redis under [connection] in the config file",
+            )
         return self.redis
 
     def manager_config(self) -> Any:
         from .managers import ManagerConfig
 
-        return ManagerConfig(**copy.deepcopy(self.values["reward"]), **copy.deepcopy(self.values["quota"]),
-                             redis_url=self.redis, namespace=self.namespace)
+        return ManagerConfig(
+            **copy.deepcopy(self.values["reward"]),
+            **copy.deepcopy(self.values["quota"]),
+            redis_url=self.redis,
+            namespace=self.namespace,
+        )
 
     def consumer_config(self, consumer: str | None = None) -> ConsumerConfig:
         conn = self.values["connection"]
-        config = ConsumerConfig(namespace=conn["namespace"], group=conn["group"], partitions=conn["partitions"],
-                                **self.values["consumer"])
+        config = ConsumerConfig(
+            namespace=conn["namespace"], group=conn["group"], partitions=conn["partitions"], **self.values["consumer"]
+        )
         if consumer:
             config.consumer = consumer
         return config
@@ -312,16 +328,21 @@ class Settings:
 
     def producer_config(self) -> ProducerConfig:
         conn = self.values["connection"]
-        return ProducerConfig(namespace=conn["namespace"], partitions=conn["partitions"], group=conn["group"],
-                              **self.values["producer"])
+        return ProducerConfig(
+            namespace=conn["namespace"], partitions=conn["partitions"], group=conn["group"], **self.values["producer"]
+        )
 
     def as_dict(self, *, masked: bool = True) -> dict[str, dict[str, Any]]:
         values = copy.deepcopy(self.values)
         return mask_secrets(values) if masked else values
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
-                  flags: Mapping[str, Any] | None = None) -> Settings:
+def load_settings(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
     """Defaults < file (``path``, else ``$STREAM_REWARD_CONFIG``) < ``env`` < ``flags``.
 
     ``flags`` maps dotted keys (``"quota.max_rpm"``) to values already parsed by
@@ -358,8 +379,9 @@ def load_settings(path: str | os.PathLike[str] | None = None, *, env: Mapping[st
     return settings
 
 
-def _set(values: dict[str, dict[str, Any]], sources: dict[str, str], dotted: str, value: Any, source: str,
-         *, from_env: bool) -> None:
+def _set(
+    values: dict[str, dict[str, Any]], sources: dict[str, str], dotted: str, value: Any, source: str, *, from_env: bool
+) -> None:
     section, _, key = dotted.partition(".")
     keys = schema()[section]
     if key not in keys:
@@ -378,16 +400,23 @@ def _validate(settings: Settings) -> None:
     conn = v["connection"]
     url = conn["redis"]
     if url is not None and not url.startswith(_URL_SCHEMES):
-        raise ConfigError("connection.redis", f"{mask_url(url)!r} is not a URL with one of the schemes "
-                                              f"{', '.join(s[:-3] for s in _URL_SCHEMES)}")
+        raise ConfigError(
+            "connection.redis",
+            f"{mask_url(url)!r} is not a URL with one of the schemes {', '.join(s[:-3] for s in _URL_SCHEMES)}",
+        )
     if not conn["namespace"] or any(c in conn["namespace"] for c in "{}"):
         raise ConfigError("connection.namespace", f"must be non-empty and contain no braces, got {conn['namespace']!r}")
     _at_least(v, "connection.partitions", 1)
     reward = v["reward"]
     _positive(v, "reward.timeout")
     _at_least(v, "reward.retries", 0)
-    for dotted in ("reward.num_processes", "reward.batch_size", "reward.max_resp_len",
-                   "quota.max_concurrent", "quota.estimated_tokens_per_request"):
+    for dotted in (
+        "reward.num_processes",
+        "reward.batch_size",
+        "reward.max_resp_len",
+        "quota.max_concurrent",
+        "quota.estimated_tokens_per_request",
+    ):
         _at_least(v, dotted, 1)
     _at_least(v, "reward.batch_wait_ms", 0)
     for dotted in ("quota.max_rpm", "quota.max_tpm"):
@@ -406,8 +435,11 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("worker.log_level", f"must be one of {', '.join(_LOG_LEVELS)}, got {worker['log_level']!r}")
     worker["log_level"] = level
     # The library's dataclasses check their own fields; name the section in their errors.
-    for section, build in (("consumer", settings.consumer_config), ("policy", settings.batch_policy),
-                           ("producer", settings.producer_config)):
+    for section, build in (
+        ("consumer", settings.consumer_config),
+        ("policy", settings.batch_policy),
+        ("producer", settings.producer_config),
+    ):
         try:
             build()
         except ConfigError as exc:

@@ -43,7 +43,9 @@ def _decode_map(value: Any) -> Any:
     return _s(value)
 
 
-async def read_heartbeats(client: Any, keys: Keys, *, interval_s: float = 2.0, now: float | None = None) -> dict[str, dict[str, Any]]:
+async def read_heartbeats(
+    client: Any, keys: Keys, *, interval_s: float = 2.0, now: float | None = None
+) -> dict[str, dict[str, Any]]:
     """Consumer name -> its heartbeat record, with ``age_s`` and ``alive`` added."""
     now = time.time() if now is None else now
     raw = await client.hgetall(keys.workers())
@@ -64,30 +66,50 @@ async def read_heartbeats(client: Any, keys: Keys, *, interval_s: float = 2.0, n
 
 async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any]:
     name = keys.stream(partition)
-    out: dict[str, Any] = {"partition": partition, "stream": name, "exists": True, "length": 0,
-                           "entries_added": 0, "last_id": None, "groups": []}
+    out: dict[str, Any] = {
+        "partition": partition,
+        "stream": name,
+        "exists": True,
+        "length": 0,
+        "entries_added": 0,
+        "last_id": None,
+        "groups": [],
+    }
     try:
         info = await client.xinfo_stream(name)
     except ResponseError:  # no such key: nothing was ever pushed to this partition
         out["exists"] = False
         return out
-    out.update(length=int(info.get("length", 0)), entries_added=int(info.get("entries-added", 0) or 0),
-               last_id=_s(info.get("last-generated-id")))
+    out.update(
+        length=int(info.get("length", 0)),
+        entries_added=int(info.get("entries-added", 0) or 0),
+        last_id=_s(info.get("last-generated-id")),
+    )
     for group in await client.xinfo_groups(name):
         gname = _s(group["name"])
         lag = group.get("lag")
         consumers = []
         for consumer in await client.xinfo_consumers(name, gname):
-            consumers.append({"name": _s(consumer["name"]), "pending": int(consumer.get("pending", 0)),
-                              "idle_ms": int(consumer.get("idle", 0)),
-                              "inactive_ms": int(consumer["inactive"]) if consumer.get("inactive") is not None else None})
-        out["groups"].append({
-            "group": gname, "consumers": int(group.get("consumers", 0)), "pending": int(group.get("pending", 0)),
-            # lag is nil when Redis cannot tell (entries deleted mid-range); report unknown, not 0
-            "lag": int(lag) if lag is not None else None,
-            "entries_read": int(group["entries-read"]) if group.get("entries-read") is not None else None,
-            "last_delivered_id": _s(group.get("last-delivered-id")), "consumer_list": consumers,
-        })
+            consumers.append(
+                {
+                    "name": _s(consumer["name"]),
+                    "pending": int(consumer.get("pending", 0)),
+                    "idle_ms": int(consumer.get("idle", 0)),
+                    "inactive_ms": int(consumer["inactive"]) if consumer.get("inactive") is not None else None,
+                }
+            )
+        out["groups"].append(
+            {
+                "group": gname,
+                "consumers": int(group.get("consumers", 0)),
+                "pending": int(group.get("pending", 0)),
+                # lag is nil when Redis cannot tell (entries deleted mid-range); report unknown, not 0
+                "lag": int(lag) if lag is not None else None,
+                "entries_read": int(group["entries-read"]) if group.get("entries-read") is not None else None,
+                "last_delivered_id": _s(group.get("last-delivered-id")),
+                "consumer_list": consumers,
+            }
+        )
     return out
 
 
@@ -105,14 +127,21 @@ async def _batches(client: Any, keys: Keys, limit: int, now: float) -> tuple[int
             done += int(await client.hlen(bkeys.results(batch_id, p)))
         size = int(meta["size"]) if "size" in meta else None
         deadline = float(meta.get("deadline", 0) or 0)
-        batches.append({
-            "batch": batch_id, "size": size, "done": done,
-            "complete": round(done / size, 4) if size else (1.0 if size == 0 else None),
-            "created": float(meta.get("created", created) or created), "age_s": round(now - float(created), 3),
-            "deadline_in_s": round(deadline - now, 3) if deadline else None,
-            "on_failure": meta.get("on_failure"), "response_len": int(meta["response_len"]) if "response_len" in meta else None,
-            "partitions": parts, "meta": bool(meta),
-        })
+        batches.append(
+            {
+                "batch": batch_id,
+                "size": size,
+                "done": done,
+                "complete": round(done / size, 4) if size else (1.0 if size == 0 else None),
+                "created": float(meta.get("created", created) or created),
+                "age_s": round(now - float(created), 3),
+                "deadline_in_s": round(deadline - now, 3) if deadline else None,
+                "on_failure": meta.get("on_failure"),
+                "response_len": int(meta["response_len"]) if "response_len" in meta else None,
+                "partitions": parts,
+                "meta": bool(meta),
+            }
+        )
     return int(total), batches
 
 
@@ -129,11 +158,20 @@ async def _dead_letters(client: Any, keys: Keys, recent: int) -> dict[str, Any]:
                 record = {}
             batch, index, uid = read_header(record.get("fields") or {})
             error = str(record.get("error", ""))
-            latest.append({"id": _s(entry_id), "partition": p, "reason": record.get("reason"),
-                           "error": error[:200] + ("..." if len(error) > 200 else ""),
-                           "batch": batch, "index": index if index >= 0 else None, "uid": uid,
-                           "consumer": _s(record.get("consumer")), "deliveries": record.get("deliveries"),
-                           "at": record.get("at")})
+            latest.append(
+                {
+                    "id": _s(entry_id),
+                    "partition": p,
+                    "reason": record.get("reason"),
+                    "error": error[:200] + ("..." if len(error) > 200 else ""),
+                    "batch": batch,
+                    "index": index if index >= 0 else None,
+                    "uid": uid,
+                    "consumer": _s(record.get("consumer")),
+                    "deliveries": record.get("deliveries"),
+                    "at": record.get("at"),
+                }
+            )
     latest.sort(key=lambda d: d.get("at") or 0, reverse=True)
     return {"total": sum(per_partition), "partitions": per_partition, "recent": latest[:recent]}
 
@@ -150,7 +188,7 @@ async def _quota(client: Any, namespace: str, limits: dict[str, dict[str, Any]] 
     keys_by_name: dict[str, list[str]] = {}
     async for raw in client.scan_iter(match=prefix.replace("[", "\\[") + "*", count=500):
         key = _s(raw)
-        name = key[len(prefix):].split("}", 1)[0]
+        name = key[len(prefix) :].split("}", 1)[0]
         keys_by_name.setdefault(name, []).append(key)
     out = []
     for name in sorted(keys_by_name):
@@ -160,8 +198,10 @@ async def _quota(client: Any, namespace: str, limits: dict[str, dict[str, Any]] 
         except Exception as exc:  # status must show the rest even if one quota cannot be read
             entry["state_error"] = f"{type(exc).__name__}: {exc}"
         if entry.get("state") is None:
-            entry["keys"] = {key.split("}", 1)[1].lstrip(":") or key: await _key_value(client, key)
-                             for key in sorted(keys_by_name[name])}
+            entry["keys"] = {
+                key.split("}", 1)[1].lstrip(":") or key: await _key_value(client, key)
+                for key in sorted(keys_by_name[name])
+            }
         out.append(entry)
     return out
 
@@ -172,8 +212,11 @@ async def _quota_state(client: Any, namespace: str, name: str, limits: dict[str,
     from .quota import QuotaConfig, QuotaLimiter
 
     fields = QuotaConfig.__dataclass_fields__
-    limiter = QuotaLimiter(client, QuotaConfig(name=name, **{k: v for k, v in limits.items() if k in fields and k != "name"}),
-                           namespace=namespace)
+    limiter = QuotaLimiter(
+        client,
+        QuotaConfig(name=name, **{k: v for k, v in limits.items() if k in fields and k != "name"}),
+        namespace=namespace,
+    )
     try:
         return dict(await limiter.state())
     finally:
@@ -204,13 +247,27 @@ def _consumers(streams: list[dict[str, Any]], beats: dict[str, dict[str, Any]]) 
     for stream in streams:
         for group in stream["groups"]:
             for c in group["consumer_list"]:
-                row = merged.setdefault(c["name"], {"name": c["name"], "group": group["group"], "pending": 0, "idle_ms": None})
+                row = merged.setdefault(
+                    c["name"], {"name": c["name"], "group": group["group"], "pending": 0, "idle_ms": None}
+                )
                 row["pending"] += c["pending"]
                 row["idle_ms"] = c["idle_ms"] if row["idle_ms"] is None else min(row["idle_ms"], c["idle_ms"])
     for name, beat in beats.items():
         row = merged.setdefault(name, {"name": name, "group": beat.get("group"), "pending": 0, "idle_ms": None})
-        for key in ("host", "pid", "started", "seen", "age_s", "scorer", "scored", "failed", "dead_letters",
-                    "reclaimed", "duplicates", "in_flight"):
+        for key in (
+            "host",
+            "pid",
+            "started",
+            "seen",
+            "age_s",
+            "scorer",
+            "scored",
+            "failed",
+            "dead_letters",
+            "reclaimed",
+            "duplicates",
+            "in_flight",
+        ):
             if key in beat:
                 row[key] = beat[key]
         row["group"] = row.get("group") or beat.get("group")
@@ -220,10 +277,18 @@ def _consumers(streams: list[dict[str, Any]], beats: dict[str, dict[str, Any]]) 
     return sorted(merged.values(), key=lambda r: ({"alive": 0, "stale": 1, "gone": 2}[r["state"]], r["name"]))
 
 
-async def read_status(redis_url: str, namespace: str = "sr", *, partitions: int | None = None,
-                      heartbeat_interval_s: float = 2.0, window_s: float = 0.0, batch_limit: int = 20,
-                      recent_dead_letters: int = 5, quota_limits: dict[str, dict[str, Any]] | None = None,
-                      client: Any = None) -> dict[str, Any]:
+async def read_status(
+    redis_url: str,
+    namespace: str = "sr",
+    *,
+    partitions: int | None = None,
+    heartbeat_interval_s: float = 2.0,
+    window_s: float = 0.0,
+    batch_limit: int = 20,
+    recent_dead_letters: int = 5,
+    quota_limits: dict[str, dict[str, Any]] | None = None,
+    client: Any = None,
+) -> dict[str, Any]:
     """A JSON-able snapshot of the namespace (see docs/operations.md for the fields).
 
     ``window_s > 0`` reads the heartbeat counters and stream counters twice,
@@ -267,10 +332,14 @@ async def read_status(redis_url: str, namespace: str = "sr", *, partitions: int 
             "time": now,
             "partitions": parts,
             "heartbeat_interval_s": heartbeat_interval_s,
-            "streams": [{**s, "groups": [{k: v for k, v in g.items() if k != "consumer_list"} for g in s["groups"]]}
-                        for s in streams],
+            "streams": [
+                {**s, "groups": [{k: v for k, v in g.items() if k != "consumer_list"} for g in s["groups"]]}
+                for s in streams
+            ],
             "groups": groups,
-            "workers": {state: sum(1 for c in consumers if c["state"] == state) for state in ("alive", "stale", "gone")},
+            "workers": {
+                state: sum(1 for c in consumers if c["state"] == state) for state in ("alive", "stale", "gone")
+            },
             "consumers": consumers,
             "throughput": throughput,
             "settled_per_s_1m": round(sum(rates), 2) if rates else None,
@@ -284,8 +353,14 @@ async def read_status(redis_url: str, namespace: str = "sr", *, partitions: int 
             await client.aclose()
 
 
-async def _throughput(client: Any, keys: Keys, streams: list[dict[str, Any]], beats: dict[str, dict[str, Any]],
-                      window_s: float, interval_s: float) -> dict[str, Any]:
+async def _throughput(
+    client: Any,
+    keys: Keys,
+    streams: list[dict[str, Any]],
+    beats: dict[str, dict[str, Any]],
+    window_s: float,
+    interval_s: float,
+) -> dict[str, Any]:
     """Rates from two readings ``window_s`` apart: heartbeat counters (scored, failed) and
     the streams' entries-added (pushed). A worker's rate uses its own heartbeat times."""
     await asyncio.sleep(window_s)
@@ -302,8 +377,12 @@ async def _throughput(client: Any, keys: Keys, streams: list[dict[str, Any]], be
         scored += (int(beat.get("scored", 0)) - int(first.get("scored", 0))) / dt
         failed += (int(beat.get("failed", 0)) - int(first.get("failed", 0))) / dt
     pushed = sum(b["entries_added"] - a["entries_added"] for a, b in zip(streams, later_streams)) / window_s
-    return {"window_s": window_s, "scored_per_s": round(scored, 2), "failed_per_s": round(failed, 2),
-            "pushed_per_s": round(pushed, 2)}
+    return {
+        "window_s": window_s,
+        "scored_per_s": round(scored, 2),
+        "failed_per_s": round(failed, 2),
+        "pushed_per_s": round(pushed, 2),
+    }
 
 
 # ---------------------------------------------------------------------- rendering
@@ -314,15 +393,19 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
 
     console = console or Console()
     w = status["workers"]
-    console.print(f"[bold]stream-reward[/] namespace [cyan]{status['namespace']}[/] on {status['redis']}  "
-                  f"partitions {status['partitions']}  workers: [green]{w['alive']} alive[/], "
-                  f"{'[yellow]' if w['stale'] else ''}{w['stale']} stale{'[/]' if w['stale'] else ''}, {w['gone']} gone")
+    console.print(
+        f"[bold]stream-reward[/] namespace [cyan]{status['namespace']}[/] on {status['redis']}  "
+        f"partitions {status['partitions']}  workers: [green]{w['alive']} alive[/], "
+        f"{'[yellow]' if w['stale'] else ''}{w['stale']} stale{'[/]' if w['stale'] else ''}, {w['gone']} gone"
+    )
     if status.get("settled_per_s_1m") is not None:
         console.print(f"throughput (workers' last minute): {status['settled_per_s_1m']:,.1f} settled/s")
     t = status.get("throughput")
     if t:
-        console.print(f"throughput ({t['window_s']:g}s): {t['scored_per_s']:,.1f} scored/s, "
-                      f"{t['failed_per_s']:,.1f} failed/s, {t['pushed_per_s']:,.1f} pushed/s")
+        console.print(
+            f"throughput ({t['window_s']:g}s): {t['scored_per_s']:,.1f} scored/s, "
+            f"{t['failed_per_s']:,.1f} failed/s, {t['pushed_per_s']:,.1f} pushed/s"
+        )
 
     table = Table(title="streams", title_justify="left")
     for col in ("stream", "length", "added", "group", "consumers", "lag", "pending"):
@@ -332,21 +415,38 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
             table.add_row(s["stream"], str(s["length"]), str(s["entries_added"]), "-", "-", "-", "-")
         for g in s["groups"]:
             lag = "?" if g["lag"] is None else f"{g['lag']:,}"
-            table.add_row(s["stream"], f"{s['length']:,}", f"{s['entries_added']:,}", g["group"], str(g["consumers"]), lag, f"{g['pending']:,}")
+            table.add_row(
+                s["stream"],
+                f"{s['length']:,}",
+                f"{s['entries_added']:,}",
+                g["group"],
+                str(g["consumers"]),
+                lag,
+                f"{g['pending']:,}",
+            )
     console.print(table)
 
     if status["consumers"]:
         table = Table(title="consumers", title_justify="left")
         for col in ("name", "state", "host:pid", "beat", "idle", "pending", "in flight", "scored", "failed", "dead"):
-            table.add_column(col, justify="left" if col in ("name", "state", "host:pid") else "right",
-                             no_wrap=col != "host:pid", overflow="fold")
+            table.add_column(
+                col,
+                justify="left" if col in ("name", "state", "host:pid") else "right",
+                no_wrap=col != "host:pid",
+                overflow="fold",
+            )
         colour = {"alive": "green", "stale": "yellow", "gone": "red"}
         for c in status["consumers"]:
             where = f"{c['host']}:{c.get('pid', '?')}" if c.get("host") else "-"
-            table.add_row(c["name"], f"[{colour[c['state']]}]{c['state']}[/]", where,
-                          f"{c['age_s']:.1f}s" if "age_s" in c else "-",
-                          f"{c['idle_ms'] / 1000:.1f}s" if c.get("idle_ms") is not None else "-",
-                          str(c["pending"]), *(str(c.get(k, "-")) for k in ("in_flight", "scored", "failed", "dead_letters")))
+            table.add_row(
+                c["name"],
+                f"[{colour[c['state']]}]{c['state']}[/]",
+                where,
+                f"{c['age_s']:.1f}s" if "age_s" in c else "-",
+                f"{c['idle_ms'] / 1000:.1f}s" if c.get("idle_ms") is not None else "-",
+                str(c["pending"]),
+                *(str(c.get(k, "-")) for k in ("in_flight", "scored", "failed", "dead_letters")),
+            )
         console.print(table)
 
     if status["batches"]:
@@ -354,27 +454,43 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
         for col in ("batch", "done", "size", "complete", "age", "deadline in", "policy"):
             table.add_column(col, justify="left" if col in ("batch", "policy") else "right")
         for b in status["batches"]:
-            table.add_row(b["batch"], f"{b['done']:,}", f"{b['size']:,}" if b["size"] is not None else "?",
-                          f"{b['complete'] * 100:.1f}%" if b["complete"] is not None else "?", f"{b['age_s']:.1f}s",
-                          f"{b['deadline_in_s']:.1f}s" if b["deadline_in_s"] is not None else "-", str(b.get("on_failure") or "-"))
+            table.add_row(
+                b["batch"],
+                f"{b['done']:,}",
+                f"{b['size']:,}" if b["size"] is not None else "?",
+                f"{b['complete'] * 100:.1f}%" if b["complete"] is not None else "?",
+                f"{b['age_s']:.1f}s",
+                f"{b['deadline_in_s']:.1f}s" if b["deadline_in_s"] is not None else "-",
+                str(b.get("on_failure") or "-"),
+            )
         console.print(table)
     else:
         console.print("open batches: none")
 
     dl = status["dead_letters"]
-    console.print(f"dead letters: {'[red]' if dl['total'] else ''}{dl['total']:,}{'[/]' if dl['total'] else ''}"
-                  + (f"  (per partition {dl['partitions']})" if len(dl["partitions"]) > 1 else ""))
+    console.print(
+        f"dead letters: {'[red]' if dl['total'] else ''}{dl['total']:,}{'[/]' if dl['total'] else ''}"
+        + (f"  (per partition {dl['partitions']})" if len(dl["partitions"]) > 1 else "")
+    )
     for d in dl["recent"]:
-        console.print(f"  {d['id']}  {d['reason']}  batch={d['batch']} index={d['index']}  {d['error']}", markup=False, highlight=False)
+        console.print(
+            f"  {d['id']}  {d['reason']}  batch={d['batch']} index={d['index']}  {d['error']}",
+            markup=False,
+            highlight=False,
+        )
     for q in status["quota"]:
         state = q.get("state")
         if state:
             pause = f", paused {state['blocked_for_s']:.1f}s more" if state.get("blocked_for_s") else ""
             limits = ", ".join(f"{k}={state[k]:g}" for k in ("max_rpm", "max_tpm", "max_inflight") if state.get(k))
-            console.print(f"quota {q['name']}: {state.get('requests', 0):,} requests, {state.get('http_429', 0):,} x 429, "
-                          f"{state.get('in_flight', 0)} in flight, rate x{state.get('rate_factor', 1.0):.2f}, "
-                          f"booked {state.get('rpm_reserved_ahead_s', 0.0):.1f}s ahead{pause}" + (f" ({limits})" if limits else ""),
-                          markup=False, highlight=False)
+            console.print(
+                f"quota {q['name']}: {state.get('requests', 0):,} requests, {state.get('http_429', 0):,} x 429, "
+                f"{state.get('in_flight', 0)} in flight, rate x{state.get('rate_factor', 1.0):.2f}, "
+                f"booked {state.get('rpm_reserved_ahead_s', 0.0):.1f}s ahead{pause}"
+                + (f" ({limits})" if limits else ""),
+                markup=False,
+                highlight=False,
+            )
         else:
             shown = q.get("state_error") or {k: v["value"] for k, v in (q.get("keys") or {}).items()}
             console.print(f"quota {q['name']}: {shown}", markup=False, highlight=False)
@@ -391,20 +507,31 @@ def _trainer_metrics(registry: Any) -> Any:
     if found is None:
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
         found = (
-            Histogram("stream_reward_batch_completion_seconds", "batch opened (or generation started) -> rewards ready",
-                      buckets=buckets, registry=registry),
-            Histogram("stream_reward_reward_tail_seconds", "last trajectory pushed -> rewards ready (the wait rewarding adds)",
-                      buckets=buckets, registry=registry),
+            Histogram(
+                "stream_reward_batch_completion_seconds",
+                "batch opened (or generation started) -> rewards ready",
+                buckets=buckets,
+                registry=registry,
+            ),
+            Histogram(
+                "stream_reward_reward_tail_seconds",
+                "last trajectory pushed -> rewards ready (the wait rewarding adds)",
+                buckets=buckets,
+                registry=registry,
+            ),
             Counter("stream_reward_batch_samples", "collected samples by status", ["status"], registry=registry),
-            Gauge("stream_reward_batch_valid_fraction", "valid fraction of the last collected batch", registry=registry),
+            Gauge(
+                "stream_reward_batch_valid_fraction", "valid fraction of the last collected batch", registry=registry
+            ),
             Counter("stream_reward_batches", "collected batches", registry=registry),
         )
         _TRAINER_METRICS[id(registry)] = found
     return found
 
 
-def record_batch(rewards: Any, *, completion_s: float | None = None, reward_tail_s: float | None = None,
-                 registry: Any = None) -> None:
+def record_batch(
+    rewards: Any, *, completion_s: float | None = None, reward_tail_s: float | None = None, registry: Any = None
+) -> None:
     """Record a collected batch in Prometheus metrics (the trainer's process exposes them).
 
     ``completion_s``: from opening the batch (or starting generation) to rewards

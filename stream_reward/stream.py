@@ -18,15 +18,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.exceptions import ResponseError
-
 import msgpack
+from redis.exceptions import ResponseError
 
 from .broker import is_cluster
 
-__all__ = ["ensure_group", "entry_fields", "xadd_many_args", "XADD_MANY_SCRIPT", "XADD_MANY_CHUNK",
-           "read_group", "read_streams",
-           "entry_header", "read_header", "FIELD_PAYLOAD", "FIELD_HEADER"]
+__all__ = [
+    "ensure_group",
+    "entry_fields",
+    "xadd_many_args",
+    "XADD_MANY_SCRIPT",
+    "XADD_MANY_CHUNK",
+    "read_group",
+    "read_streams",
+    "entry_header",
+    "read_header",
+    "FIELD_PAYLOAD",
+    "FIELD_HEADER",
+]
 
 FIELD_PAYLOAD = b"d"
 FIELD_HEADER = b"h"
@@ -88,7 +97,9 @@ async def ensure_group(client: Any, stream: str, group: str) -> None:
             raise
 
 
-async def read_group(client: Any, group: str, consumer: str, streams: dict[str, str], *, count: int, block: int | None) -> Any:
+async def read_group(
+    client: Any, group: str, consumer: str, streams: dict[str, str], *, count: int, block: int | None
+) -> Any:
     """XREADGROUP of ``streams`` (name -> id); in a cluster they must share one slot."""
     if not is_cluster(client):
         return await client.xreadgroup(group, consumer, streams, count=count, block=block)
@@ -111,4 +122,6 @@ async def read_streams(client: Any, streams: dict[str, str], *, count: int, bloc
 async def _routed(client: Any, command: str, args: list[Any], streams: dict[str, str]) -> Any:
     await client.initialize()  # a no-op unless the slot map is missing or stale (after a failure)
     node = client.get_node_from_key(next(iter(streams)))
-    return await client.execute_command(command, *args, "STREAMS", *streams.keys(), *streams.values(), target_nodes=node)
+    return await client.execute_command(
+        command, *args, "STREAMS", *streams.keys(), *streams.values(), target_nodes=node
+    )

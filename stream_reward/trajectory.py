@@ -107,7 +107,9 @@ def trajectory_from_json(obj: Any, batch_id: str, index: int) -> Trajectory:
     for name, types in _JSON_FIELDS.items():
         value = obj.get(name)
         if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
-            raise ValueError(f"field {name!r} must be {' or '.join(t.__name__ for t in types)}, got {type(value).__name__}")
+            raise ValueError(
+                f"field {name!r} must be {' or '.join(t.__name__ for t in types)}, got {type(value).__name__}"
+            )
     ids = obj.get("response_ids")
     if ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ValueError("field 'response_ids' must be a list of integers")

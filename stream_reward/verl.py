@@ -111,7 +111,9 @@ class StreamRewardManager:
         self.namespace = namespace or DEFAULT_NAMESPACE
         self.policy = policy or BatchPolicy()
         if self.policy.on_failure == "drop":
-            raise ConfigError("policy", "'drop' removes rows, but verl needs one reward row per sample; use 'mask' or 'fallback'")
+            raise ConfigError(
+                "policy", "'drop' removes rows, but verl needs one reward row per sample; use 'mask' or 'fallback'"
+            )
         self.collect_timeout_s = collect_timeout_s
         self.last_rewards: BatchRewards | None = None
 
@@ -204,7 +206,11 @@ class StreamRewardManager:
         tensor, or ``{"reward_tensor", "reward_extra_info"}`` with ``return_dict``."""
         if _already_final(data):
             tensor = data.batch["rm_scores"]
-            return {"reward_tensor": tensor, "reward_extra_info": _with_upstream_extras({}, data)} if return_dict else tensor
+            return (
+                {"reward_tensor": tensor, "reward_extra_info": _with_upstream_extras({}, data)}
+                if return_dict
+                else tensor
+            )
         rewards = self._run(self._score(data))
         tensor = rewards.rm_scores.to(data.batch["responses"].device)
         if not return_dict:
@@ -216,11 +222,15 @@ class StreamRewardManager:
         """The batch through the pipeline, returned the way verl's reward loop
         returns it: ``rm_scores``, ``reward_extra_keys`` and their numpy columns."""
         rewards = self._run(self._score(data))
-        return _loop_output(rewards, _with_upstream_extras(rewards.reward_extra_info, data), data.batch["responses"].device)
+        return _loop_output(
+            rewards, _with_upstream_extras(rewards.reward_extra_info, data), data.batch["responses"].device
+        )
 
     async def acompute_rm_score(self, data: Any) -> dict[str, Any]:
         rewards = await self._arun(self._score(data))
-        return _loop_output(rewards, _with_upstream_extras(rewards.reward_extra_info, data), data.batch["responses"].device)
+        return _loop_output(
+            rewards, _with_upstream_extras(rewards.reward_extra_info, data), data.batch["responses"].device
+        )
 
     # ------------------------------------------------------------ per sample (agent loop)
     def open_batch(self, batch_id: str, size: int, response_len: int) -> None:
@@ -233,8 +243,14 @@ class StreamRewardManager:
     async def push_sample(self, batch_id: str, index: int, item: Any) -> None:
         """Send one finished rollout (a one-row DataProto, e.g. ``data[i:i+1]``)
         to be scored now, as sample ``index`` of ``batch_id``."""
-        traj = decode_batch(item, self.tokenizer, batch_id, reward_fn_key=self.reward_fn_key,
-                            strip_eos=self.manager == "dapo", first_index=index)[-1]
+        traj = decode_batch(
+            item,
+            self.tokenizer,
+            batch_id,
+            reward_fn_key=self.reward_fn_key,
+            strip_eos=self.manager == "dapo",
+            first_index=index,
+        )[-1]
         await self._arun(self._push([traj]))
 
     def collect_rm_score(self, batch_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
@@ -257,7 +273,9 @@ class StreamRewardManager:
 
     async def _score(self, data: Any) -> BatchRewards:
         batch_id = self.new_batch_id()
-        trajs = decode_batch(data, self.tokenizer, batch_id, reward_fn_key=self.reward_fn_key, strip_eos=self.manager == "dapo")
+        trajs = decode_batch(
+            data, self.tokenizer, batch_id, reward_fn_key=self.reward_fn_key, strip_eos=self.manager == "dapo"
+        )
         await self._open(batch_id, len(trajs), int(data.batch["responses"].shape[-1]))
         await self._push(trajs)
         return await self._collect(batch_id, self.collect_timeout_s)
@@ -275,8 +293,10 @@ class StreamRewardManager:
                 # would leave the trainer waiting forever: say so instead.
                 codes = [proc.poll() for proc in workers]
                 if workers and all(code is not None for code in codes):
-                    raise StreamRewardError(f"every local worker process exited (exit codes {codes}); "
-                                            f"batch {batch_id!r} cannot be scored — see the workers' stderr")
+                    raise StreamRewardError(
+                        f"every local worker process exited (exit codes {codes}); "
+                        f"batch {batch_id!r} cannot be scored — see the workers' stderr"
+                    )
         finally:
             if not task.done():
                 task.cancel()
@@ -292,8 +312,15 @@ class StreamRewardManager:
 
 
 # ---------------------------------------------------------------- decoding
-def decode_batch(data: Any, tokenizer: Any, batch_id: str, *, reward_fn_key: str = "data_source",
-                 strip_eos: bool = False, first_index: int = 0) -> list[Trajectory]:
+def decode_batch(
+    data: Any,
+    tokenizer: Any,
+    batch_id: str,
+    *,
+    reward_fn_key: str = "data_source",
+    strip_eos: bool = False,
+    first_index: int = 0,
+) -> list[Trajectory]:
     """Trajectories from a DataProto-like batch, decoded as verl's NaiveRewardManager does."""
     prompts = data.batch["prompts"]
     responses = data.batch["responses"]
@@ -307,7 +334,7 @@ def decode_batch(data: Any, tokenizer: Any, batch_id: str, *, reward_fn_key: str
     out = []
     for i in range(responses.shape[0]):
         vpl, vrl = int(prompt_lengths[i]), int(response_lengths[i])
-        prompt = tokenizer.decode(prompts[i][prompt_len - vpl:], skip_special_tokens=True)
+        prompt = tokenizer.decode(prompts[i][prompt_len - vpl :], skip_special_tokens=True)
         response = tokenizer.decode(responses[i][:vrl], skip_special_tokens=True)
         if eos and response.endswith(eos):
             response = response[: -len(eos)]
@@ -319,19 +346,21 @@ def decode_batch(data: Any, tokenizer: Any, batch_id: str, *, reward_fn_key: str
         extra["num_turns"] = _plain(_column(nt, "__num_turns__", i))
         extra["rollout_reward_scores"] = _plain(_column(nt, "reward_scores", i)) or {}
         group = _column(nt, "uid", i)
-        out.append(Trajectory(
-            batch_id=batch_id,
-            index=first_index + i,
-            data_source=str(_plain(nt[reward_fn_key][i])),
-            response=response,
-            ground_truth=reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
-            prompt=prompt,
-            valid_response_length=vrl,
-            max_response_length=int(responses.shape[-1]),
-            extra_info=extra,
-            group=str(_plain(group)) if group is not None else None,
-            rm_score=float(precomputed[i].sum()) if precomputed is not None else None,
-        ))
+        out.append(
+            Trajectory(
+                batch_id=batch_id,
+                index=first_index + i,
+                data_source=str(_plain(nt[reward_fn_key][i])),
+                response=response,
+                ground_truth=reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
+                prompt=prompt,
+                valid_response_length=vrl,
+                max_response_length=int(responses.shape[-1]),
+                extra_info=extra,
+                group=str(_plain(group)) if group is not None else None,
+                rm_score=float(precomputed[i].sum()) if precomputed is not None else None,
+            )
+        )
     return out
 
 
@@ -399,8 +428,12 @@ def _loop_output(rewards: BatchRewards, extras: dict[str, list[Any]], device: An
         columns[key] = column
     rm_scores = rewards.rm_scores if device is None else rewards.rm_scores.to(device)
     keys = list(extras)
-    return {"rm_scores": rm_scores, "reward_extra_keys": keys, "reward_extra_info": columns,
-            "meta_info": {"reward_extra_keys": keys, FINAL_SCORES_KEY: True}}
+    return {
+        "rm_scores": rm_scores,
+        "reward_extra_keys": keys,
+        "reward_extra_info": columns,
+        "meta_info": {"reward_extra_keys": keys, FINAL_SCORES_KEY: True},
+    }
 
 
 # ---------------------------------------------------------------- configuration
@@ -419,11 +452,18 @@ def scorer_spec(compute_score: Any) -> tuple[str, dict[str, Any]]:
         return compute_score, {}
     if isinstance(compute_score, functools.partial):
         func, args, keywords = compute_score.func, compute_score.args, compute_score.keywords
-        if getattr(func, "__name__", "") in ("_call_with_kwargs", "_call_with_kwargs_async") and len(args) == 2 and not keywords:
+        if (
+            getattr(func, "__name__", "") in ("_call_with_kwargs", "_call_with_kwargs_async")
+            and len(args) == 2
+            and not keywords
+        ):
             spec, kwargs = scorer_spec(args[0])  # verl: partial(_call_with_kwargs, raw_fn, reward_kwargs)
             return spec, {**kwargs, **dict(args[1])}
         if args:
-            raise ConfigError("compute_score", "a functools.partial with positional arguments cannot be sent to worker processes; bind keywords only")
+            raise ConfigError(
+                "compute_score",
+                "a functools.partial with positional arguments cannot be sent to worker processes; bind keywords only",
+            )
         spec, kwargs = scorer_spec(func)
         return spec, {**kwargs, **keywords}
     if not callable(compute_score):
@@ -431,11 +471,18 @@ def scorer_spec(compute_score: Any) -> tuple[str, dict[str, Any]]:
     module_name = getattr(compute_score, "__module__", None) or ""
     qualname = getattr(compute_score, "__qualname__", "") or ""
     module = sys.modules.get(module_name)
-    if (module_name == "__main__" or module is None or not qualname.isidentifier()
-            or getattr(module, qualname, None) is not compute_score):
-        raise ConfigError("compute_score", f"{compute_score!r} cannot be loaded by the worker processes: pass a top-level "
-                                           f"function of an importable module or file (not a lambda, a nested function or "
-                                           f"one defined in __main__), or a 'module.path:func' / 'file.py:func' spec")
+    if (
+        module_name == "__main__"
+        or module is None
+        or not qualname.isidentifier()
+        or getattr(module, qualname, None) is not compute_score
+    ):
+        raise ConfigError(
+            "compute_score",
+            f"{compute_score!r} cannot be loaded by the worker processes: pass a top-level "
+            f"function of an importable module or file (not a lambda, a nested function or "
+            f"one defined in __main__), or a 'module.path:func' / 'file.py:func' spec",
+        )
     path = getattr(module, "__file__", None)
     if "." in module_name or hasattr(module, "__path__") or not path:
         return f"{module_name}:{qualname}", {}

@@ -77,10 +77,15 @@ class OverlongConfig:
             return cls()
         unknown = sorted(set(cfg) - {"enable", "len", "penalty_factor", "log"})
         if unknown:
-            raise ConfigError(f"overlong_buffer_cfg.{unknown[0]}", "unknown key; known: enable, len, penalty_factor, log")
+            raise ConfigError(
+                f"overlong_buffer_cfg.{unknown[0]}", "unknown key; known: enable, len, penalty_factor, log"
+            )
         buffer_len = cfg.get("len")
         if isinstance(buffer_len, bool) or not isinstance(buffer_len, int) or buffer_len <= 0:
-            raise ConfigError("overlong_buffer_cfg.len", f"must be an integer > 0 when the overlong penalty is enabled, got {buffer_len!r}")
+            raise ConfigError(
+                "overlong_buffer_cfg.len",
+                f"must be an integer > 0 when the overlong penalty is enabled, got {buffer_len!r}",
+            )
         factor = cfg.get("penalty_factor", 1.0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
             raise ConfigError("overlong_buffer_cfg.penalty_factor", f"must be a number >= 0, got {factor!r}")
@@ -88,7 +93,9 @@ class OverlongConfig:
             if isinstance(max_resp_len, bool) or not isinstance(max_resp_len, int):
                 raise ConfigError("max_resp_len", f"must be an integer, got {max_resp_len!r}")
             if max_resp_len < buffer_len:
-                raise ConfigError("max_resp_len", f"must be >= overlong_buffer_cfg.len ({buffer_len}), got {max_resp_len}")
+                raise ConfigError(
+                    "max_resp_len", f"must be >= overlong_buffer_cfg.len ({buffer_len}), got {max_resp_len}"
+                )
         return cls(True, buffer_len, float(factor), bool(cfg.get("log", False)))
 
 
@@ -117,12 +124,19 @@ class OverlongShaping(_Wrapper):
     def _limits(self, traj: Trajectory) -> tuple[int, int]:
         length = traj.response_length
         if length is None:
-            raise ScoringError("dapo needs the response length: set valid_response_length or response_ids", reason="no_response_length")
+            raise ScoringError(
+                "dapo needs the response length: set valid_response_length or response_ids", reason="no_response_length"
+            )
         max_len = self.max_resp_len if self.max_resp_len is not None else traj.max_response_length
         if max_len is None:
-            raise ScoringError("dapo needs max_resp_len (manager option) or the trajectory's max_response_length", reason="config")
+            raise ScoringError(
+                "dapo needs max_resp_len (manager option) or the trajectory's max_response_length", reason="config"
+            )
         if max_len < self.overlong.len:
-            raise ScoringError(f"max_response_length {max_len} is shorter than overlong_buffer_cfg.len {self.overlong.len}", reason="config")
+            raise ScoringError(
+                f"max_response_length {max_len} is shorter than overlong_buffer_cfg.len {self.overlong.len}",
+                reason="config",
+            )
         return length, max_len
 
     async def score(self, traj: Trajectory) -> Scored:
@@ -151,7 +165,14 @@ class MicroBatchScorer:
 
     inline = False
 
-    def __init__(self, call: BatchCall, *, batch_size: int, batch_wait_s: float, close: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        call: BatchCall,
+        *,
+        batch_size: int,
+        batch_wait_s: float,
+        close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         if batch_size < 1:
             raise ConfigError("batch_size", f"must be >= 1, got {batch_size}")
         if batch_wait_s < 0:
@@ -213,7 +234,6 @@ class MicroBatchScorer:
             await self._close()
 
 
-
 class RateLimitedScorer(_Wrapper):
     """``rate_limited``: every attempt holds a lease of the global quota (RPM, TPM,
     in flight) for its duration; the tokens a verifier reports settle TPM.
@@ -236,10 +256,18 @@ class RateLimitedScorer(_Wrapper):
             c = self.config
             if not c.redis_url:
                 raise ConfigError("redis_url", "rate_limited keeps its quota in Redis and needs the worker's Redis URL")
-            self.limiter = QuotaLimiter(c.redis_url, QuotaConfig(
-                name=c.quota_key or c.scorer, max_rpm=c.max_rpm, max_tpm=c.max_tpm, max_inflight=c.max_concurrent,
-                estimated_tokens_per_request=c.estimated_tokens_per_request, lease_ttl_s=max(60.0, 2 * c.timeout),
-            ), namespace=c.namespace)
+            self.limiter = QuotaLimiter(
+                c.redis_url,
+                QuotaConfig(
+                    name=c.quota_key or c.scorer,
+                    max_rpm=c.max_rpm,
+                    max_tpm=c.max_tpm,
+                    max_inflight=c.max_concurrent,
+                    estimated_tokens_per_request=c.estimated_tokens_per_request,
+                    lease_ttl_s=max(60.0, 2 * c.timeout),
+                ),
+                namespace=c.namespace,
+            )
         return self.limiter
 
     async def score(self, traj: Trajectory) -> Scored:

@@ -43,8 +43,18 @@ def spawn_workers(redis_url: str, namespace: str) -> Iterator:
     def spawn(n: int = 1, *args: str, url: str | None = None, ns: str | None = None) -> list[subprocess.Popen[bytes]]:
         started = []
         for _ in range(n):
-            argv = [sys.executable, "-m", "workers", "--redis", url or redis_url, "--namespace", ns or namespace,
-                    "--log-level", os.environ.get("STREAM_REWARD_TEST_LOG", "WARNING"), *args]
+            argv = [
+                sys.executable,
+                "-m",
+                "workers",
+                "--redis",
+                url or redis_url,
+                "--namespace",
+                ns or namespace,
+                "--log-level",
+                os.environ.get("STREAM_REWARD_TEST_LOG", "WARNING"),
+                *args,
+            ]
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
             procs.append(proc)
             started.append(proc)

@@ -6,8 +6,9 @@ from benchmarks import faults
 
 
 def test_faults_bench_tiny(capsys):
-    code = faults.main(["--n", "400", "--workers", "2", "--kills", "2", "--kill-every-s", "0.1",
-                        "--reclaim-idle-ms", "300", "--json"])
+    code = faults.main(
+        ["--n", "400", "--workers", "2", "--kills", "2", "--kill-every-s", "0.1", "--reclaim-idle-ms", "300", "--json"]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     assert report["n"] == 400 and report["kills"] == 2

@@ -38,9 +38,35 @@ def test_throughput(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 
 def test_overlap(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png = tmp_path / "overlap.png"
-    r = run_json(capsys, overlap, ["--batch", "32", "--group-size", "4", "--generation-s", "0.6", "--latency-median-s", "0.02", "--latency-p99-s", "0.05",
-                                   "--rpm", "30000", "--plot", str(png)])
-    for key in ("stream_step_s", "sync_step_s", "speedup", "ideal_step_s", "step_over_ideal", "reward_tail_s", "verifier_p99_s"):
+    r = run_json(
+        capsys,
+        overlap,
+        [
+            "--batch",
+            "32",
+            "--group-size",
+            "4",
+            "--generation-s",
+            "0.6",
+            "--latency-median-s",
+            "0.02",
+            "--latency-p99-s",
+            "0.05",
+            "--rpm",
+            "30000",
+            "--plot",
+            str(png),
+        ],
+    )
+    for key in (
+        "stream_step_s",
+        "sync_step_s",
+        "speedup",
+        "ideal_step_s",
+        "step_over_ideal",
+        "reward_tail_s",
+        "verifier_p99_s",
+    ):
         assert is_num(r[key]) and r[key] > 0, key
     assert r["scored"] == r["batch"] == 32
     assert r["scores_match"] is True  # both modes scored the same samples alike
@@ -68,10 +94,18 @@ def test_latency_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_memory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png = tmp_path / "memory.png"
-    r = run_json(capsys, memory, ["--n", "6000", "--batch-size", "1000", "--max-backlog", "2000", "--sample-s", "0.05",
-                                  "--plot", str(png)])
+    r = run_json(
+        capsys,
+        memory,
+        ["--n", "6000", "--batch-size", "1000", "--max-backlog", "2000", "--sample-s", "0.05", "--plot", str(png)],
+    )
     assert r["collected"] == r["n"] == 6000
-    for key in ("worker_rss_10pct_bytes", "worker_rss_end_bytes", "server_used_memory_peak_bytes", "server_bound_bytes"):
+    for key in (
+        "worker_rss_10pct_bytes",
+        "worker_rss_end_bytes",
+        "server_used_memory_peak_bytes",
+        "server_bound_bytes",
+    ):
         assert isinstance(r[key], int) and r[key] > 0, key
     assert is_num(r["rss_growth"])
     assert png.stat().st_size > 0

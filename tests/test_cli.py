@@ -51,8 +51,13 @@ def write(tmp_path: Path, name: str, text: str) -> str:
 
 
 # ---------------------------------------------------------------------- precedence
-def test_precedence_file_env_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    config = write(tmp_path, "sr.toml", """
+def test_precedence_file_env_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(
+        tmp_path,
+        "sr.toml",
+        """
 [connection]
 namespace = "file-ns"
 [quota]
@@ -61,7 +66,8 @@ max_tpm = 1000
 [consumer]
 concurrency = 7
 block_ms = 50
-""")
+""",
+    )
     only_file = show(capsys, "--config", config)
     assert only_file["config"]["connection"]["namespace"] == "file-ns"
     assert only_file["config"]["quota"]["max_rpm"] == 10.0
@@ -86,7 +92,9 @@ block_ms = 50
     assert c["consumer"]["read_count"] == 256 and "consumer.read_count" not in flags["sources"]  # default
 
 
-def test_config_file_from_environment_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_file_from_environment_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("STREAM_REWARD_CONFIG", write(tmp_path, "sr.yaml", "connection:\n  namespace: yaml-ns\n"))
     out = show(capsys)
     assert out["config"]["connection"]["namespace"] == "yaml-ns"
@@ -94,7 +102,10 @@ def test_config_file_from_environment_variable(tmp_path: Path, monkeypatch: pyte
 
 
 def test_verl_keys_map_onto_manager_and_consumer_config(tmp_path: Path) -> None:
-    config = write(tmp_path, "sr.yaml", """
+    config = write(
+        tmp_path,
+        "sr.yaml",
+        """
 connection:
   redis: redis://localhost:6379/0
   namespace: exp1
@@ -121,14 +132,20 @@ policy:
   on_failure: fallback
   fallback_score: -1
   deadline_s: 300
-""")
+""",
+    )
     s = load_settings(config, env={})
     m = s.manager_config()
     assert (m.manager, m.scorer, m.timeout, m.retries) == ("dapo", "python:my_reward.py:compute_score", 12.5, 3)
     assert m.reward_kwargs == {"format_score": 0.1}
     assert m.overlong_buffer_cfg == {"enable": True, "len": 512, "penalty_factor": 1.0, "log": True}
     assert (m.max_resp_len, m.max_concurrent, m.max_rpm, m.max_tpm) == (4096, 32, 600.0, 200000.0)
-    assert (m.estimated_tokens_per_request, m.quota_key, m.redis_url, m.namespace) == (1500, "judge", "redis://localhost:6379/0", "exp1")
+    assert (m.estimated_tokens_per_request, m.quota_key, m.redis_url, m.namespace) == (
+        1500,
+        "judge",
+        "redis://localhost:6379/0",
+        "exp1",
+    )
     c = s.consumer_config(consumer="w1")
     assert (c.namespace, c.group, c.partitions, c.consumer) == ("exp1", "judges", 2, "w1")
     assert (c.reclaim_idle_ms, c.heartbeat_interval_s) == (5000, 1.0)
@@ -144,10 +161,20 @@ def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.M
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
-    config = write(tmp_path, "sr.toml", '[worker]\nprocesses = 3\nmetrics_port = 9100\n[reward]\ntimeout = 4.0\n')
+    config = write(tmp_path, "sr.toml", "[worker]\nprocesses = 3\nmetrics_port = 9100\n[reward]\ntimeout = 4.0\n")
     monkeypatch.setenv("STREAM_REWARD_REDIS", f"redis://:{SECRET}@localhost:6379/0")
-    args = parser.parse_args(["--config", config, "--concurrency", "8", "--max-inflight", "4",
-                              "--manager-kwargs", '{"max_resp_len": 2048, "batch_size": 16}'])
+    args = parser.parse_args(
+        [
+            "--config",
+            config,
+            "--concurrency",
+            "8",
+            "--max-inflight",
+            "4",
+            "--manager-kwargs",
+            '{"max_resp_len": 2048, "batch_size": 16}',
+        ]
+    )
     settings = resolve_args(args)
     assert resolve_args(args) is settings  # idempotent
     assert (args.processes, args.concurrency, args.timeout_s, args.metrics_port) == (3, 8, 4.0, 9100)
@@ -181,22 +208,35 @@ def test_unknown_manager_kwarg_is_a_config_error() -> None:
 
 
 # ---------------------------------------------------------------------- invalid config
-@pytest.mark.parametrize(("text", "key", "reason"), [
-    ("[quota]\nmax_rpm = -1\n", "quota.max_rpm", "must be > 0"),
-    ("[consumer]\nconcurrency = 0\n", "consumer.concurrency", "must be >= 1"),
-    ("[consumer]\nconcurrency = 'many'\n", "consumer.concurrency", "must be an integer"),
-    ("[consumer]\nconcurency = 3\n", "consumer.concurency", "unknown key"),
-    ("[quotas]\nmax_rpm = 3\n", "quotas", "unknown section"),
-    ("[policy]\non_failure = 'ignore'\n", "policy.on_failure", "must be one of"),
-    ("[reward]\novershoot = 1\n", "reward.overshoot", "unknown key"),
-    ("[reward]\nmax_resp_len = 100\noverlong_buffer_cfg = { enable = true, len = 0 }\n", "reward.overlong_buffer_cfg.len", "> 0"),
-    ("[reward]\nmax_resp_len = 100\noverlong_buffer_cfg = { enable = true, len = 512 }\n", "reward.max_resp_len", ">= overlong_buffer_cfg.len"),
-    ("[worker]\nlog_format = 'xml'\n", "worker.log_format", "must be one of"),
-    ("[worker]\nmetrics_port = 70000\n", "worker.metrics_port", "0..65535"),
-    ("[connection]\nnamespace = 'a{b}'\n", "connection.namespace", "no braces"),
-    ("[connection\n", "config", "not valid TOML"),
-])
-def test_invalid_config_fails_at_start_with_key_and_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, key: str, reason: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("[quota]\nmax_rpm = -1\n", "quota.max_rpm", "must be > 0"),
+        ("[consumer]\nconcurrency = 0\n", "consumer.concurrency", "must be >= 1"),
+        ("[consumer]\nconcurrency = 'many'\n", "consumer.concurrency", "must be an integer"),
+        ("[consumer]\nconcurency = 3\n", "consumer.concurency", "unknown key"),
+        ("[quotas]\nmax_rpm = 3\n", "quotas", "unknown section"),
+        ("[policy]\non_failure = 'ignore'\n", "policy.on_failure", "must be one of"),
+        ("[reward]\novershoot = 1\n", "reward.overshoot", "unknown key"),
+        (
+            "[reward]\nmax_resp_len = 100\noverlong_buffer_cfg = { enable = true, len = 0 }\n",
+            "reward.overlong_buffer_cfg.len",
+            "> 0",
+        ),
+        (
+            "[reward]\nmax_resp_len = 100\noverlong_buffer_cfg = { enable = true, len = 512 }\n",
+            "reward.max_resp_len",
+            ">= overlong_buffer_cfg.len",
+        ),
+        ("[worker]\nlog_format = 'xml'\n", "worker.log_format", "must be one of"),
+        ("[worker]\nmetrics_port = 70000\n", "worker.metrics_port", "0..65535"),
+        ("[connection]\nnamespace = 'a{b}'\n", "connection.namespace", "no braces"),
+        ("[connection\n", "config", "not valid TOML"),
+    ],
+)
+def test_invalid_config_fails_at_start_with_key_and_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, key: str, reason: str
+) -> None:
     config = write(tmp_path, "bad.toml", text)
     with pytest.raises(ConfigError) as err:
         load_settings(config, env={})
@@ -208,7 +248,9 @@ def test_invalid_config_fails_at_start_with_key_and_reason(tmp_path: Path, capsy
     assert key in err_text and reason in err_text
 
 
-def test_invalid_environment_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_invalid_environment_value_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("STREAM_REWARD_MAX_DELIVERIES", "lots")
     assert main(["config", "show"]) == 2
     err = capsys.readouterr().err
@@ -229,8 +271,11 @@ def test_env_names_are_flat_and_documented() -> None:
 
 
 def test_env_parses_json_and_null(monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"STREAM_REWARD_OVERLONG_BUFFER_CFG": '{"enable": false}', "STREAM_REWARD_NUM_PROCESSES": "none",
-           "STREAM_REWARD_LOG_LEVEL": "debug"}
+    env = {
+        "STREAM_REWARD_OVERLONG_BUFFER_CFG": '{"enable": false}',
+        "STREAM_REWARD_NUM_PROCESSES": "none",
+        "STREAM_REWARD_LOG_LEVEL": "debug",
+    }
     s = load_settings(None, env=env)
     assert s["reward.overlong_buffer_cfg"] == {"enable": False}
     assert s["reward.num_processes"] is None
@@ -238,13 +283,19 @@ def test_env_parses_json_and_null(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------- secrets
-def test_secrets_are_masked_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    config = write(tmp_path, "sr.toml", f"""
+def test_secrets_are_masked_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(
+        tmp_path,
+        "sr.toml",
+        f"""
 [connection]
 redis = "redis://default:{SECRET}@db.internal:6379/0"
 [reward]
 reward_kwargs = {{ api_key = "{SECRET}", endpoint = "https://user:{SECRET}@judge.internal/v1", headers = {{ Authorization = "Bearer {SECRET}" }}, max_tokens = 512 }}
-""")
+""",
+    )
     out = show(capsys, "--config", config)
     text = json.dumps(out)
     assert SECRET not in text
@@ -272,7 +323,11 @@ def test_secret_type_errors_do_not_echo_the_value() -> None:
     with pytest.raises(ConfigError) as err:  # a mapping with a secret in the wrong place: masked too
         load_settings(None, env={}, flags={"reward.max_resp_len": {"api_key": SECRET}})
     assert err.value.key == "reward.max_resp_len" and SECRET not in str(err.value)
-    assert mask_secrets({"password": "x", "nested": [{"token": "y"}], "n": 1}) == {"password": "***", "nested": [{"token": "***"}], "n": 1}
+    assert mask_secrets({"password": "x", "nested": [{"token": "y"}], "n": 1}) == {
+        "password": "***",
+        "nested": [{"token": "***"}],
+        "n": 1,
+    }
 
 
 # ---------------------------------------------------------------------- logging
@@ -308,8 +363,11 @@ def test_library_modules_do_not_configure_logging() -> None:
     import stream_reward
 
     root = Path(stream_reward.__file__).parent
-    offenders = [p.name for p in root.rglob("*.py")
-                 if p.name not in ("logs.py", "cli.py") and ("basicConfig(" in p.read_text() or "addHandler(" in p.read_text())]
+    offenders = [
+        p.name
+        for p in root.rglob("*.py")
+        if p.name not in ("logs.py", "cli.py") and ("basicConfig(" in p.read_text() or "addHandler(" in p.read_text())
+    ]
     assert offenders == []
 
 

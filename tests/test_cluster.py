@@ -37,8 +37,17 @@ def echo_batch(batch_id: str, n: int, sleep_s: float = 0.0) -> tuple[list[Trajec
     trajs, expected = [], []
     for i in range(n):
         score = round((i * 37 % 101) / 100, 2)
-        trajs.append(Trajectory(batch_id, i, "test/echo", response=str(score), valid_response_length=1 + i % 7,
-                                group=f"{batch_id}-g{i // GROUP_SIZE}", extra_info={"sleep_s": sleep_s}))
+        trajs.append(
+            Trajectory(
+                batch_id,
+                i,
+                "test/echo",
+                response=str(score),
+                valid_response_length=1 + i % 7,
+                group=f"{batch_id}-g{i // GROUP_SIZE}",
+                extra_info={"sleep_s": sleep_s},
+            )
+        )
         expected.append(score)
     return trajs, expected
 
@@ -69,11 +78,16 @@ def test_partition_tags_spread_one_namespace_over_every_master(cluster):
         for partitions in (3, 6, 12):
             keys = Keys(namespace, partitions)
             masters = [cluster.node_of_slot(key_slot(keys.stream(p))) for p in range(partitions)]
-            assert sorted(masters.count(port) for port in cluster.ports) == [partitions // 3] * 3, (namespace, partitions)
+            assert sorted(masters.count(port) for port in cluster.ports) == [partitions // 3] * 3, (
+                namespace,
+                partitions,
+            )
             for p in range(partitions):  # every key of a partition is in its stream's slot
                 slot = key_slot(keys.stream(p))
-                assert {key_slot(k) for k in (keys.results("b", p), keys.done("b", p), keys.dead_letters(p),
-                                              keys.quarantine(p))} == {slot}
+                assert {
+                    key_slot(k)
+                    for k in (keys.results("b", p), keys.done("b", p), keys.dead_letters(p), keys.quarantine(p))
+                } == {slot}
     assert Keys("sr", 3).tag(0) == Keys("sr").tag(0) == "{sr}"
 
 
@@ -91,10 +105,13 @@ async def test_groups_stay_in_one_partition_and_the_aggregator_gathers_them_all(
     # Every partition got work, and no GRPO group is split between two of them.
     assert all(groups_by_partition)
     assert sum(len(g) for g in groups_by_partition) == n // GROUP_SIZE
-    from stream_reward.managers import build_scorer, ManagerConfig
+    from stream_reward.managers import ManagerConfig, build_scorer
 
-    worker = Worker(redis_url, build_scorer(ManagerConfig(scorer=ECHO)),
-                    ConsumerConfig(namespace=namespace, partitions=partitions, block_ms=50))
+    worker = Worker(
+        redis_url,
+        build_scorer(ManagerConfig(scorer=ECHO)),
+        ConsumerConfig(namespace=namespace, partitions=partitions, block_ms=50),
+    )
     try:
         await asyncio.wait_for(worker.run(burst=True), 30)
     finally:
@@ -128,8 +145,10 @@ async def test_cluster_workers_lose_nothing_when_one_is_killed_mid_batch(cluster
     trajs, expected = echo_batch("kill", n, sleep_s=0.25)
     client = connect(cluster.url)
     try:
-        async with RolloutProducer(cluster.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer, \
-                RewardAggregator(cluster.url, namespace=namespace) as agg:
+        async with (
+            RolloutProducer(cluster.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer,
+            RewardAggregator(cluster.url, namespace=namespace) as agg,
+        ):
             await producer.open_batch("kill", n, 8)
             await producer.push_many(trajs)
 
@@ -172,7 +191,9 @@ async def test_dead_letters_status_and_redrive_on_a_cluster(cluster, namespace):
 
     partitions = 6
     keys = Keys(namespace, partitions)
-    good = [Trajectory("dl", i, "openai/gsm8k", response=f"#### {i}", ground_truth=str(i), group=f"g{i}") for i in range(11)]
+    good = [
+        Trajectory("dl", i, "openai/gsm8k", response=f"#### {i}", ground_truth=str(i), group=f"g{i}") for i in range(11)
+    ]
     async with RolloutProducer(cluster.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer:
         await producer.open_batch("dl", 12, 4)
         await producer.push_many(good)
@@ -206,16 +227,29 @@ async def test_a_master_killed_and_restarted_mid_batch_loses_nothing(namespace, 
     n, partitions = 240, 3
     keys = Keys(namespace, partitions)
     with LocalCluster(masters=3, appendonly=True) as local:
-        spawn_workers(2, "--partitions", str(partitions), "--scorer", ECHO, "--reclaim-idle-ms", "1000",
-                      "--concurrency", "10", url=local.url)
+        spawn_workers(
+            2,
+            "--partitions",
+            str(partitions),
+            "--scorer",
+            ECHO,
+            "--reclaim-idle-ms",
+            "1000",
+            "--concurrency",
+            "10",
+            url=local.url,
+        )
         trajs, expected = echo_batch("outage", n, sleep_s=0.2)
         in_partition_1 = sum(1 for t in trajs if keys.partition_of(t.uid, t.group) == 1)
-        async with RolloutProducer(local.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer, \
-                RewardAggregator(local.url, namespace=namespace) as agg:
+        async with (
+            RolloutProducer(local.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer,
+            RewardAggregator(local.url, namespace=namespace) as agg,
+        ):
             await producer.open_batch("outage", n, 8)
             await producer.push_many(trajs)
             client = connect(local.url)
             try:
+
                 async def some_scored() -> bool:
                     return await client.hlen(keys.results("outage", 1)) >= 5
 

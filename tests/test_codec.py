@@ -20,9 +20,19 @@ from stream_reward.trajectory import ScoreResult, Trajectory, trajectory_from_js
 
 def full_trajectory() -> Trajectory:
     return Trajectory(
-        batch_id="b", index=3, data_source="openai/gsm8k", response="#### 4", ground_truth={"answer": "4"},
-        uid="u-3", prompt="2+2?", response_ids=[1, 2, 2**31 - 1, 0], valid_response_length=4,
-        max_response_length=16, extra_info={"split": "train"}, group="g0", rm_score=0.25,
+        batch_id="b",
+        index=3,
+        data_source="openai/gsm8k",
+        response="#### 4",
+        ground_truth={"answer": "4"},
+        uid="u-3",
+        prompt="2+2?",
+        response_ids=[1, 2, 2**31 - 1, 0],
+        valid_response_length=4,
+        max_response_length=16,
+        extra_info={"split": "train"},
+        group="g0",
+        rm_score=0.25,
     )
 
 
@@ -92,8 +102,21 @@ def test_oversized_payload_is_refused_both_ways():
 
 
 def test_result_round_trip_and_unencodable_extra():
-    result = ScoreResult("u", "b", 1, 0.5, "failed", {"k": [1, 2]}, reason="timeout", error="slow", attempts=3,
-                         valid_response_length=7, data_source="d", group="g", scored_at=12.5)
+    result = ScoreResult(
+        "u",
+        "b",
+        1,
+        0.5,
+        "failed",
+        {"k": [1, 2]},
+        reason="timeout",
+        error="slow",
+        attempts=3,
+        valid_response_length=7,
+        data_source="d",
+        group="g",
+        scored_at=12.5,
+    )
     assert decode_result(encode_result(result)) == result
     odd = ScoreResult("u", "b", 1, 1.0, extra={"s": {1, 2}, "obj": object()})
     decoded = decode_result(encode_result(odd))
@@ -128,7 +151,11 @@ json_values = st.recursive(
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["v", "u", "b", "i", "ds", "r", "gt", "ids", "vl", "x", "g", "rm", "p"]), json_values))
+@given(
+    st.dictionaries(
+        st.sampled_from(["v", "u", "b", "i", "ds", "r", "gt", "ids", "vl", "x", "g", "rm", "p"]), json_values
+    )
+)
 def test_arbitrary_records_decode_or_raise_codec_error(obj):
     try:
         traj = decode_trajectory(msgpack.packb(obj, use_bin_type=True))

@@ -25,12 +25,20 @@ pytestmark = pytest.mark.anyio
 FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.05}
 
 
-def traj(i: int = 0, response: str = "42", ground_truth: Any = "42", prompt: str | None = "What is 6*7?", **kw: Any) -> Trajectory:
-    return Trajectory("b", i, kw.pop("data_source", "test"), response=response, ground_truth=ground_truth, prompt=prompt, **kw)
+def traj(
+    i: int = 0, response: str = "42", ground_truth: Any = "42", prompt: str | None = "What is 6*7?", **kw: Any
+) -> Trajectory:
+    return Trajectory(
+        "b", i, kw.pop("data_source", "test"), response=response, ground_truth=ground_truth, prompt=prompt, **kw
+    )
 
 
-def scorer(spec: str, *, redis_url: str | None = None, namespace: str = "sr", options: dict[str, Any] | None = None, **cfg: Any) -> Any:
-    config = ManagerConfig(scorer=spec, redis_url=redis_url, namespace=namespace, reward_kwargs={**FAST, **(options or {})}, **cfg)
+def scorer(
+    spec: str, *, redis_url: str | None = None, namespace: str = "sr", options: dict[str, Any] | None = None, **cfg: Any
+) -> Any:
+    config = ManagerConfig(
+        scorer=spec, redis_url=redis_url, namespace=namespace, reward_kwargs={**FAST, **(options or {})}, **cfg
+    )
     return build_http_scorer(spec, config)
 
 
@@ -58,7 +66,9 @@ async def test_generic_verifier_scores_and_passes_extra_keys() -> None:
 async def test_generic_verifier_with_the_math_rules() -> None:
     async with VerifierServer(rule="rules") as srv:
         s = scorer(f"http:{srv.url}/score")
-        scored = await s.score(traj(0, response="so the answer is #### 72", ground_truth="72", data_source="openai/gsm8k"))
+        scored = await s.score(
+            traj(0, response="so the answer is #### 72", ground_truth="72", data_source="openai/gsm8k")
+        )
         await s.aclose()
     assert scored.score == 1.0
 
@@ -104,8 +114,14 @@ def parse_verdict(text: str) -> Any:
 async def test_genrm_user_parser_and_custom_template() -> None:
     template = "Q: {prompt}\n<reference>{ground_truth}</reference>\n<response>{response}</response>\nuse \\boxed{{}}"
     async with VerifierServer() as srv:
-        s = scorer(f"genrm:{srv.url}/v1/chat/completions",
-                   options={"template": template, "system": "You are a strict grader.", "score_parser": f"{__file__}:parse_verdict"})
+        s = scorer(
+            f"genrm:{srv.url}/v1/chat/completions",
+            options={
+                "template": template,
+                "system": "You are a strict grader.",
+                "score_parser": f"{__file__}:parse_verdict",
+            },
+        )
         right = await s.score(traj(0))
         wrong = await s.score(traj(1, response="7"))
         await s.aclose()
@@ -128,8 +144,14 @@ async def test_genrm_unparseable_verdict_fails_the_sample_without_retry() -> Non
 
 async def test_genrm_usage_settles_tpm(redis_url: str, namespace: str) -> None:
     async with VerifierServer() as srv:
-        s = scorer(f"genrm:{srv.url}", redis_url=redis_url, namespace=namespace, max_tpm=1_000_000,
-                   quota_key="judge", estimated_tokens_per_request=5000)
+        s = scorer(
+            f"genrm:{srv.url}",
+            redis_url=redis_url,
+            namespace=namespace,
+            max_tpm=1_000_000,
+            quota_key="judge",
+            estimated_tokens_per_request=5000,
+        )
         for i in range(3):
             await s.score(traj(i))
         await s.aclose()
@@ -147,7 +169,9 @@ def test_render_leaves_other_braces_alone() -> None:
 
 
 # ---------------------------------------------------------------------- failure taxonomy
-@pytest.mark.parametrize(("fault", "reason"), [("fail_5xx_rate", "http_503"), ("reset_rate", "reset"), ("timeout_rate", "timeout")])
+@pytest.mark.parametrize(
+    ("fault", "reason"), [("fail_5xx_rate", "http_503"), ("reset_rate", "reset"), ("timeout_rate", "timeout")]
+)
 async def test_infrastructure_faults_are_retried_then_fail(fault: str, reason: str) -> None:
     async with VerifierServer(**{fault: 1.0}) as srv:
         s = scorer(f"http:{srv.url}", retries=2, timeout=0.3)
@@ -274,7 +298,9 @@ async def test_router_balances_by_requests_in_flight() -> None:
 
 
 async def test_all_servers_dead_fails_with_a_reason() -> None:
-    s = scorer(f"http:{dead_url()},{dead_url()}", retries=4, options={"breaker_failures": 1, "breaker_cooldown_s": 0.05})
+    s = scorer(
+        f"http:{dead_url()},{dead_url()}", retries=4, options={"breaker_failures": 1, "breaker_cooldown_s": 0.05}
+    )
     with pytest.raises(VerifierError) as info:
         await s.score(traj(0))
     await s.aclose()

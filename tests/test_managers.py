@@ -33,8 +33,10 @@ FAST = ["--block-ms", "50", "--log-level", "ERROR"]
 
 async def score_batch(redis_url: str, namespace: str, trajs: list[Trajectory], width: int = 8, timeout_s: float = 30):
     batch_id = trajs[0].batch_id
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch(batch_id, len(trajs), width)
         await producer.push_many(trajs)
         return await agg.collect(batch_id, timeout_s=timeout_s)
@@ -79,6 +81,7 @@ async def test_user_manager_registers_by_decorator_and_loads_by_path():
 
             async def score(self, traj):
                 return Scored(float(config.reward_kwargs["value"]))
+
         return Constant()
 
     traj = Trajectory("b", 0, "x")
@@ -93,8 +96,10 @@ async def test_user_manager_registers_by_decorator_and_loads_by_path():
 async def test_naive_mixed_dict_and_float_results_merge_extra_info(redis_url, namespace, spawn_workers):
     spawn_workers(1, "--scorer", f"{SCORERS}:prefix_match", "--num-processes", "2", *FAST)
     rows = [("dict", "42", "42"), ("float", "12", "1234"), ("dict", "ab", "abd"), ("float", "", "")]
-    trajs = [Trajectory("n1", i, ds, response=r, ground_truth=g, valid_response_length=len(r))
-             for i, (ds, r, g) in enumerate(rows)]
+    trajs = [
+        Trajectory("n1", i, ds, response=r, ground_truth=g, valid_response_length=len(r))
+        for i, (ds, r, g) in enumerate(rows)
+    ]
     rewards = await score_batch(redis_url, namespace, trajs)
     assert rewards.status == ["ok"] * 4
     assert rewards.scores == [1.0, 0.5, 2 / 3, 1.0]
@@ -105,10 +110,14 @@ async def test_naive_mixed_dict_and_float_results_merge_extra_info(redis_url, na
 
 
 async def test_naive_rules_inline_and_async_function_with_timeout(redis_url, namespace, spawn_workers):
-    spawn_workers(1, "--scorer", f"{SCORERS}:async_exact", "--timeout-s", "0.5", "--reward-kwargs", '{"tag": "t"}', *FAST)
-    trajs = [Trajectory("n2", 0, "x", response="a", ground_truth="a", valid_response_length=1),
-             Trajectory("n2", 1, "x", response="hang", ground_truth="a", valid_response_length=1),
-             Trajectory("n2", 2, "x", response="b", ground_truth="a", valid_response_length=1)]
+    spawn_workers(
+        1, "--scorer", f"{SCORERS}:async_exact", "--timeout-s", "0.5", "--reward-kwargs", '{"tag": "t"}', *FAST
+    )
+    trajs = [
+        Trajectory("n2", 0, "x", response="a", ground_truth="a", valid_response_length=1),
+        Trajectory("n2", 1, "x", response="hang", ground_truth="a", valid_response_length=1),
+        Trajectory("n2", 2, "x", response="b", ground_truth="a", valid_response_length=1),
+    ]
     started = time.monotonic()
     rewards = await score_batch(redis_url, namespace, trajs)
     assert time.monotonic() - started < 5
@@ -121,8 +130,10 @@ async def test_naive_rules_inline_and_async_function_with_timeout(redis_url, nam
 async def test_precomputed_rm_score_is_used_without_calling_the_scorer(redis_url, namespace, spawn_workers):
     # the scorer would kill its process on "crash": it must not be called for rm_score samples
     spawn_workers(1, "--scorer", f"{SCORERS}:slow_or_hang", "--num-processes", "1", *FAST)
-    trajs = [Trajectory("pre", 0, "x", response="crash", valid_response_length=2, rm_score=0.25),
-             Trajectory("pre", 1, "x", response="fine", valid_response_length=3)]
+    trajs = [
+        Trajectory("pre", 0, "x", response="crash", valid_response_length=2, rm_score=0.25),
+        Trajectory("pre", 1, "x", response="fine", valid_response_length=3),
+    ]
     rewards = await score_batch(redis_url, namespace, trajs)
     assert rewards.status == ["ok", "ok"]
     assert rewards.scores == [0.25, 1.0]
@@ -137,13 +148,16 @@ def test_overlong_penalty_matches_verl_formula():
     assert type(value) is float and str(value) == "0.0"  # a plain float, never -0.0 or a tensor
 
 
-@pytest.mark.parametrize(("cfg", "max_resp_len", "key"), [
-    ({"enable": True, "len": 0}, 8, "overlong_buffer_cfg.len"),
-    ({"enable": True, "len": -2}, 8, "overlong_buffer_cfg.len"),
-    ({"enable": True, "len": 16}, 8, "max_resp_len"),
-    ({"enable": True, "len": 4, "penalty_factor": -1}, 8, "overlong_buffer_cfg.penalty_factor"),
-    ({"enable": True, "len": 4, "lenght": 2}, 8, "overlong_buffer_cfg.lenght"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "max_resp_len", "key"),
+    [
+        ({"enable": True, "len": 0}, 8, "overlong_buffer_cfg.len"),
+        ({"enable": True, "len": -2}, 8, "overlong_buffer_cfg.len"),
+        ({"enable": True, "len": 16}, 8, "max_resp_len"),
+        ({"enable": True, "len": 4, "penalty_factor": -1}, 8, "overlong_buffer_cfg.penalty_factor"),
+        ({"enable": True, "len": 4, "lenght": 2}, 8, "overlong_buffer_cfg.lenght"),
+    ],
+)
 def test_overlong_config_is_validated_when_enabled(cfg, max_resp_len, key):
     with pytest.raises(ConfigError) as info:
         build_scorer(ManagerConfig(manager="dapo", overlong_buffer_cfg=cfg, max_resp_len=max_resp_len))
@@ -159,19 +173,40 @@ def test_overlong_config_is_not_validated_when_disabled():
 def test_bad_manager_option_makes_the_worker_exit_with_the_key_named(capfd):
     from workers.main import main
 
-    code = main(["--redis", "unix:///nonexistent", "--manager", "dapo", "--log-level", "ERROR",
-                 "--manager-kwargs", json.dumps({"overlong_buffer_cfg": {"enable": True, "len": 0}, "max_resp_len": 8})])
+    code = main(
+        [
+            "--redis",
+            "unix:///nonexistent",
+            "--manager",
+            "dapo",
+            "--log-level",
+            "ERROR",
+            "--manager-kwargs",
+            json.dumps({"overlong_buffer_cfg": {"enable": True, "len": 0}, "max_resp_len": 8}),
+        ]
+    )
     assert code == 2
     assert "overlong_buffer_cfg.len" in capfd.readouterr().err
 
 
 async def test_dapo_penalty_per_sample_on_the_worker(redis_url, namespace, spawn_workers):
     overlong = {"enable": True, "len": 4, "penalty_factor": 1.0, "log": True}
-    spawn_workers(1, "--manager", "dapo", "--scorer", f"{SCORERS}:prefix_match", "--num-processes", "2",
-                  *kwargs(overlong_buffer_cfg=overlong, max_resp_len=8), *FAST)
+    spawn_workers(
+        1,
+        "--manager",
+        "dapo",
+        "--scorer",
+        f"{SCORERS}:prefix_match",
+        "--num-processes",
+        "2",
+        *kwargs(overlong_buffer_cfg=overlong, max_resp_len=8),
+        *FAST,
+    )
     lengths = [2, 4, 5, 6, 8, 10, 7]
-    trajs = [Trajectory("d1", i, "float", response="ab", ground_truth="ab", valid_response_length=n)
-             for i, n in enumerate(lengths)]
+    trajs = [
+        Trajectory("d1", i, "float", response="ab", ground_truth="ab", valid_response_length=n)
+        for i, n in enumerate(lengths)
+    ]
     # a dict result (its "acc" kept, not overwritten) and a precomputed score: both shaped
     trajs[6] = Trajectory("d1", 6, "dict", response="ab", ground_truth="abcd", valid_response_length=7)
     trajs.append(Trajectory("d1", 7, "float", response="ignored", valid_response_length=6, rm_score=0.75))
@@ -189,13 +224,23 @@ async def test_dapo_penalty_per_sample_on_the_worker(redis_url, namespace, spawn
     assert info["pred"] == [None] * 6 + ["ab", None]
 
 
-async def test_dapo_takes_max_resp_len_from_the_trajectory_and_fails_clearly_without_it(redis_url, namespace, spawn_workers):
-    spawn_workers(1, "--manager", "dapo", *kwargs(overlong_buffer_cfg={"enable": True, "len": 2, "penalty_factor": 0.5}), *FAST)
+async def test_dapo_takes_max_resp_len_from_the_trajectory_and_fails_clearly_without_it(
+    redis_url, namespace, spawn_workers
+):
+    spawn_workers(
+        1, "--manager", "dapo", *kwargs(overlong_buffer_cfg={"enable": True, "len": 2, "penalty_factor": 0.5}), *FAST
+    )
     right = "The answer is #### 7"
-    trajs = [Trajectory("d2", 0, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=5, max_response_length=4),
-             Trajectory("d2", 1, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=2, max_response_length=4),
-             Trajectory("d2", 2, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=2),
-             Trajectory("d2", 3, "openai/gsm8k", response=right, ground_truth="7")]
+    trajs = [
+        Trajectory(
+            "d2", 0, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=5, max_response_length=4
+        ),
+        Trajectory(
+            "d2", 1, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=2, max_response_length=4
+        ),
+        Trajectory("d2", 2, "openai/gsm8k", response=right, ground_truth="7", valid_response_length=2),
+        Trajectory("d2", 3, "openai/gsm8k", response=right, ground_truth="7"),
+    ]
     rewards = await score_batch(redis_url, namespace, trajs)
     assert rewards.status == ["ok", "ok", "failed", "failed"]
     assert rewards.scores[:2] == [1.0 - 0.75, 1.0]
@@ -228,7 +273,9 @@ async def test_micro_batcher_failure_of_the_call_fails_every_sample_in_it():
 
     for call, error in ((broken, ScorerTimeoutError), (short, BadReplyError)):
         batcher = MicroBatchScorer(call, batch_size=2, batch_wait_s=0.01)
-        results = await asyncio.gather(*(batcher.score(Trajectory("m", i, "x")) for i in range(2)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(batcher.score(Trajectory("m", i, "x")) for i in range(2)), return_exceptions=True
+        )
         assert all(isinstance(r, error) for r in results)
 
 
@@ -241,12 +288,29 @@ def test_batch_manager_needs_a_batched_function():
 
 
 async def test_batch_manager_scores_one_call_per_micro_batch_in_a_process(redis_url, namespace, spawn_workers):
-    spawn_workers(1, "--manager", "batch", "--scorer", f"{SCORERS}:batched_mixed", "--reward-kwargs", '{"tag": "k"}',
-                  *kwargs(batch_size=4, batch_wait_ms=200), *FAST)
-    rows = [("dict", "42", "42"), ("float", "1", "12"), ("dict", "x", "y"), ("float", "", ""),
-            ("dict", "ab", "ab"), ("float", "z", "z")]
-    trajs = [Trajectory("bt", i, ds, response=r, ground_truth=g, valid_response_length=max(len(r), 1))
-             for i, (ds, r, g) in enumerate(rows)]
+    spawn_workers(
+        1,
+        "--manager",
+        "batch",
+        "--scorer",
+        f"{SCORERS}:batched_mixed",
+        "--reward-kwargs",
+        '{"tag": "k"}',
+        *kwargs(batch_size=4, batch_wait_ms=200),
+        *FAST,
+    )
+    rows = [
+        ("dict", "42", "42"),
+        ("float", "1", "12"),
+        ("dict", "x", "y"),
+        ("float", "", ""),
+        ("dict", "ab", "ab"),
+        ("float", "z", "z"),
+    ]
+    trajs = [
+        Trajectory("bt", i, ds, response=r, ground_truth=g, valid_response_length=max(len(r), 1))
+        for i, (ds, r, g) in enumerate(rows)
+    ]
     trajs.append(Trajectory("bt", 6, "dict", response="never scored", valid_response_length=1, rm_score=-1.0))
     rewards = await score_batch(redis_url, namespace, trajs)
     assert rewards.status == ["ok"] * 7
@@ -258,7 +322,9 @@ async def test_batch_manager_scores_one_call_per_micro_batch_in_a_process(redis_
 
 
 async def test_batch_manager_async_batched_function(redis_url, namespace, spawn_workers):
-    spawn_workers(1, "--manager", "batch", "--scorer", f"{SCORERS}:async_batched", *kwargs(batch_size=3, batch_wait_ms=50), *FAST)
+    spawn_workers(
+        1, "--manager", "batch", "--scorer", f"{SCORERS}:async_batched", *kwargs(batch_size=3, batch_wait_ms=50), *FAST
+    )
     trajs = [Trajectory("ba", i, "x", response=str(i % 2), ground_truth="1", valid_response_length=1) for i in range(3)]
     rewards = await score_batch(redis_url, namespace, trajs)
     assert rewards.scores == [0.0, 1.0, 0.0]
@@ -267,9 +333,21 @@ async def test_batch_manager_async_batched_function(redis_url, namespace, spawn_
 
 # ---------------------------------------------------------------------- prime / remote
 @pytest.mark.parametrize("manager", ["prime", "remote"])
-async def test_hung_scorer_is_killed_at_its_timeout_and_a_crashed_one_replaced(manager, redis_url, namespace, spawn_workers):
-    spawn_workers(1, "--manager", manager, "--scorer", f"{SCORERS}:slow_or_hang", "--num-processes", "2",
-                  "--timeout-s", "1", *FAST)
+async def test_hung_scorer_is_killed_at_its_timeout_and_a_crashed_one_replaced(
+    manager, redis_url, namespace, spawn_workers
+):
+    spawn_workers(
+        1,
+        "--manager",
+        manager,
+        "--scorer",
+        f"{SCORERS}:slow_or_hang",
+        "--num-processes",
+        "2",
+        "--timeout-s",
+        "1",
+        *FAST,
+    )
     responses = ["ok0", "hang", "ok2", "crash", "ok4", "raise", "ok6", "ok7"]
     trajs = [Trajectory(f"p-{manager}", i, "x", response=r, valid_response_length=1) for i, r in enumerate(responses)]
     started = time.monotonic()
@@ -277,7 +355,16 @@ async def test_hung_scorer_is_killed_at_its_timeout_and_a_crashed_one_replaced(m
     elapsed = time.monotonic() - started
     assert elapsed < 8, elapsed  # the hung sample cost its 1 s timeout, not the batch
     assert rewards.status == ["ok", "failed", "ok", "failed", "ok", "failed", "ok", "ok"]
-    assert [r.reason for r in rewards.results] == [None, "timeout", None, "scorer_crashed", None, "scorer_error", None, None]
+    assert [r.reason for r in rewards.results] == [
+        None,
+        "timeout",
+        None,
+        "scorer_crashed",
+        None,
+        "scorer_error",
+        None,
+        None,
+    ]
     assert "exit code 17" in rewards.errors[3]
     assert "refused this sample" in rewards.errors[5]
     assert [rewards.scores[i] for i in (0, 2, 4, 6, 7)] == [1.0] * 5
@@ -296,8 +383,19 @@ def test_prime_rejects_specs_that_are_not_python_functions(monkeypatch):
 
 # ---------------------------------------------------------------------- rate_limited
 async def test_rate_limited_in_flight_limit_is_global_across_worker_processes(redis_url, namespace, spawn_workers):
-    spawn_workers(2, "--manager", "rate_limited", "--scorer", f"{SCORERS}:timed", "--concurrency", "2",
-                  "--quota-key", "judge", *kwargs(max_concurrent=1), *FAST)
+    spawn_workers(
+        2,
+        "--manager",
+        "rate_limited",
+        "--scorer",
+        f"{SCORERS}:timed",
+        "--concurrency",
+        "2",
+        "--quota-key",
+        "judge",
+        *kwargs(max_concurrent=1),
+        *FAST,
+    )
     await wait_for_workers(redis_url, namespace, 2)
     trajs = [Trajectory("rl1", i, "x", extra_info={"sleep_s": 0.08}, valid_response_length=1) for i in range(8)]
     rewards = await score_batch(redis_url, namespace, trajs)
@@ -309,8 +407,9 @@ async def test_rate_limited_in_flight_limit_is_global_across_worker_processes(re
 
 
 async def test_rate_limited_rpm_spaces_requests_across_processes(redis_url, namespace, spawn_workers):
-    spawn_workers(2, "--manager", "rate_limited", "--scorer", f"{SCORERS}:timed", "--max-rpm", "600",
-                  "--quota-key", "rpm", *FAST)
+    spawn_workers(
+        2, "--manager", "rate_limited", "--scorer", f"{SCORERS}:timed", "--max-rpm", "600", "--quota-key", "rpm", *FAST
+    )
     n = 6
     trajs = [Trajectory("rl2", i, "x", extra_info={"sleep_s": 0.0}, valid_response_length=1) for i in range(n)]
     rewards = await score_batch(redis_url, namespace, trajs)
@@ -323,8 +422,18 @@ async def test_rate_limited_rpm_spaces_requests_across_processes(redis_url, name
 
 
 async def test_rate_limited_retries_a_429_and_pauses_every_worker(redis_url, namespace, spawn_workers, tmp_path):
-    spawn_workers(1, "--manager", "rate_limited", "--scorer", f"{SCORERS}:rate_limited_then_ok", "--quota-key", "r429",
-                  "--max-rpm", "6000", *FAST)
+    spawn_workers(
+        1,
+        "--manager",
+        "rate_limited",
+        "--scorer",
+        f"{SCORERS}:rate_limited_then_ok",
+        "--quota-key",
+        "r429",
+        "--max-rpm",
+        "6000",
+        *FAST,
+    )
     marker = tmp_path / "attempts"
     trajs = [Trajectory("rl3", 0, "x", extra_info={"marker": str(marker), "fail_times": 3}, valid_response_length=1)]
     rewards = await score_batch(redis_url, namespace, trajs)
@@ -335,8 +444,12 @@ async def test_rate_limited_retries_a_429_and_pauses_every_worker(redis_url, nam
 
 
 async def test_rate_limited_gives_up_after_the_retry_budget(redis_url, namespace, spawn_workers, tmp_path):
-    spawn_workers(1, "--manager", "rate_limited", "--scorer", f"{SCORERS}:rate_limited_then_ok", "--retries", "1", *FAST)
-    trajs = [Trajectory("rl4", 0, "x", extra_info={"marker": str(tmp_path / "m"), "fail_times": 10}, valid_response_length=1)]
+    spawn_workers(
+        1, "--manager", "rate_limited", "--scorer", f"{SCORERS}:rate_limited_then_ok", "--retries", "1", *FAST
+    )
+    trajs = [
+        Trajectory("rl4", 0, "x", extra_info={"marker": str(tmp_path / "m"), "fail_times": 10}, valid_response_length=1)
+    ]
     rewards = await score_batch(redis_url, namespace, trajs)
     assert rewards.status == ["failed"]
     assert rewards.results[0].reason == "http_429" or rewards.results[0].reason == "retry_later"
@@ -415,13 +528,16 @@ async def test_scoring_error_reasons_survive_wrappers():
 
 
 def test_rate_limited_does_not_add_a_second_lease_to_verifiers_that_take_their_own(redis_url):
-    from stream_reward.wrappers import RateLimitedScorer
     from stream_reward.scorers.http import HttpScorer
+    from stream_reward.wrappers import RateLimitedScorer
 
-    scorer = build_scorer(ManagerConfig(manager="rate_limited", scorer="http:http://127.0.0.1:9/score",
-                                        redis_url=redis_url, max_rpm=60))
+    scorer = build_scorer(
+        ManagerConfig(manager="rate_limited", scorer="http:http://127.0.0.1:9/score", redis_url=redis_url, max_rpm=60)
+    )
     assert isinstance(scorer.inner, HttpScorer)
-    scorer = build_scorer(ManagerConfig(manager="rate_limited", scorer=f"{SCORERS}:async_exact", redis_url=redis_url, max_rpm=60))
+    scorer = build_scorer(
+        ManagerConfig(manager="rate_limited", scorer=f"{SCORERS}:async_exact", redis_url=redis_url, max_rpm=60)
+    )
     assert isinstance(scorer.inner, RateLimitedScorer)
 
 

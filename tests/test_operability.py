@@ -22,9 +22,9 @@ from stream_reward.broker import connect
 from stream_reward.cli import main
 from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.keys import Keys
-from stream_reward.stream import entry_fields, entry_header
 from stream_reward.producer import RolloutProducer
 from stream_reward.status import read_status, record_batch
+from stream_reward.stream import entry_fields, entry_header
 from stream_reward.trajectory import ScoreResult, Trajectory
 from workers.metrics import WorkerMetrics
 
@@ -67,8 +67,21 @@ def gsm8k(batch: str, index: int, *, data_source: str = "openai/gsm8k") -> Traje
 
 
 def heartbeat(name: str, seen: float, **fields: Any) -> bytes:
-    beat = {"host": "h1", "pid": 4242, "started": seen - 100, "seen": seen, "group": "scorers", "scorer": "RuleScorer",
-            "scored": 0, "failed": 0, "duplicates": 0, "dead_letters": 0, "reclaimed": 0, "in_flight": 0, **fields}
+    beat = {
+        "host": "h1",
+        "pid": 4242,
+        "started": seen - 100,
+        "seen": seen,
+        "group": "scorers",
+        "scorer": "RuleScorer",
+        "scored": 0,
+        "failed": 0,
+        "duplicates": 0,
+        "dead_letters": 0,
+        "reclaimed": 0,
+        "in_flight": 0,
+        **fields,
+    }
     return msgpack.packb(beat)
 
 
@@ -82,18 +95,27 @@ def wait_for(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.1) -
 
 
 # ---------------------------------------------------------------------- metrics, real worker
-def test_metrics_endpoint_after_a_real_run(redis_url: str, namespace: str, spawn_workers: Any,
-                                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_metrics_endpoint_after_a_real_run(
+    redis_url: str,
+    namespace: str,
+    spawn_workers: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("STREAM_REWARD_METRICS_REFRESH_S", "0.2")  # inherited by the worker process
     port = free_port()
     (proc,) = spawn_workers(1, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")
     keys = Keys(namespace)
 
     async def run() -> Any:
-        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
-                RewardAggregator(redis_url, namespace=namespace) as agg:
+        async with (
+            RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
             await producer.open_batch("m", 22, 16)
-            await producer.push_many([gsm8k("m", i) for i in range(20)] + [gsm8k("m", 20, data_source="no/such-source")])
+            await producer.push_many(
+                [gsm8k("m", i) for i in range(20)] + [gsm8k("m", 20, data_source="no/such-source")]
+            )
             # A malformed entry: the worker dead-letters it and still resolves its sample.
             await producer.client.xadd(keys.stream(), entry_fields(b"\xc1not msgpack", "m", 21, "m/21"))
             return await agg.collect("m", timeout_s=30)
@@ -107,8 +129,9 @@ def test_metrics_endpoint_after_a_real_run(redis_url: str, namespace: str, spawn
     def settled() -> dict | None:
         # The Redis-side gauges are read every 0.2 s: wait for a reading taken after the run.
         samples = scrape(port)
-        ready = ((value(samples, "stream_reward_redis_read_timestamp_seconds") or 0) > collected_at
-                 and (value(samples, "stream_reward_workers_alive") or 0) >= 1)
+        ready = (value(samples, "stream_reward_redis_read_timestamp_seconds") or 0) > collected_at and (
+            value(samples, "stream_reward_workers_alive") or 0
+        ) >= 1
         return samples if ready else None
 
     samples = wait_for(settled)
@@ -117,8 +140,19 @@ def test_metrics_endpoint_after_a_real_run(redis_url: str, namespace: str, spawn
     assert value(samples, "stream_reward_trajectories_total", status="failed", data_source="no/such-source") == 1
     assert value(samples, "stream_reward_failures_total", reason=failed_reason) == 1
     assert value(samples, "stream_reward_dead_letters_total", reason=dead_reason) == 1
-    assert value(samples, "stream_reward_scoring_latency_seconds_count", scorer="rules", data_source="openai/gsm8k") == 20
-    assert value(samples, "stream_reward_scoring_latency_seconds_bucket", scorer="rules", data_source="openai/gsm8k", le="+Inf") == 20
+    assert (
+        value(samples, "stream_reward_scoring_latency_seconds_count", scorer="rules", data_source="openai/gsm8k") == 20
+    )
+    assert (
+        value(
+            samples,
+            "stream_reward_scoring_latency_seconds_bucket",
+            scorer="rules",
+            data_source="openai/gsm8k",
+            le="+Inf",
+        )
+        == 20
+    )
     assert value(samples, "stream_reward_in_flight") == 0
     assert value(samples, "stream_reward_reclaimed_total") == 0
     assert value(samples, "stream_reward_group_lag", stream=keys.stream(), group="scorers") == 0
@@ -143,8 +177,15 @@ def test_verifier_counters_are_read_from_the_scorer_at_scrape_time() -> None:
         name = "judge"
 
         def __init__(self) -> None:
-            self.stats = {"requests": 10, "retries": 2, "http_429": 1, "quota_wait_s": 1.5, "tokens": 4,
-                          "failures_by_reason": {"timeout": 2}, "endpoints": ["not a number"]}
+            self.stats = {
+                "requests": 10,
+                "retries": 2,
+                "http_429": 1,
+                "quota_wait_s": 1.5,
+                "tokens": 4,
+                "failures_by_reason": {"timeout": 2},
+                "endpoints": ["not a number"],
+            }
 
     class Manager:  # a wrapping manager: the counters live on the scorer it wraps
         def __init__(self) -> None:
@@ -166,11 +207,18 @@ def test_verifier_counters_are_read_from_the_scorer_at_scrape_time() -> None:
     assert value(samples, "stream_reward_in_flight") == 5 and value(samples, "stream_reward_reclaimed_total") == 3
     # Counted at scrape time: a later change shows in the next scrape.
     FakeWorker.scorer.inner.stats["requests"] = 11
-    assert value(parse(generate_latest(metrics.registry).decode()), "stream_reward_verifier_requests_total", verifier="judge") == 11
+    assert (
+        value(
+            parse(generate_latest(metrics.registry).decode()), "stream_reward_verifier_requests_total", verifier="judge"
+        )
+        == 11
+    )
 
 
 def test_data_source_labels_are_capped() -> None:
-    metrics = WorkerMetrics(namespace="ns", group="g", consumer="c", scorer="rules", registry=CollectorRegistry(), max_data_sources=2)
+    metrics = WorkerMetrics(
+        namespace="ns", group="g", consumer="c", scorer="rules", registry=CollectorRegistry(), max_data_sources=2
+    )
     for source in ("a", "b", "c", "d"):
         metrics.on_scored(ScoreResult("u", "b", 0, 1.0, data_source=source), 0.001)
     samples = parse(generate_latest(metrics.registry).decode())
@@ -211,12 +259,21 @@ def known_state(redis_url: str, namespace: str) -> Iterator[float]:
             await producer.push_many([gsm8k("a", i) for i in range(3)] + [gsm8k("b", i) for i in range(2)])
             await producer.fail("a", 0, reason="bad_input", error="line 1: not JSON")
         await client.xreadgroup("scorers", "c-gone", {keys.stream(): ">"}, count=2)
-        await client.hset(keys.workers(), mapping={
-            "w-alive": heartbeat("w-alive", now, scored=7, failed=1),
-            "w-stale": heartbeat("w-stale", now - 60, scored=3),
-        })
-        dead = {"reason": "malformed", "error": "payload is not msgpack", "consumer": "w-alive", "deliveries": 1,
-                "at": now, "fields": {"h": entry_header("a", 2, "a/2")}}
+        await client.hset(
+            keys.workers(),
+            mapping={
+                "w-alive": heartbeat("w-alive", now, scored=7, failed=1),
+                "w-stale": heartbeat("w-stale", now - 60, scored=3),
+            },
+        )
+        dead = {
+            "reason": "malformed",
+            "error": "payload is not msgpack",
+            "consumer": "w-alive",
+            "deliveries": 1,
+            "at": now,
+            "fields": {"h": entry_header("a", 2, "a/2")},
+        }
         await client.xadd(keys.dead_letters(), {"e": msgpack.packb(dead, use_bin_type=True)})
         limiter = QuotaLimiter(client, QuotaConfig(name="judge", max_rpm=600), namespace=namespace)
         async with limiter.lease():
@@ -228,8 +285,9 @@ def known_state(redis_url: str, namespace: str) -> Iterator[float]:
     yield now
 
 
-def test_status_json_against_a_known_state(redis_url: str, namespace: str, known_state: float,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_json_against_a_known_state(
+    redis_url: str, namespace: str, known_state: float, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["status", "--redis", redis_url, "--namespace", namespace, "--json", "--window-s", "0"]) == 0
     status = json.loads(capsys.readouterr().out)
     keys = Keys(namespace)
@@ -250,7 +308,11 @@ def test_status_json_against_a_known_state(redis_url: str, namespace: str, known
 
     dead = status["dead_letters"]
     assert dead["total"] == 1 and dead["partitions"] == [1]
-    assert (dead["recent"][0]["reason"], dead["recent"][0]["batch"], dead["recent"][0]["index"]) == ("malformed", "a", 2)
+    assert (dead["recent"][0]["reason"], dead["recent"][0]["batch"], dead["recent"][0]["index"]) == (
+        "malformed",
+        "a",
+        2,
+    )
 
     (quota,) = status["quota"]
     assert quota["name"] == "judge" and quota["state"]["requests"] == 1 and quota["state"]["in_flight"] == 0
@@ -262,8 +324,9 @@ def test_status_json_against_a_known_state(redis_url: str, namespace: str, known
     assert 590 < b["deadline_in_s"] <= 600 and a["deadline_in_s"] is None
 
 
-def test_status_table_never_shows_the_password(redis_url: str, namespace: str, known_state: float,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_table_never_shows_the_password(
+    redis_url: str, namespace: str, known_state: float, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Connect as an ACL user with a password; neither output form prints it."""
     secret = f"pw-{namespace}"
     user = f"u{namespace}"
@@ -275,8 +338,11 @@ def test_status_table_never_shows_the_password(redis_url: str, namespace: str, k
 
     asyncio.run(acl("SETUSER", user, "on", f">{secret}", "~*", "&*", "+@all"))
     try:
-        url = redis_url.replace("unix://", f"unix://{user}:{secret}@", 1) if redis_url.startswith("unix://") \
+        url = (
+            redis_url.replace("unix://", f"unix://{user}:{secret}@", 1)
+            if redis_url.startswith("unix://")
             else redis_url.replace("://", f"://{user}:{secret}@", 1)
+        )
         assert main(["status", "--redis", url, "--namespace", namespace, "--window-s", "0"]) == 0
         table = capsys.readouterr().out
         assert main(["status", "--redis", url, "--namespace", namespace, "--window-s", "0", "--json"]) == 0
@@ -351,12 +417,17 @@ def test_worker_check_both_ways(redis_url: str, namespace: str, capsys: pytest.C
 
 
 # ---------------------------------------------------------------------- CLI end to end
-def test_produce_and_collect_with_connection_from_the_config(redis_url: str, namespace: str, spawn_workers: Any,
-                                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_produce_and_collect_with_connection_from_the_config(
+    redis_url: str, namespace: str, spawn_workers: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "sr.toml"
-    config.write_text(f'[connection]\nredis = "{redis_url}"\nnamespace = "{namespace}"\n[policy]\non_failure = "drop"\n')
+    config.write_text(
+        f'[connection]\nredis = "{redis_url}"\nnamespace = "{namespace}"\n[policy]\non_failure = "drop"\n'
+    )
     rollouts = tmp_path / "rollouts.jsonl"
-    good = json.dumps({"data_source": "openai/gsm8k", "response": GOOD, "ground_truth": "6", "valid_response_length": 8})
+    good = json.dumps(
+        {"data_source": "openai/gsm8k", "response": GOOD, "ground_truth": "6", "valid_response_length": 8}
+    )
     rollouts.write_text(f"{good}\nnot json\n{good}\n")
     assert main(["produce", "--config", str(config), "--batch", "p1", str(rollouts)]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"batch": "p1", "pushed": 2, "bad_lines": 1}

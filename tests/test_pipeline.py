@@ -24,9 +24,18 @@ def make_batch(batch_id: str, n: int, response_len: int, seed: int = 0) -> tuple
     for i in range(n):
         right = rng.random() < 0.6
         gt = str(rng.randint(0, 1000))
-        trajs.append(Trajectory(batch_id, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt,
-                                valid_response_length=rng.randint(0, response_len + 3), group=f"g{i // 4}",
-                                extra_info={"as_dict": i % 3 == 0}))
+        trajs.append(
+            Trajectory(
+                batch_id,
+                i,
+                "test/exact",
+                response=gt if right else gt + "0",
+                ground_truth=gt,
+                valid_response_length=rng.randint(0, response_len + 3),
+                group=f"g{i // 4}",
+                extra_info={"as_dict": i % 3 == 0},
+            )
+        )
         expected.append(1.0 if right else 0.0)
     return trajs, expected
 
@@ -35,8 +44,10 @@ async def test_two_worker_processes_score_every_sample_once(redis_url, namespace
     n, width = 600, 32
     procs = spawn_workers(2, "--scorer", SCORER, "--num-processes", "1")
     trajs, expected = make_batch("b1", n, width)
-    async with RolloutProducer(redis_url, _producer_config(namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, _producer_config(namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch("b1", n, width)
         landed = []
 
@@ -46,7 +57,7 @@ async def test_two_worker_processes_score_every_sample_once(redis_url, namespace
 
         watcher = asyncio.create_task(watch())
         for start in range(0, n, 50):  # rollouts finishing a few at a time
-            await producer.push_many(trajs[start:start + 50])
+            await producer.push_many(trajs[start : start + 50])
             await asyncio.sleep(0.01)
         rewards = await agg.collect("b1", timeout_s=60)
         await watcher
@@ -67,7 +78,7 @@ async def test_two_worker_processes_score_every_sample_once(redis_url, namespace
             continue
         col = min(length, width) - 1
         assert row[col].item() == expected[i]
-        assert torch.count_nonzero(torch.cat([row[:col], row[col + 1:]])) == 0
+        assert torch.count_nonzero(torch.cat([row[:col], row[col + 1 :]])) == 0
     # union of extra keys, explicit None for the float-returning samples
     assert set(rewards.reward_extra_info) == {"acc", "len"}
     assert rewards.reward_extra_info["acc"][1] is None and rewards.reward_extra_info["acc"][0] is not None
@@ -76,8 +87,10 @@ async def test_two_worker_processes_score_every_sample_once(redis_url, namespace
 async def test_results_land_while_the_batch_is_still_being_generated(redis_url, namespace, spawn_workers):
     spawn_workers(1, "--scorer", SCORER)
     trajs, _ = make_batch("early", 8, 4)
-    async with RolloutProducer(redis_url, _producer_config(namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, _producer_config(namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch("early", 8, 4)
         await producer.push_many(trajs[:4])
         got = []
@@ -93,14 +106,20 @@ async def test_results_land_while_the_batch_is_still_being_generated(redis_url, 
 
 async def test_unknown_data_source_and_scorer_errors_fail_only_their_sample(redis_url, namespace, spawn_workers):
     spawn_workers(1)  # built-in rules
-    async with RolloutProducer(redis_url, _producer_config(namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, _producer_config(namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch("mixed", 3, 8)
-        await producer.push_many([
-            Trajectory("mixed", 0, "openai/gsm8k", response="so #### 42", ground_truth="42", valid_response_length=5),
-            Trajectory("mixed", 1, "no/such-source", response="x", ground_truth="1", valid_response_length=1),
-            Trajectory("mixed", 2, "openai/gsm8k", response="#### 7", ground_truth="8", valid_response_length=2),
-        ])
+        await producer.push_many(
+            [
+                Trajectory(
+                    "mixed", 0, "openai/gsm8k", response="so #### 42", ground_truth="42", valid_response_length=5
+                ),
+                Trajectory("mixed", 1, "no/such-source", response="x", ground_truth="1", valid_response_length=1),
+                Trajectory("mixed", 2, "openai/gsm8k", response="#### 7", ground_truth="8", valid_response_length=2),
+            ]
+        )
         rewards = await agg.collect("mixed", timeout_s=30)
     assert rewards.status == ["ok", "failed", "ok"]
     assert rewards.scores[0] == 1.0 and rewards.scores[2] == 0.0
@@ -110,8 +129,10 @@ async def test_unknown_data_source_and_scorer_errors_fail_only_their_sample(redi
 
 
 async def test_collect_timeout_raises_with_counts(redis_url, namespace):
-    async with RolloutProducer(redis_url, _producer_config(namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, _producer_config(namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch("nobody", 2, 4)
         with pytest.raises(CollectTimeoutError, match="0 of 2"):
             await agg.collect("nobody", timeout_s=0.3)

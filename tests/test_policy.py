@@ -57,15 +57,27 @@ RESPONSES = ["a", "fail", "b", "wrong", "fail", "c"]
 LENGTHS = [3, 5, 1, 8, 2, 4]
 
 
-async def run_batch(redis_url: str, namespace: str, policy: BatchPolicy, responses: list[str] = RESPONSES,
-                    lengths: list[int] = LENGTHS, **collect: object):
+async def run_batch(
+    redis_url: str,
+    namespace: str,
+    policy: BatchPolicy,
+    responses: list[str] = RESPONSES,
+    lengths: list[int] = LENGTHS,
+    **collect: object,
+):
     batch = f"b-{policy.on_failure}-{time.monotonic_ns()}"
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg, worker(redis_url, namespace):
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+        worker(redis_url, namespace),
+    ):
         await producer.open_batch(batch, len(responses), RESPONSE_LEN, policy=policy)
         await producer.push_many(
-            Trajectory(batch, i, "test", response=r, ground_truth=r if r != "wrong" else "right", valid_response_length=n)
-            for i, (r, n) in enumerate(zip(responses, lengths)))
+            Trajectory(
+                batch, i, "test", response=r, ground_truth=r if r != "wrong" else "right", valid_response_length=n
+            )
+            for i, (r, n) in enumerate(zip(responses, lengths))
+        )
         return await agg.collect(batch, **collect)
 
 
@@ -89,7 +101,9 @@ async def test_mask_zeroes_and_invalidates_failed_samples(redis_url: str, namesp
 
 
 async def test_fallback_scores_failed_samples_at_their_last_token(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="fallback", fallback_score=-0.5), timeout_s=20)
+    rewards = await run_batch(
+        redis_url, namespace, BatchPolicy(on_failure="fallback", fallback_score=-0.5), timeout_s=20
+    )
     assert rewards.status.count("failed") == 2
     assert rewards.scores == [1.0, -0.5, 1.0, 0.0, -0.5, 1.0]
     assert rewards.valid.tolist() == [True] * 6
@@ -108,16 +122,27 @@ async def test_drop_removes_failed_rows(redis_url: str, namespace: str) -> None:
 
 
 async def test_zero_length_response_never_writes_to_the_last_column(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="fallback", fallback_score=-1.0),
-                              responses=["a", "fail"], lengths=[0, 0], timeout_s=20)
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="fallback", fallback_score=-1.0),
+        responses=["a", "fail"],
+        lengths=[0, 0],
+        timeout_s=20,
+    )
     assert rewards.rm_scores.abs().sum().item() == 0.0
     assert rewards.valid.tolist() == [False, False]
 
 
 async def test_deadline_resolves_unfinished_samples_as_failed(redis_url: str, namespace: str) -> None:
     began = time.monotonic()
-    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="mask", deadline_s=1.0),
-                              responses=["a", "hang", "b", "fail"], lengths=[1, 2, 3, 4])
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="mask", deadline_s=1.0),
+        responses=["a", "hang", "b", "fail"],
+        lengths=[1, 2, 3, 4],
+    )
     elapsed = time.monotonic() - began
     assert 0.9 <= elapsed < 10  # collect returned at the deadline, not when the verifier answered
     assert rewards.status == ["ok", "failed", "ok", "failed"]
@@ -127,24 +152,43 @@ async def test_deadline_resolves_unfinished_samples_as_failed(redis_url: str, na
 
 
 async def test_deadline_with_drop(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="drop", deadline_s=0.8),
-                              responses=["hang", "a", "hang"], lengths=[1, 2, 3])
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="drop", deadline_s=0.8),
+        responses=["hang", "a", "hang"],
+        lengths=[1, 2, 3],
+    )
     assert rewards.indices == [1]
     assert tuple(rewards.rm_scores.shape) == (1, RESPONSE_LEN)
 
 
 async def test_deadline_fallback_lands_on_the_last_valid_token(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="fallback", fallback_score=-1.0, deadline_s=0.8),
-                              responses=["a", "hang"], lengths=[1, 2])
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="fallback", fallback_score=-1.0, deadline_s=0.8),
+        responses=["a", "hang"],
+        lengths=[1, 2],
+    )
     assert rewards.scores == [1.0, -1.0]
     assert row_of(rewards, 1)[1] == -1.0
 
 
 async def test_collect_timeout_raises_or_resolves(redis_url: str, namespace: str) -> None:
     with pytest.raises(CollectTimeoutError):
-        await run_batch(redis_url, namespace, BatchPolicy(on_failure="mask"), responses=["a", "hang"], lengths=[1, 1], timeout_s=0.5)
-    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="mask"), responses=["a", "hang"], lengths=[1, 1],
-                              timeout_s=0.5, on_timeout="resolve")
+        await run_batch(
+            redis_url, namespace, BatchPolicy(on_failure="mask"), responses=["a", "hang"], lengths=[1, 1], timeout_s=0.5
+        )
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="mask"),
+        responses=["a", "hang"],
+        lengths=[1, 1],
+        timeout_s=0.5,
+        on_timeout="resolve",
+    )
     assert rewards.status == ["ok", "failed"]
     assert rewards.results[1].reason == "timeout"
     assert rewards.valid.tolist() == [True, False]

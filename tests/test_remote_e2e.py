@@ -16,15 +16,34 @@ from workers.verifier_server import VerifierServer
 pytestmark = pytest.mark.anyio
 
 
-async def score_batch(redis_url: str, namespace: str, n: int, *, policy: BatchPolicy | None = None,
-                      timeout_s: float = 40, **fields: object):
+async def score_batch(
+    redis_url: str,
+    namespace: str,
+    n: int,
+    *,
+    policy: BatchPolicy | None = None,
+    timeout_s: float = 40,
+    **fields: object,
+):
     batch = f"e2e-{time.monotonic_ns()}"
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer, \
-            RewardAggregator(redis_url, namespace=namespace) as agg:
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
         await producer.open_batch(batch, n, 16, policy=policy)
-        await producer.push_many(Trajectory(batch, i, "test", response=str(i), ground_truth=str(i) if i % 3 else "x",
-                                            prompt=f"GOOD question {i}", valid_response_length=4, **fields)
-                                 for i in range(n))
+        await producer.push_many(
+            Trajectory(
+                batch,
+                i,
+                "test",
+                response=str(i),
+                ground_truth=str(i) if i % 3 else "x",
+                prompt=f"GOOD question {i}",
+                valid_response_length=4,
+                **fields,
+            )
+            for i in range(n)
+        )
         return await agg.collect(batch, timeout_s=timeout_s)
 
 
@@ -52,8 +71,19 @@ async def test_two_workers_share_one_rpm_quota(redis_url: str, namespace: str, s
     # 10 requests/s with 5 of headroom (room for a busy machine's hiccups): two
     # workers each limiting itself to 10/s would trip it within a second.
     async with VerifierServer(rpm=600, rpm_burst=5) as srv:
-        spawn_workers(2, "--scorer", f"http:{srv.url}", "--max-rpm", "600", "--quota-key", "shared",
-                      "--read-count", "2", "--concurrency", "4")
+        spawn_workers(
+            2,
+            "--scorer",
+            f"http:{srv.url}",
+            "--max-rpm",
+            "600",
+            "--quota-key",
+            "shared",
+            "--read-count",
+            "2",
+            "--concurrency",
+            "4",
+        )
         rewards = await score_batch(redis_url, namespace, 30)
         stats = srv.stats(with_log=True)
     assert rewards.status == ["ok"] * 30
@@ -67,8 +97,19 @@ async def test_two_workers_share_one_rpm_quota(redis_url: str, namespace: str, s
 async def test_429_pauses_every_worker(redis_url: str, namespace: str, spawn_workers) -> None:
     # The workers know no limit; the server allows 2/s, no headroom, and says "back in 1.5 s".
     async with VerifierServer(rpm=120, rpm_burst=1, retry_after_s=1.5) as srv:
-        spawn_workers(2, "--scorer", f"http:{srv.url}", "--retries", "20", "--quota-key", "paused",
-                      "--read-count", "2", "--concurrency", "3")
+        spawn_workers(
+            2,
+            "--scorer",
+            f"http:{srv.url}",
+            "--retries",
+            "20",
+            "--quota-key",
+            "paused",
+            "--read-count",
+            "2",
+            "--concurrency",
+            "3",
+        )
         rewards = await score_batch(redis_url, namespace, 6, timeout_s=50)
         stats = srv.stats(with_log=True)
     assert rewards.status == ["ok"] * 6
@@ -82,12 +123,15 @@ async def test_429_pauses_every_worker(redis_url: str, namespace: str, spawn_wor
     assert (await quota_state(redis_url, namespace, "paused"))["http_429"] == len(rejected)
 
 
-async def test_failing_verifier_marks_samples_failed_and_the_policy_applies(redis_url: str, namespace: str, spawn_workers) -> None:
+async def test_failing_verifier_marks_samples_failed_and_the_policy_applies(
+    redis_url: str, namespace: str, spawn_workers
+) -> None:
     async with VerifierServer(fail_5xx_rate=1.0) as srv:
-        spawn_workers(1, "--scorer", f"http:{srv.url}", "--retries", "1",
-                      "--reward-kwargs", '{"backoff_base_s": 0.01}')
+        spawn_workers(1, "--scorer", f"http:{srv.url}", "--retries", "1", "--reward-kwargs", '{"backoff_base_s": 0.01}')
         masked = await score_batch(redis_url, namespace, 4, policy=BatchPolicy(on_failure="mask"))
-        fallback = await score_batch(redis_url, namespace, 2, policy=BatchPolicy(on_failure="fallback", fallback_score=0.25))
+        fallback = await score_batch(
+            redis_url, namespace, 2, policy=BatchPolicy(on_failure="fallback", fallback_score=0.25)
+        )
         assert srv.stats()["http_5xx"] == 12
     assert masked.status == ["failed"] * 4
     assert {(r.reason, r.attempts) for r in masked.results} == {("http_503", 2)}

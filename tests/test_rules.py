@@ -175,7 +175,11 @@ DAPO_OPTION_CASES = [
         {"score": -1.0, "acc": False, "pred": None},
     ),
     # An index below 100 makes a negative start: the last 50 characters.
-    ("\\boxed{34}" + "y" * 150, {"pause_tokens_index": [0, 0, 0, 50]}, {"score": -1.0, "acc": False, "pred": "[INVALID]"}),
+    (
+        "\\boxed{34}" + "y" * 150,
+        {"pause_tokens_index": [0, 0, 0, 50]},
+        {"score": -1.0, "acc": False, "pred": "[INVALID]"},
+    ),
 ]
 
 
@@ -363,7 +367,17 @@ def test_megabyte_response_scores_in_milliseconds(data_source: str, response: st
         "\\boxed{" + "$" * MB + "}",
         "\\boxed 1" * (MB // 8),
     ],
-    ids=["unclosed", "dense-pairs", "deep", "nested", "negative-first", "unicode", "shorthand-box", "dollars", "boxed-space"],
+    ids=[
+        "unclosed",
+        "dense-pairs",
+        "deep",
+        "nested",
+        "negative-first",
+        "unicode",
+        "shorthand-box",
+        "dollars",
+        "boxed-space",
+    ],
 )
 def test_hostile_math_response_stays_linear(response: str) -> None:
     # A quadratic path would take minutes on a megabyte; these take milliseconds.

@@ -79,7 +79,9 @@ def no_sandboxed_process_left():
 
 def traj(code: str, ground_truth, lang: str = "python") -> Trajectory:
     gt = ground_truth if isinstance(ground_truth, str) else json.dumps(ground_truth)
-    return Trajectory(batch_id="b", index=0, data_source="code", response=f"Solution:\n```{lang}\n{code}\n```\n", ground_truth=gt)
+    return Trajectory(
+        batch_id="b", index=0, data_source="code", response=f"Solution:\n```{lang}\n{code}\n```\n", ground_truth=gt
+    )
 
 
 def score(scorer: SandboxScorer, code: str, ground_truth, **kw):
@@ -145,15 +147,31 @@ def test_config_validation():
 
 
 def test_correct_solutions_pass_every_form(scorer):
-    r = score(scorer, "import sys\nfor line in sys.stdin:\n    print(int(line) * 2)   ", {"inputs": ["1\n2\n", "5"], "outputs": ["2\n4\n\n\n", "10"]})
+    r = score(
+        scorer,
+        "import sys\nfor line in sys.stdin:\n    print(int(line) * 2)   ",
+        {"inputs": ["1\n2\n", "5"], "outputs": ["2\n4\n\n\n", "10"]},
+    )
     assert (r.score, r.extra["cases"]) == (1.0, ["passed", "passed"])
-    r = score(scorer, "def add(a, b):\n    return a + b", {"fn_name": "add", "inputs": [[1, 2], [0.1, 0.2]], "outputs": [3, 0.3]})
+    r = score(
+        scorer,
+        "def add(a, b):\n    return a + b",
+        {"fn_name": "add", "inputs": [[1, 2], [0.1, 0.2]], "outputs": [3, 0.3]},
+    )
     assert r.extra["cases"] == ["passed", "passed"]
-    r = score(scorer, "class Solution:\n    def twoSum(self, nums, t):\n        return (0, 1)", {"fn_name": "twoSum", "inputs": [[[1, 2], 3]], "outputs": [[[0, 1]]]})
+    r = score(
+        scorer,
+        "class Solution:\n    def twoSum(self, nums, t):\n        return (0, 1)",
+        {"fn_name": "twoSum", "inputs": [[[1, 2], 3]], "outputs": [[[0, 1]]]},
+    )
     assert r.score == 1.0  # tuples compare as lists; APPS-style [[answer]] accepted
     r = score(scorer, "def sq(x):\n    return x * x", {"assert_case": ["assert sq(2) == 4", "assert sq(-3) == 9"]})
     assert r.extra == {"cases": ["passed", "passed"], "passed": 2, "total": 2, "error": ""}
-    r = score(scorer, "def inc(x):\n    return x + 1", {"test": "def check(candidate):\n    assert candidate(1) == 2\n", "entry_point": "inc"})
+    r = score(
+        scorer,
+        "def inc(x):\n    return x + 1",
+        {"test": "def check(candidate):\n    assert candidate(1) == 2\n", "entry_point": "inc"},
+    )
     assert (r.score, r.extra["total"]) == (1.0, 1)
     msgpack.packb(r.extra)
 
@@ -163,11 +181,15 @@ def test_wrong_and_crashing_solutions(scorer):
     assert r.extra["cases"] == ["passed", "failed", "runtime_error"]
     assert r.score == pytest.approx(1 / 3)
     assert "ValueError" in r.extra["error"] or "wrong answer" in r.extra["error"]
-    r = score(scorer, "def add(a, b):\n    return a - b", {"fn_name": "add", "inputs": [[1, 0], [1, 2]], "outputs": [1, 3]})
+    r = score(
+        scorer, "def add(a, b):\n    return a - b", {"fn_name": "add", "inputs": [[1, 0], [1, 2]], "outputs": [1, 3]}
+    )
     assert r.extra["cases"] == ["passed", "failed"]
     r = score(scorer, "def sq(x):\n    raise KeyError(x)", {"assert_case": ["assert sq(2) == 4"]})
     assert r.extra["cases"] == ["runtime_error"] and "KeyError" in r.extra["error"]
-    r = score(scorer, "def inc(x):\n    return x", {"test": "def check(c):\n    assert c(1) == 2", "entry_point": "inc"})
+    r = score(
+        scorer, "def inc(x):\n    return x", {"test": "def check(c):\n    assert c(1) == 2", "entry_point": "inc"}
+    )
     assert r.extra["cases"] == ["failed"]
     r = score(scorer, "def broken(:", stdin_case())
     assert r.extra["cases"] == ["runtime_error"] and "SyntaxError" in r.extra["error"]
@@ -194,7 +216,17 @@ def test_all_or_nothing():
 
 def test_no_code_and_bad_tests_are_scoring_errors(bwrap):
     with pytest.raises(ScoringError) as info:
-        asyncio.run(bwrap.score(Trajectory(batch_id="b", index=0, data_source="code", response="I would loop.", ground_truth=json.dumps(stdin_case()))))
+        asyncio.run(
+            bwrap.score(
+                Trajectory(
+                    batch_id="b",
+                    index=0,
+                    data_source="code",
+                    response="I would loop.",
+                    ground_truth=json.dumps(stdin_case()),
+                )
+            )
+        )
     assert info.value.reason == "no_code"
     with pytest.raises(ScoringError) as info:
         score(bwrap, "print(1)", "{broken")
@@ -203,9 +235,17 @@ def test_no_code_and_bad_tests_are_scoring_errors(bwrap):
 
 def test_stdin_is_fed_and_large_io_works(bwrap):
     data = "\n".join(str(i) for i in range(200_000))
-    r = score(bwrap, "import sys\nprint(sum(map(int, sys.stdin.read().split())))", {"inputs": [data], "outputs": [str(sum(range(200_000)))]})
+    r = score(
+        bwrap,
+        "import sys\nprint(sum(map(int, sys.stdin.read().split())))",
+        {"inputs": [data], "outputs": [str(sum(range(200_000)))]},
+    )
     assert r.score == 1.0
-    r = score(bwrap, "for i in range(100000):\n    print(i)", {"inputs": [""], "outputs": ["\n".join(map(str, range(100000)))]})
+    r = score(
+        bwrap,
+        "for i in range(100000):\n    print(i)",
+        {"inputs": [""], "outputs": ["\n".join(map(str, range(100000)))]},
+    )
     assert r.score == 1.0
 
 
@@ -239,7 +279,9 @@ def test_output_flood_is_output_limit(scorer):
 
 def test_file_size_limit(bwrap):
     s = _scorer_or_skip(backend="bwrap", max_file_mb=1)
-    code = "try:\n    open('/tmp/big', 'wb').write(b'x' * (3 << 20))\nexcept OSError as e:\n    print('refused', e.errno)"
+    code = (
+        "try:\n    open('/tmp/big', 'wb').write(b'x' * (3 << 20))\nexcept OSError as e:\n    print('refused', e.errno)"
+    )
     assert score(s, code, stdin_case("refused 27")).score == 1.0  # EFBIG
 
 
@@ -247,7 +289,9 @@ def test_file_size_limit(bwrap):
 
 
 def test_runs_as_unprivileged_uid(scorer):
-    r = score(scorer, "import os\nprint(os.getuid() != 0, os.geteuid() != 0, os.getgroups())", stdin_case("True True []"))
+    r = score(
+        scorer, "import os\nprint(os.getuid() != 0, os.geteuid() != 0, os.getgroups())", stdin_case("True True []")
+    )
     assert r.score == 1.0
 
 
@@ -261,7 +305,10 @@ def test_fork_bomb_is_contained(scorer):
 def test_fork_bomb_does_not_starve_concurrent_samples():
     s = _scorer_or_skip(concurrency=3, max_procs=16)
     bomb = traj("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", stdin_case())
-    good = traj("import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(1)'], capture_output=True, text=True).stdout.strip())", stdin_case("1"))
+    good = traj(
+        "import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(1)'], capture_output=True, text=True).stdout.strip())",
+        stdin_case("1"),
+    )
 
     async def go():
         return await asyncio.gather(s.score(bomb), *(s.score(good) for _ in range(4)))
@@ -272,7 +319,14 @@ def test_fork_bomb_does_not_starve_concurrent_samples():
 
 def test_cannot_write_outside_its_temp_dir(scorer):
     tag = uuid.uuid4().hex
-    targets = [f"/etc/pwned-{tag}", f"/usr/pwned-{tag}", f"/pwned-{tag}", f"/root/pwned-{tag}", os.path.join(os.path.dirname(os.__file__), f"pwned-{tag}"), f"/tmp/inside-{tag}"]
+    targets = [
+        f"/etc/pwned-{tag}",
+        f"/usr/pwned-{tag}",
+        f"/pwned-{tag}",
+        f"/root/pwned-{tag}",
+        os.path.join(os.path.dirname(os.__file__), f"pwned-{tag}"),
+        f"/tmp/inside-{tag}",
+    ]
     code = (
         f"ok = []\nfor path in {targets!r}:\n    try:\n        open(path, 'w').write('x')\n        ok.append(path)\n"
         "    except OSError:\n        pass\nprint(ok)"
@@ -409,7 +463,9 @@ def test_backend_failing_to_start_is_infrastructure_error(tmp_path):
     flag = tmp_path / "broken"
     wrapper = tmp_path / "bwrap"
     real = __import__("shutil").which("bwrap")
-    wrapper.write_text(f"#!/bin/sh\nif [ -e {flag} ]; then echo 'bwrap: simulated failure' >&2; exit 1; fi\nexec {real} \"$@\"\n")
+    wrapper.write_text(
+        f"#!/bin/sh\nif [ -e {flag} ]; then echo 'bwrap: simulated failure' >&2; exit 1; fi\nexec {real} \"$@\"\n"
+    )
     wrapper.chmod(0o755)
     s = SandboxScorer(_config(backend="bwrap", bwrap_path=str(wrapper)))
     assert score(s, "print('ok')", stdin_case()).score == 1.0

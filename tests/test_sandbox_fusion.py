@@ -46,8 +46,13 @@ class Stub:
         if fault == "hang":
             await asyncio.sleep(1.5)  # past the client timeout; short, so shutdown is quick
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", body["code"],
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-I",
+            "-c",
+            body["code"],
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         start = time.monotonic()
         try:
@@ -55,7 +60,13 @@ class Stub:
         except asyncio.TimeoutError:
             proc.kill()
             await proc.wait()
-            run = {"status": "TimeLimitExceeded", "execution_time": body["run_timeout"], "return_code": None, "stdout": "", "stderr": ""}
+            run = {
+                "status": "TimeLimitExceeded",
+                "execution_time": body["run_timeout"],
+                "return_code": None,
+                "stdout": "",
+                "stderr": "",
+            }
             return web.json_response({"status": "Failed", "message": "", "compile_result": None, "run_result": run})
         run = {
             "status": "Finished",
@@ -84,7 +95,9 @@ async def serve(stub: Stub):
 
 
 def traj(code: str, gt) -> Trajectory:
-    return Trajectory(batch_id="b", index=0, data_source="code", response=f"```python\n{code}\n```", ground_truth=json.dumps(gt))
+    return Trajectory(
+        batch_id="b", index=0, data_source="code", response=f"```python\n{code}\n```", ground_truth=json.dumps(gt)
+    )
 
 
 def run_with(stub: Stub, *trajs: Trajectory, **cfg):
@@ -140,7 +153,9 @@ def test_transient_faults_are_retried(fault):
     assert len(stub.requests) == 2
 
 
-@pytest.mark.parametrize(("fault", "reason"), [("sandbox_error", "sandbox_error"), ("500", "http_500"), ("429", "http_429")])
+@pytest.mark.parametrize(
+    ("fault", "reason"), [("sandbox_error", "sandbox_error"), ("500", "http_500"), ("429", "http_429")]
+)
 def test_persistent_faults_raise_verifier_error_never_zero(fault, reason):
     stub = Stub([fault] * 10)
     with pytest.raises(VerifierError) as info:

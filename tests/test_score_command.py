@@ -15,8 +15,18 @@ _spec.loader.exec_module(rules_cases)
 
 def test_score_command_matches_verl_reference_scores(tmp_path, capsys):
     src = tmp_path / "rollouts.jsonl"
-    lines = [json.dumps({"uid": case.id, "data_source": case.data_source, "response": case.solution_str,
-                         "ground_truth": case.ground_truth, "unknown_field": 1}) for case in rules_cases.CASES]
+    lines = [
+        json.dumps(
+            {
+                "uid": case.id,
+                "data_source": case.data_source,
+                "response": case.solution_str,
+                "ground_truth": case.ground_truth,
+                "unknown_field": 1,
+            }
+        )
+        for case in rules_cases.CASES
+    ]
     bad_line = len(lines)
     lines.append("{not json")
     unknown = len(lines)

@@ -74,8 +74,11 @@ class FakeDataProto:
 
     def __getitem__(self, item):
         assert isinstance(item, slice)
-        return FakeDataProto({k: v[item] for k, v in self.batch.items()},
-                             {k: v[item] for k, v in self.non_tensor_batch.items()}, self.meta_info)
+        return FakeDataProto(
+            {k: v[item] for k, v in self.batch.items()},
+            {k: v[item] for k, v in self.non_tensor_batch.items()},
+            self.meta_info,
+        )
 
 
 def objects(values):
@@ -108,23 +111,76 @@ def make_case():
         sources.append(ds)
         reward_model.append({"ground_truth": gt, "style": "rule"})
         extra.append(info)
-    batch = {"prompts": torch.tensor(prompts), "responses": torch.tensor(responses), "attention_mask": torch.tensor(masks)}
+    batch = {
+        "prompts": torch.tensor(prompts),
+        "responses": torch.tensor(responses),
+        "attention_mask": torch.tensor(masks),
+    }
     batch["input_ids"] = torch.cat([batch["prompts"], batch["responses"]], dim=1)
-    return FakeDataProto(batch, {"data_source": objects(sources), "reward_model": objects(reward_model),
-                                 "extra_info": objects(extra), "uid": objects(["g0", "g0", "g1", "g1", "g2", "g2", "g3"])})
+    return FakeDataProto(
+        batch,
+        {
+            "data_source": objects(sources),
+            "reward_model": objects(reward_model),
+            "extra_info": objects(extra),
+            "uid": objects(["g0", "g0", "g1", "g1", "g2", "g2", "g3"]),
+        },
+    )
 
 
 # ---- generated with verl 0.9.1 -------------------------------------------------
 # NaiveRewardManager(tok, 0, compute_score=prefix_match)(data, return_dict=True)
-VERL_NAIVE = [[0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.6666666865348816, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
-VERL_NAIVE_EXTRA = {"score": [1.0, 0.6666666666666666, 1.0], "acc": [False, False, False], "pred": ["42</s>", "abc", "77"]}
+VERL_NAIVE = [
+    [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+    [0.0, 0.0, 0.6666666865348816, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0],
+    [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0],
+]
+VERL_NAIVE_EXTRA = {
+    "score": [1.0, 0.6666666666666666, 1.0],
+    "acc": [False, False, False],
+    "pred": ["42</s>", "abc", "77"],
+}
 # DAPORewardManager(..., max_resp_len=5, overlong_buffer_cfg={enable: True, len: 2, penalty_factor: 1.0, log: True})
-VERL_DAPO = [[0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.6666666865348816, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, -0.5, 0.0]]
-VERL_DAPO_EXTRA = {"score": [1.0, 0.6666666666666666, 1.0], "acc": [True, 1.0, 1.0, False, 1.0, False, 1.0], "pred": ["42", "abc", "77"], "overlong_reward": [0.0, -2.0, 0, 0.0, -1.0, 0, -1.5], "overlong": [False, True, False, False, True, False, True]}
+VERL_DAPO = [
+    [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+    [0.0, 0.0, 0.6666666865348816, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, -0.5, 0.0],
+]
+VERL_DAPO_EXTRA = {
+    "score": [1.0, 0.6666666666666666, 1.0],
+    "acc": [True, 1.0, 1.0, False, 1.0, False, 1.0],
+    "pred": ["42", "abc", "77"],
+    "overlong_reward": [0.0, -2.0, 0, 0.0, -1.0, 0, -1.5],
+    "overlong": [False, True, False, False, True, False, True],
+}
 # DAPORewardManager(..., max_resp_len=5, overlong_buffer_cfg={enable: True, len: 3, penalty_factor: 0.7, log: True})
-VERL_DAPO_ODD = [[0.0, 0.0, 0.7666666507720947, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.16666662693023682], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.4333333373069763, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.30000001192092896, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.06666666269302368, 0.0]]
+VERL_DAPO_ODD = [
+    [0.0, 0.0, 0.7666666507720947, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.16666662693023682],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+    [0.0, 0.0, 0.4333333373069763, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.30000001192092896, 0.0, 0.0],
+    [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.06666666269302368, 0.0],
+]
 # DAPORewardManager(..., max_resp_len=None, overlong_buffer_cfg={enable: False, ...})
-VERL_DAPO_OFF = [[0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.6666666865348816, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
+VERL_DAPO_OFF = [
+    [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+    [0.0, 0.0, 0.6666666865348816, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0],
+    [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0],
+]
 VERL_DAPO_OFF_ACC = [True, 1.0, 1.0, False, 1.0, False, 1.0]
 # --------------------------------------------------------------------------------
 
@@ -156,8 +212,15 @@ def make_manager(redis_url, namespace):
     def make(manager="naive", compute_score=PREFIX_MATCH, **kwargs):
         kwargs.setdefault("num_workers", 1)
         kwargs.setdefault("worker_args", ["--block-ms", "50"])
-        m = StreamRewardManager(Tok(), compute_score=compute_score, manager=manager, redis_url=redis_url,
-                                namespace=f"{namespace}-{len(made)}", num_examine=1, **kwargs)
+        m = StreamRewardManager(
+            Tok(),
+            compute_score=compute_score,
+            manager=manager,
+            redis_url=redis_url,
+            namespace=f"{namespace}-{len(made)}",
+            num_examine=1,
+            **kwargs,
+        )
         made.append(m)
         return m
 
@@ -204,7 +267,9 @@ def test_dapo_odd_penalty_factor_is_within_float32_rounding_of_verl(make_manager
 
 
 def test_dapo_disabled_is_naive_with_eos_stripped_and_acc(make_manager):
-    out = make_manager("dapo", overlong_buffer_cfg={"enable": False, "len": 0}, max_resp_len=None)(make_case(), return_dict=True)
+    out = make_manager("dapo", overlong_buffer_cfg={"enable": False, "len": 0}, max_resp_len=None)(
+        make_case(), return_dict=True
+    )
     assert torch.equal(out["reward_tensor"], ours_expected(VERL_DAPO_OFF))
     assert out["reward_extra_info"]["acc"] == VERL_DAPO_OFF_ACC
     assert "overlong_reward" not in out["reward_extra_info"]
@@ -228,7 +293,9 @@ def test_precomputed_rm_scores_are_shaped_by_dapo(make_manager):
     assert out["reward_extra_info"]["judge"] == ["yes"] * 7  # upstream columns carried through
     # dapo: 0.5 plus the penalty of each row's length (max_resp_len 5, buffer 2)
     penalties = [0.0, -2.0, 0.0, 0.0, -1.0, 0.0, -1.5]
-    tensor = make_manager("dapo", max_resp_len=5, overlong_buffer_cfg={"enable": True, "len": 2, "penalty_factor": 1.0})(data)
+    tensor = make_manager(
+        "dapo", max_resp_len=5, overlong_buffer_cfg={"enable": True, "len": 2, "penalty_factor": 1.0}
+    )(data)
     for i, n in enumerate(lengths.tolist()):
         if n:
             assert tensor[i, n - 1].item() == 0.5 + penalties[i]
@@ -248,7 +315,9 @@ def test_compute_rm_score_returns_what_verls_reward_loop_returns(make_manager):
 
 
 def test_rm_scores_this_manager_returned_are_not_shaped_twice(make_manager):
-    m = make_manager("dapo", max_resp_len=5, overlong_buffer_cfg={"enable": True, "len": 2, "penalty_factor": 1.0, "log": True})
+    m = make_manager(
+        "dapo", max_resp_len=5, overlong_buffer_cfg={"enable": True, "len": 2, "penalty_factor": 1.0, "log": True}
+    )
     data = make_case()
     out = m.compute_rm_score(data)
     assert torch.equal(out["rm_scores"], ours_expected(VERL_DAPO))
@@ -268,7 +337,7 @@ async def test_agent_loop_pushes_samples_as_they_finish(make_manager):
     batch_id = m.new_batch_id()
     await m.aopen_batch(batch_id, len(data), data.batch["responses"].shape[-1])
     for i in reversed(range(len(data))):  # rollouts finish in any order
-        await m.push_sample(batch_id, i, data[i:i + 1])
+        await m.push_sample(batch_id, i, data[i : i + 1])
     out = await m.acollect_rm_score(batch_id, timeout_s=30)
     assert torch.equal(out["rm_scores"], ours_expected(VERL_NAIVE))
     assert m.last_rewards.status == ["ok"] * 7
@@ -317,6 +386,7 @@ def test_compute_score_functions_travel_by_name():
     spec, kw = scorer_spec(fn)
     assert spec == f"{os.path.abspath(SCORERS)}:prefix_match" and kw == {}
     assert load_function(spec) is fn
+
     # verl's get_custom_reward_fn: partial(_call_with_kwargs, raw_fn, reward_kwargs)
     def _call_with_kwargs(raw_fn, extra_kwargs, *args, **kwargs):
         return raw_fn(*args, **{**kwargs, **extra_kwargs})
@@ -339,8 +409,15 @@ def test_compute_score_that_workers_cannot_load_is_a_clear_config_error():
 
 def test_bad_options_fail_in_the_trainer_before_any_worker_starts(redis_url, namespace):
     with pytest.raises(ConfigError) as info:
-        StreamRewardManager(Tok(), manager="dapo", redis_url=redis_url, namespace=namespace, num_workers=1,
-                            overlong_buffer_cfg={"enable": True, "len": 0}, max_resp_len=8)
+        StreamRewardManager(
+            Tok(),
+            manager="dapo",
+            redis_url=redis_url,
+            namespace=namespace,
+            num_workers=1,
+            overlong_buffer_cfg={"enable": True, "len": 0},
+            max_resp_len=8,
+        )
     assert info.value.key == "overlong_buffer_cfg.len"
     with pytest.raises(ConfigError) as info:
         StreamRewardManager(Tok(), redis_url=redis_url, namespace=namespace, scorer="rules")
@@ -351,8 +428,14 @@ def test_bad_options_fail_in_the_trainer_before_any_worker_starts(redis_url, nam
 
 
 def test_verl_style_kwargs_map_to_manager_options(make_manager):
-    m = make_manager("dapo", num_workers=0, compute_score_timeout=3, max_resp_len=None,
-                     overlong_buffer_cfg=None, tag="passed-to-compute-score")
+    m = make_manager(
+        "dapo",
+        num_workers=0,
+        compute_score_timeout=3,
+        max_resp_len=None,
+        overlong_buffer_cfg=None,
+        tag="passed-to-compute-score",
+    )
     assert m.config.timeout == 3
     assert m.config.overlong_buffer_cfg == {}
     assert m.config.reward_kwargs == {"tag": "passed-to-compute-score"}

@@ -19,8 +19,17 @@ from stream_reward.stream import entry_fields
 from stream_reward.trajectory import Trajectory
 from workers.consumer import Worker
 
-scalars = st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=True) | st.text(max_size=30) | st.binary(max_size=30)
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=30)
+    | st.binary(max_size=30)
+)
+values = st.recursive(
+    scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8
+)
 
 record = st.fixed_dictionaries(
     {"v": st.sampled_from([1, 1, 1, 2, "1"])},
@@ -39,7 +48,9 @@ record = st.fixed_dictionaries(
 )
 good = st.builds(
     lambda i, r, gt: Trajectory("B", i, "openai/gsm8k", response=r, ground_truth=gt, uid=f"good-{i}"),
-    st.integers(0, 5), st.text(max_size=80), st.text(max_size=6),
+    st.integers(0, 5),
+    st.text(max_size=80),
+    st.text(max_size=6),
 )
 payload = st.one_of(
     st.binary(max_size=200),
@@ -61,11 +72,16 @@ async def _run(url: str, entries: list[tuple[bytes, bool]]) -> None:
         worker = Worker(url, RuleScorer(), ConsumerConfig(namespace=namespace, block_ms=20))
         await asyncio.wait_for(worker.run(burst=True), 30)
         await worker.aclose()
-        assert worker.stats.scored + worker.stats.failed + worker.stats.duplicates >= len(entries) - worker.stats.dead_letters
+        assert (
+            worker.stats.scored + worker.stats.failed + worker.stats.duplicates
+            >= len(entries) - worker.stats.dead_letters
+        )
         pending = await client.xpending(keys.stream(), "scorers")
         assert pending["pending"] == 0
         dead = {
-            msgpack.unpackb(f[b"e"], raw=False, strict_map_key=False)["entry_id"]: msgpack.unpackb(f[b"e"], raw=False, strict_map_key=False)
+            msgpack.unpackb(f[b"e"], raw=False, strict_map_key=False)["entry_id"]: msgpack.unpackb(
+                f[b"e"], raw=False, strict_map_key=False
+            )
             for _, f in await client.xrange(keys.dead_letters())
         }
         assert all(d["reason"] and d["error"] for d in dead.values())
@@ -84,7 +100,9 @@ async def _run(url: str, entries: list[tuple[bytes, bool]]) -> None:
         await client.aclose()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(st.lists(entry, min_size=1, max_size=12))
 def test_every_entry_is_scored_or_dead_lettered(redis_url, entries):
     asyncio.run(_run(redis_url, entries))

@@ -71,7 +71,15 @@ class Worker:
     one-shot scoring); otherwise it runs until ``stop`` is set.
     """
 
-    def __init__(self, redis_url: str, scorer: Scorer, config: ConsumerConfig | None = None, *, client: Any = None, hooks: Any = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        scorer: Scorer,
+        config: ConsumerConfig | None = None,
+        *,
+        client: Any = None,
+        hooks: Any = None,
+    ) -> None:
         self.config = config or ConsumerConfig()
         self.keys = Keys(self.config.namespace, self.config.partitions)
         self.scorer = scorer
@@ -101,9 +109,20 @@ class Worker:
         client = self._client
         self._ledger = LedgerWriter(client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
         for stream in self.keys.streams():
-            await with_reconnect(lambda s=stream: ensure_group(client, s, self.config.group), what="create group", give_up_after_s=None, stop=stop)
-        log.info("worker %s joined group %r of namespace %r (%d partitions, concurrency %d)",
-                 self.config.consumer, self.config.group, self.config.namespace, self.config.partitions, self.config.concurrency)
+            await with_reconnect(
+                lambda s=stream: ensure_group(client, s, self.config.group),
+                what="create group",
+                give_up_after_s=None,
+                stop=stop,
+            )
+        log.info(
+            "worker %s joined group %r of namespace %r (%d partitions, concurrency %d)",
+            self.config.consumer,
+            self.config.group,
+            self.config.namespace,
+            self.config.partitions,
+            self.config.concurrency,
+        )
         writer_stop = asyncio.Event()
         # Background loops end on this event as well as by cancel: a cancel that lands
         # inside a redis-py command can be swallowed on Python 3.11, and the TaskGroup
@@ -181,8 +200,14 @@ class Worker:
             self._reserved += count
             try:
                 try:
-                    reply = await read_group(self._client, self.config.group, self.config.consumer, streams,
-                                             count=count, block=self.config.block_ms)
+                    reply = await read_group(
+                        self._client,
+                        self.config.group,
+                        self.config.consumer,
+                        streams,
+                        count=count,
+                        block=self.config.block_ms,
+                    )
                 except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
                     if not is_transient(exc):
                         raise
@@ -210,13 +235,25 @@ class Worker:
                 if shared:
                     self._room.set()  # what this read did not use is free for the others
 
-    async def _process(self, partition: int, entries: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int] | None,
-                       *, alone: bool = False) -> None:
+    async def _process(
+        self,
+        partition: int,
+        entries: list[tuple[bytes, dict[bytes, bytes]]],
+        deliveries: dict[bytes, int] | None,
+        *,
+        alone: bool = False,
+    ) -> None:
         for entry_id, fields in entries:
             self.stats.in_flight += 1
             if deliveries is not None and deliveries.get(entry_id, 0) > self.config.max_deliveries:
-                self._dead_letter(partition, entry_id, fields, "max_deliveries",
-                                  f"delivered {deliveries[entry_id]} times (max_deliveries={self.config.max_deliveries})", deliveries[entry_id])
+                self._dead_letter(
+                    partition,
+                    entry_id,
+                    fields,
+                    "max_deliveries",
+                    f"delivered {deliveries[entry_id]} times (max_deliveries={self.config.max_deliveries})",
+                    deliveries[entry_id],
+                )
                 continue
             try:
                 traj = decode_trajectory(fields.get(FIELD_PAYLOAD, b""), self.config.max_message_bytes)
@@ -240,37 +277,78 @@ class Worker:
         started = time.perf_counter()
         try:
             scored = await self.scorer.score(traj)
-            result = ScoreResult(traj.uid, traj.batch_id, traj.index, scored.score, "ok", scored.extra,
-                                 valid_response_length=traj.response_length, data_source=traj.data_source,
-                                 group=traj.group, scored_at=time.time())
+            result = ScoreResult(
+                traj.uid,
+                traj.batch_id,
+                traj.index,
+                scored.score,
+                "ok",
+                scored.extra,
+                valid_response_length=traj.response_length,
+                data_source=traj.data_source,
+                group=traj.group,
+                scored_at=time.time(),
+            )
             self.stats.scored += 1
         except Exception as exc:  # a scorer bug fails its sample, never the pool
             if isinstance(exc, ScoringError):
                 reason, error, attempts = exc.reason, str(exc), exc.attempts or 1
             else:
                 reason, error, attempts = "scorer_error", f"{type(exc).__name__}: {exc}", 1
-            result = ScoreResult(traj.uid, traj.batch_id, traj.index, 0.0, "failed", reason=reason, error=error,
-                                 attempts=attempts, valid_response_length=traj.response_length,
-                                 data_source=traj.data_source, group=traj.group, scored_at=time.time())
+            result = ScoreResult(
+                traj.uid,
+                traj.batch_id,
+                traj.index,
+                0.0,
+                "failed",
+                reason=reason,
+                error=error,
+                attempts=attempts,
+                valid_response_length=traj.response_length,
+                data_source=traj.data_source,
+                group=traj.group,
+                scored_at=time.time(),
+            )
             self.stats.failed += 1
         if self.hooks is not None:
             self.hooks.on_scored(result, time.perf_counter() - started)
         self._queue(partition, LedgerItem(entry_id, traj.batch_id, traj.uid, encode_result(result)))
 
-    def _dead_letter(self, partition: int, entry_id: bytes, fields: dict[bytes, bytes], reason: str, error: str, deliveries: int) -> None:
+    def _dead_letter(
+        self, partition: int, entry_id: bytes, fields: dict[bytes, bytes], reason: str, error: str, deliveries: int
+    ) -> None:
         """Resolve an entry that cannot be scored: dead-letter it and, when its
         batch is known from the entry's plain fields, record a `failed` result so
         the batch still completes."""
         batch, index, uid = read_header(fields)
-        dead = msgpack.packb({
-            "reason": reason, "error": error, "entry_id": entry_id, "partition": partition,
-            "consumer": self.config.consumer, "deliveries": deliveries, "at": time.time(),
-            "fields": {k.decode(errors="replace"): v for k, v in fields.items()},
-        }, use_bin_type=True)
+        dead = msgpack.packb(
+            {
+                "reason": reason,
+                "error": error,
+                "entry_id": entry_id,
+                "partition": partition,
+                "consumer": self.config.consumer,
+                "deliveries": deliveries,
+                "at": time.time(),
+                "fields": {k.decode(errors="replace"): v for k, v in fields.items()},
+            },
+            use_bin_type=True,
+        )
         result = None
         if batch is not None and uid is not None and index >= 0:
-            result = encode_result(ScoreResult(uid, batch, index, 0.0, "failed", reason=reason, error=error,
-                                               attempts=deliveries, scored_at=time.time()))
+            result = encode_result(
+                ScoreResult(
+                    uid,
+                    batch,
+                    index,
+                    0.0,
+                    "failed",
+                    reason=reason,
+                    error=error,
+                    attempts=deliveries,
+                    scored_at=time.time(),
+                )
+            )
         self.stats.dead_letters += 1
         self.stats.failed += 1
         if self.hooks is not None:
@@ -327,8 +405,14 @@ class Worker:
                 room = self.config.concurrency - self.stats.in_flight
                 if room <= 0:
                     return total
-                reply = await self._client.xautoclaim(stream, self.config.group, self.config.consumer,
-                                                      min_idle_time=min_idle_ms, start_id=start, count=min(room, self.config.read_count))
+                reply = await self._client.xautoclaim(
+                    stream,
+                    self.config.group,
+                    self.config.consumer,
+                    min_idle_time=min_idle_ms,
+                    start_id=start,
+                    count=min(room, self.config.read_count),
+                )
                 start, claimed = reply[0], reply[1]
                 deleted = reply[2] if len(reply) > 2 else []
                 if deleted:  # pending entries whose data was trimmed: nothing left to score
@@ -349,7 +433,9 @@ class Worker:
                     break
         return total
 
-    async def _quarantine(self, partition: int, suspects: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]) -> None:
+    async def _quarantine(
+        self, partition: int, suspects: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]
+    ) -> None:
         """Score suspects one at a time with nothing else in flight, so that a crash
         can be pinned on the one sample that caused it."""
         key = self.keys.quarantine(partition)
@@ -362,9 +448,14 @@ class Worker:
                 attempts = await self._client.hincrby(key, entry_id, 1)
                 if attempts > 1:
                     self.stats.in_flight += 1
-                    self._dead_letter(partition, entry_id, fields, "poison",
-                                      f"crashed or stalled a worker while scored alone (delivered {deliveries[entry_id]} times)",
-                                      deliveries[entry_id])
+                    self._dead_letter(
+                        partition,
+                        entry_id,
+                        fields,
+                        "poison",
+                        f"crashed or stalled a worker while scored alone (delivered {deliveries[entry_id]} times)",
+                        deliveries[entry_id],
+                    )
                 else:
                     await self._process(partition, [(entry_id, fields)], deliveries, alone=True)
                 await self._wait_idle()
@@ -408,8 +499,9 @@ class Worker:
                 by_stream[self.keys.stream(partition)].append(entry_id)
             for stream, ids in by_stream.items():
                 # Mark them long idle: the next reclaim sweep of any live worker takes them.
-                await self._client.xclaim(stream, self.config.group, self.config.consumer, 0, ids,
-                                          idle=_RELEASED_IDLE_MS, justid=True)
+                await self._client.xclaim(
+                    stream, self.config.group, self.config.consumer, 0, ids, idle=_RELEASED_IDLE_MS, justid=True
+                )
             self.stats.in_flight -= len(unfinished)
             log.info("released %d unfinished samples to other workers", len(unfinished))
 
@@ -443,11 +535,17 @@ class Worker:
         while now - self._beats[0][0] > 60:
             self._beats.popleft()
         first_at, first_settled = self._beats[0]
-        beat = {"host": self._host, "pid": os.getpid(), "started": self._started, "seen": now,
-                "group": self.config.group, "partitions": self.keys.partitions,
-                "scorer": getattr(self.scorer, "name", type(self.scorer).__name__),
-                "settled_per_s_1m": (settled - first_settled) / (now - first_at) if now > first_at else 0.0,
-                **self.stats.as_dict()}
+        beat = {
+            "host": self._host,
+            "pid": os.getpid(),
+            "started": self._started,
+            "seen": now,
+            "group": self.config.group,
+            "partitions": self.keys.partitions,
+            "scorer": getattr(self.scorer, "name", type(self.scorer).__name__),
+            "settled_per_s_1m": (settled - first_settled) / (now - first_at) if now > first_at else 0.0,
+            **self.stats.as_dict(),
+        }
         await self._client.hset(self.keys.workers(), self.config.consumer, msgpack.packb(beat))
 
     async def _trim(self) -> None:
@@ -471,7 +569,10 @@ class Worker:
 def _iter_reply(reply: Any) -> Any:
     # RESP2 gives [[stream, entries], ...]; RESP3 a dict.
     if isinstance(reply, dict):
-        return [(k, v[0] if v and isinstance(v[0], list) and len(v) == 1 and isinstance(v[0][0], list) else v) for k, v in reply.items()]
+        return [
+            (k, v[0] if v and isinstance(v[0], list) and len(v) == 1 and isinstance(v[0][0], list) else v)
+            for k, v in reply.items()
+        ]
     return [(stream, entries) for stream, entries in reply]
 
 

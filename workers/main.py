@@ -75,16 +75,29 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     def d(dotted: str) -> str:
         return f" (default: {_default(dotted)})"
 
-    parser.add_argument("--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG")
-    parser.add_argument("--redis", default=None, help="Redis URL (redis://, rediss://, unix://); required here or in the config")
+    parser.add_argument(
+        "--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG"
+    )
+    parser.add_argument(
+        "--redis", default=None, help="Redis URL (redis://, rediss://, unix://); required here or in the config"
+    )
     parser.add_argument("--namespace", default=None, help="key namespace" + d("connection.namespace"))
     parser.add_argument("--group", default=None, help="consumer group, one per scorer pool" + d("connection.group"))
     parser.add_argument("--partitions", type=int, default=None, help=d("connection.partitions").strip())
-    parser.add_argument("--scorer", default=None, help="rules | python:FILE.py:FUNC | module.path:FUNC" + d("reward.scorer"))
-    parser.add_argument("--manager", default=None,
-                        help="naive, dapo, batch, prime, remote, rate_limited, or module.path:builder" + d("reward.manager"))
-    parser.add_argument("--processes", type=int, default=None, help="worker processes on this host" + d("worker.processes"))
-    parser.add_argument("--concurrency", type=int, default=None, help="samples in flight per process" + d("consumer.concurrency"))
+    parser.add_argument(
+        "--scorer", default=None, help="rules | python:FILE.py:FUNC | module.path:FUNC" + d("reward.scorer")
+    )
+    parser.add_argument(
+        "--manager",
+        default=None,
+        help="naive, dapo, batch, prime, remote, rate_limited, or module.path:builder" + d("reward.manager"),
+    )
+    parser.add_argument(
+        "--processes", type=int, default=None, help="worker processes on this host" + d("worker.processes")
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=None, help="samples in flight per process" + d("consumer.concurrency")
+    )
     parser.add_argument("--read-count", type=int, default=None, help=d("consumer.read_count").strip())
     parser.add_argument("--block-ms", type=int, default=None, help=d("consumer.block_ms").strip())
     parser.add_argument("--reclaim-idle-ms", type=int, default=None, help=d("consumer.reclaim_idle_ms").strip())
@@ -93,22 +106,42 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=None, help="per-sample scorer timeout" + d("reward.timeout"))
     parser.add_argument("--num-processes", type=int, default=None, help="scorer processes per worker for sync scorers")
     parser.add_argument("--reward-kwargs", type=json.loads, default=None, help="JSON object passed to compute_score")
-    parser.add_argument("--manager-kwargs", type=json.loads, default={},
-                        help='JSON object of manager options by verl key, e.g. {"overlong_buffer_cfg": {...}, "max_resp_len": 4096}')
+    parser.add_argument(
+        "--manager-kwargs",
+        type=json.loads,
+        default={},
+        help='JSON object of manager options by verl key, e.g. {"overlong_buffer_cfg": {...}, "max_resp_len": 4096}',
+    )
     parser.add_argument("--max-rpm", type=float, default=None, help="global requests/minute for the verifier")
     parser.add_argument("--max-tpm", type=float, default=None, help="global tokens/minute for the verifier")
     parser.add_argument("--max-inflight", type=int, default=None, help="global max requests in flight for the verifier")
-    parser.add_argument("--retries", type=int, default=None, help="attempts after the first, for infrastructure faults" + d("reward.retries"))
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help="attempts after the first, for infrastructure faults" + d("reward.retries"),
+    )
     parser.add_argument("--quota-key", default=None, help="name of the shared quota (default: the scorer spec)")
     parser.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
     parser.add_argument("--burst", action="store_true", help="exit once the stream holds nothing more")
     parser.add_argument("--log-level", default=None, help=d("worker.log_level").strip())
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=None, help="text or json lines" + d("worker.log_format"))
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port (0: any free port; with --processes N, process i uses port+i)")
-    parser.add_argument("--metrics-addr", default=None, help="address of the metrics endpoint" + d("worker.metrics_addr"))
-    parser.add_argument("--check", action="store_true",
-                        help="health check: exit 0 if a worker of the namespace (or --consumer) has a fresh heartbeat, else 1")
+    parser.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=None, help="text or json lines" + d("worker.log_format")
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (0: any free port; with --processes N, process i uses port+i)",
+    )
+    parser.add_argument(
+        "--metrics-addr", default=None, help="address of the metrics endpoint" + d("worker.metrics_addr")
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="health check: exit 0 if a worker of the namespace (or --consumer) has a fresh heartbeat, else 1",
+    )
 
 
 def resolve_args(args: argparse.Namespace) -> Settings:
@@ -131,7 +164,9 @@ def resolve_args(args: argparse.Namespace) -> Settings:
         elif key in _MANAGER_KWARG_KEYS:
             flags[_MANAGER_KWARG_KEYS[key]] = value
         else:
-            raise ConfigError(key, f"unknown manager option; known: {', '.join(sorted(ManagerConfig.__dataclass_fields__))}")
+            raise ConfigError(
+                key, f"unknown manager option; known: {', '.join(sorted(ManagerConfig.__dataclass_fields__))}"
+            )
     settings = load_settings(getattr(args, "config", None), flags=flags)
     for dest, dotted in FLAG_KEYS.items():
         setattr(args, dest, settings[dotted])
@@ -164,9 +199,15 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
     if port is not None:
         from workers.metrics import WorkerMetrics
 
-        metrics = WorkerMetrics(namespace=config.namespace, group=config.group, consumer=config.consumer,
-                                scorer=manager.scorer, manager=manager.manager, verifier=manager.quota_key,
-                                heartbeat_interval_s=config.heartbeat_interval_s)
+        metrics = WorkerMetrics(
+            namespace=config.namespace,
+            group=config.group,
+            consumer=config.consumer,
+            scorer=manager.scorer,
+            manager=manager.manager,
+            verifier=manager.quota_key,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+        )
     worker = Worker(url, scorer, config, hooks=metrics)
     refresher: asyncio.Task[None] | None = None
     refresher_stop = asyncio.Event()
@@ -177,10 +218,13 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
             try:
                 bound = metrics.serve(port, addr)
             except OSError as exc:
-                raise ConfigError("worker.metrics_port", f"cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
+                raise ConfigError(
+                    "worker.metrics_port", f"cannot listen on {addr}:{port}: {exc.strerror or exc}"
+                ) from None
             log.info("metrics on http://%s:%d/metrics", addr, bound)
-            refresher = asyncio.create_task(metrics.refresh_forever(url, worker.keys, settings["worker.metrics_refresh_s"],
-                                                                    refresher_stop))
+            refresher = asyncio.create_task(
+                metrics.refresh_forever(url, worker.keys, settings["worker.metrics_refresh_s"], refresher_stop)
+            )
         await worker.run(stop, burst=args.burst)
     finally:
         if refresher is not None:
@@ -234,17 +278,26 @@ async def check_health(settings: Settings, *, consumer: str | None = None) -> tu
         return False, f"cannot read heartbeats from {mask_url(url)}: {type(exc).__name__}"
     finally:
         await client.aclose()
-    matching = {name: b for name, b in beats.items()
-                if (consumer is None or name == consumer) and (group is None or b.get("group") == group)}
+    matching = {
+        name: b
+        for name, b in beats.items()
+        if (consumer is None or name == consumer) and (group is None or b.get("group") == group)
+    }
     alive = {name: b for name, b in matching.items() if b["alive"]}
-    what = f"consumer {consumer!r}" if consumer else f"namespace {settings.namespace!r}" + (f" group {group!r}" if group else "")
+    what = (
+        f"consumer {consumer!r}"
+        if consumer
+        else f"namespace {settings.namespace!r}" + (f" group {group!r}" if group else "")
+    )
     if alive:
         freshest = min(b["age_s"] for b in alive.values())
         return True, f"ok: {len(alive)} live worker(s) in {what}; freshest heartbeat {freshest:.1f}s ago"
     if matching:
         freshest = min(b["age_s"] for b in matching.values())
-        return False, (f"unhealthy: no live worker in {what}; freshest heartbeat {freshest:.1f}s ago "
-                       f"(limit {ALIVE_FACTOR * interval:g}s)")
+        return False, (
+            f"unhealthy: no live worker in {what}; freshest heartbeat {freshest:.1f}s ago "
+            f"(limit {ALIVE_FACTOR * interval:g}s)"
+        )
     return False, f"unhealthy: no worker heartbeat in {what}"
 
 

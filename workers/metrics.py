@@ -57,9 +57,19 @@ OTHER = "other"
 class WorkerMetrics:
     """The hooks object and Prometheus collector of one worker. ``Worker(..., hooks=metrics)``."""
 
-    def __init__(self, *, namespace: str, group: str, consumer: str, scorer: str = "", manager: str = "",
-                 verifier: str | None = None, registry: CollectorRegistry | None = None,
-                 max_data_sources: int = 64, heartbeat_interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        group: str,
+        consumer: str,
+        scorer: str = "",
+        manager: str = "",
+        verifier: str | None = None,
+        registry: CollectorRegistry | None = None,
+        max_data_sources: int = 64,
+        heartbeat_interval_s: float = 2.0,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.namespace, self.group, self.consumer = namespace, group, consumer
         self.scorer, self.manager = mask_url(scorer), manager  # a spec may be a URL with credentials
@@ -71,13 +81,28 @@ class WorkerMetrics:
         self._started = time.time()
         self._snapshot: dict[str, Any] = {}
         self._server: Any = None
-        self.trajectories = Counter("stream_reward_trajectories", "settled trajectories by status and data source",
-                                    ["status", "data_source"], registry=self.registry)
-        self.failures = Counter("stream_reward_failures", "failed trajectories by reason", ["reason"], registry=self.registry)
-        self.latency = Histogram("stream_reward_scoring_latency_seconds", "scoring time of one trajectory",
-                                 ["scorer", "data_source"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.dead_letters = Counter("stream_reward_dead_letters", "entries sent to the dead-letter stream by reason",
-                                    ["reason"], registry=self.registry)
+        self.trajectories = Counter(
+            "stream_reward_trajectories",
+            "settled trajectories by status and data source",
+            ["status", "data_source"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "stream_reward_failures", "failed trajectories by reason", ["reason"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "stream_reward_scoring_latency_seconds",
+            "scoring time of one trajectory",
+            ["scorer", "data_source"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.dead_letters = Counter(
+            "stream_reward_dead_letters",
+            "entries sent to the dead-letter stream by reason",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(_Collector(self))
 
     # ------------------------------------------------------------------ hooks (event loop)
@@ -127,8 +152,14 @@ class WorkerMetrics:
             if length or await client.exists(stream):  # XINFO on a missing key is an error
                 for g in await client.xinfo_groups(stream):
                     lag = g.get("lag")
-                    groups.append((_s(g["name"]), int(g.get("pending", 0)), int(lag) if lag is not None else None,
-                                   int(g.get("consumers", 0))))
+                    groups.append(
+                        (
+                            _s(g["name"]),
+                            int(g.get("pending", 0)),
+                            int(lag) if lag is not None else None,
+                            int(g.get("consumers", 0)),
+                        )
+                    )
             snap["streams"].append((stream, length, groups))
         for p in range(keys.partitions):
             snap["dlq"].append((keys.dead_letters(p), int(await client.xlen(keys.dead_letters(p)))))
@@ -163,17 +194,30 @@ class WorkerMetrics:
 
     # ------------------------------------------------------------------ scrape (HTTP thread)
     def collect(self) -> Iterator[Metric]:
-        info = GaugeMetricFamily("stream_reward_worker_info", "this worker process",
-                                 labels=["namespace", "group", "consumer", "manager", "scorer"])
+        info = GaugeMetricFamily(
+            "stream_reward_worker_info",
+            "this worker process",
+            labels=["namespace", "group", "consumer", "manager", "scorer"],
+        )
         info.add_metric([self.namespace, self.group, self.consumer, self.manager, self.scorer], 1)
         yield info
-        yield GaugeMetricFamily("stream_reward_worker_start_time_seconds", "when this worker started (unix time)", value=self._started)
+        yield GaugeMetricFamily(
+            "stream_reward_worker_start_time_seconds", "when this worker started (unix time)", value=self._started
+        )
         worker = self._worker
         if worker is not None:
             stats = worker.stats
-            yield GaugeMetricFamily("stream_reward_in_flight", "trajectories read but not yet settled", value=stats.in_flight)
-            yield CounterMetricFamily("stream_reward_reclaimed", "entries reclaimed from dead or slow consumers", value=stats.reclaimed)
-            yield CounterMetricFamily("stream_reward_duplicates", "results not written because another worker's came first", value=stats.duplicates)
+            yield GaugeMetricFamily(
+                "stream_reward_in_flight", "trajectories read but not yet settled", value=stats.in_flight
+            )
+            yield CounterMetricFamily(
+                "stream_reward_reclaimed", "entries reclaimed from dead or slow consumers", value=stats.reclaimed
+            )
+            yield CounterMetricFamily(
+                "stream_reward_duplicates",
+                "results not written because another worker's came first",
+                value=stats.duplicates,
+            )
             yield from self._verifier_metrics(worker.scorer)
         yield from self._redis_metrics()
 
@@ -181,10 +225,17 @@ class WorkerMetrics:
         rows = list(_scorer_stats(scorer, self.verifier))
         if not rows:
             return
-        families = {key: CounterMetricFamily(name, doc, labels=["verifier"]) for key, (name, doc) in _VERIFIER_COUNTERS.items()}
-        failures = CounterMetricFamily("stream_reward_verifier_failures", "verifier failures by reason (after retries)",
-                                       labels=["verifier", "reason"])
-        other = GaugeMetricFamily("stream_reward_verifier_stat", "other counters a scorer reports", labels=["verifier", "stat"])
+        families = {
+            key: CounterMetricFamily(name, doc, labels=["verifier"]) for key, (name, doc) in _VERIFIER_COUNTERS.items()
+        }
+        failures = CounterMetricFamily(
+            "stream_reward_verifier_failures",
+            "verifier failures by reason (after retries)",
+            labels=["verifier", "reason"],
+        )
+        other = GaugeMetricFamily(
+            "stream_reward_verifier_stat", "other counters a scorer reports", labels=["verifier", "stat"]
+        )
         for verifier, stats in rows:
             for key, value in stats.items():
                 if key in families and _number(value):
@@ -210,11 +261,19 @@ class WorkerMetrics:
         up = GaugeMetricFamily("stream_reward_redis_up", "1 if the last metrics read of Redis succeeded")
         up.add_metric([], 0.0 if snap.get("failed_at", 0) > snap.get("at", 0) else 1.0)
         yield up
-        yield GaugeMetricFamily("stream_reward_redis_read_timestamp_seconds", "when the stream gauges were read", value=snap["at"])
+        yield GaugeMetricFamily(
+            "stream_reward_redis_read_timestamp_seconds", "when the stream gauges were read", value=snap["at"]
+        )
         length = GaugeMetricFamily("stream_reward_stream_length", "entries in the trajectory stream", labels=["stream"])
-        lag = GaugeMetricFamily("stream_reward_group_lag", "entries not yet delivered to the group", labels=["stream", "group"])
-        pending = GaugeMetricFamily("stream_reward_group_pending", "entries delivered but not acked", labels=["stream", "group"])
-        consumers = GaugeMetricFamily("stream_reward_group_consumers", "consumers registered in the group", labels=["stream", "group"])
+        lag = GaugeMetricFamily(
+            "stream_reward_group_lag", "entries not yet delivered to the group", labels=["stream", "group"]
+        )
+        pending = GaugeMetricFamily(
+            "stream_reward_group_pending", "entries delivered but not acked", labels=["stream", "group"]
+        )
+        consumers = GaugeMetricFamily(
+            "stream_reward_group_consumers", "consumers registered in the group", labels=["stream", "group"]
+        )
         for stream, n, groups in snap["streams"]:
             length.add_metric([stream], n)
             for group, p, lg, c in groups:
@@ -223,12 +282,20 @@ class WorkerMetrics:
                 if lg is not None:
                     lag.add_metric([stream, group], lg)
         yield from (length, lag, pending, consumers)
-        dlq = GaugeMetricFamily("stream_reward_dead_letter_stream_length", "entries in the dead-letter stream", labels=["stream"])
+        dlq = GaugeMetricFamily(
+            "stream_reward_dead_letter_stream_length", "entries in the dead-letter stream", labels=["stream"]
+        )
         for stream, n in snap["dlq"]:
             dlq.add_metric([stream], n)
         yield dlq
-        yield GaugeMetricFamily("stream_reward_workers_alive", "workers of the namespace with a fresh heartbeat", value=snap["workers_alive"])
-        yield GaugeMetricFamily("stream_reward_open_batches", "batches opened and not yet collected", value=snap["open_batches"])
+        yield GaugeMetricFamily(
+            "stream_reward_workers_alive",
+            "workers of the namespace with a fresh heartbeat",
+            value=snap["workers_alive"],
+        )
+        yield GaugeMetricFamily(
+            "stream_reward_open_batches", "batches opened and not yet collected", value=snap["open_batches"]
+        )
 
 
 class _Collector:

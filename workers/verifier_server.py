@@ -107,8 +107,16 @@ class _Bucket:
 class _Stats:
     def __init__(self) -> None:
         self.started = time.time()
-        self.counts: dict[str, int] = {"requests": 0, "ok": 0, "http_429": 0, "http_5xx": 0, "http_4xx": 0,
-                                       "resets": 0, "timeouts": 0, "garbage": 0}
+        self.counts: dict[str, int] = {
+            "requests": 0,
+            "ok": 0,
+            "http_429": 0,
+            "http_5xx": 0,
+            "http_4xx": 0,
+            "resets": 0,
+            "timeouts": 0,
+            "garbage": 0,
+        }
         self.by_path: dict[str, int] = {}
         self.tokens = 0
         self.in_flight = 0
@@ -121,10 +129,16 @@ class _Stats:
         return self.windows.setdefault(int(at), [0, 0, 0])
 
     def snapshot(self, *, with_log: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {**self.counts, "tokens": self.tokens, "in_flight": self.in_flight,
-                               "max_in_flight": self.max_in_flight, "by_path": dict(self.by_path),
-                               "started": self.started, "now": time.time(),
-                               "windows": [[sec, *counts] for sec, counts in sorted(self.windows.items())]}
+        out: dict[str, Any] = {
+            **self.counts,
+            "tokens": self.tokens,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "by_path": dict(self.by_path),
+            "started": self.started,
+            "now": time.time(),
+            "windows": [[sec, *counts] for sec, counts in sorted(self.windows.items())],
+        }
         out["loop_stalls"] = [[round(t, 4), round(lag, 4)] for t, lag in self.loop_lags[-100:]]
         if with_log:
             out["log"] = [list(entry) for entry in self.log]
@@ -135,7 +149,9 @@ def _tokens(*texts: Any) -> int:
     return sum(math.ceil(len(t) / 4) for t in texts if isinstance(t, str))
 
 
-def _error(status: int, message: str, *, error_type: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+def _error(
+    status: int, message: str, *, error_type: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
     """An error reply in the OpenAI shape: ``{"error": {"message", "type"?}}``."""
     error = {"message": message} if error_type is None else {"message": message, "type": error_type}
     return web.json_response({"error": error}, status=status, headers=headers)
@@ -153,7 +169,9 @@ def _rm_texts(body: dict[str, Any]) -> list[str] | None:
 class VerifierServer:
     """The server, in-process. ``url = await srv.start()`` ... ``await srv.stop()``."""
 
-    def __init__(self, config: ServerConfig | None = None, *, host: str = "127.0.0.1", port: int = 0, **overrides: Any) -> None:
+    def __init__(
+        self, config: ServerConfig | None = None, *, host: str = "127.0.0.1", port: int = 0, **overrides: Any
+    ) -> None:
         self.config = config or ServerConfig(**overrides)
         if config is not None and overrides:
             self.config = ServerConfig(**{**asdict(config), **overrides})
@@ -324,8 +342,9 @@ class VerifierServer:
         ground_truth = body.get("ground_truth")
         score = self._rule(body.get("data_source"), solution, ground_truth, body.get("extra_info"))
         tokens = _tokens(solution, body.get("prompt"))
-        return web.json_response({"score": score, "acc": score > 0, "verifier": self.config.name,
-                                  "usage": {"total_tokens": tokens}}), tokens
+        return web.json_response(
+            {"score": score, "acc": score > 0, "verifier": self.config.name, "usage": {"total_tokens": tokens}}
+        ), tokens
 
     def _rule(self, data_source: Any, solution: str, ground_truth: Any, extra_info: Any) -> float:
         rule = self.config.rule
@@ -354,10 +373,19 @@ class VerifierServer:
         data = []
         for i, text in enumerate(texts):
             p = self._rm_score(text)
-            data.append({"index": i, "label": "LABEL_1" if p > 0.5 else "LABEL_0", "probs": [1 - p, p], "num_classes": 2})
-        return web.json_response({"id": f"classify-{self._rng.getrandbits(48):x}", "object": "list", "created": int(time.time()),
-                                  "model": body.get("model"), "data": data,
-                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}), tokens
+            data.append(
+                {"index": i, "label": "LABEL_1" if p > 0.5 else "LABEL_0", "probs": [1 - p, p], "num_classes": 2}
+            )
+        return web.json_response(
+            {
+                "id": f"classify-{self._rng.getrandbits(48):x}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+            }
+        ), tokens
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, self._embeddings_reply)
@@ -368,10 +396,18 @@ class VerifierServer:
             return _error(400, "input must be a string or a list of strings"), 0
         tokens = _tokens(*texts)
         if garbage:
-            return web.json_response({"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": "NaN"}]}), 0
+            return web.json_response(
+                {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": "NaN"}]}
+            ), 0
         data = [{"object": "embedding", "index": i, "embedding": [self._rm_score(t)]} for i, t in enumerate(texts)]
-        return web.json_response({"object": "list", "data": data, "model": body.get("model"),
-                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}), tokens
+        return web.json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": body.get("model"),
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        ), tokens
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, self._chat_reply)
@@ -395,12 +431,22 @@ class VerifierServer:
         prompt_tokens = _tokens(*(m.get("content") for m in messages))
         completion_tokens = _tokens(content)
         total = prompt_tokens + completion_tokens
-        return web.json_response({
-            "id": f"chatcmpl-{self._rng.getrandbits(48):x}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total},
-        }), total
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{self._rng.getrandbits(48):x}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+                ],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": total,
+                },
+            }
+        ), total
 
     async def _stats_view(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats(with_log=request.query.get("log") in ("1", "true")))

@@ -20,7 +20,15 @@ self-contained.
 # Startup cost is per sample: stdlib modules only, and no json/re/traceback (the
 # job arrives as marshal, results leave as a repr() the host literal_evals).
 import _signal as signal  # the signal module would import enum: 4 ms per sample
-import builtins, gc, marshal, math, os, resource, select, sys, time
+import builtins
+import gc
+import marshal
+import math
+import os
+import resource
+import select
+import sys
+import time
 
 
 # ---------------------------------------------------------------- judging answers
@@ -73,6 +81,7 @@ _libc = None
 
 def _sys(name, *args):
     import ctypes
+
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -87,6 +96,7 @@ def _b(s):
 
 def _mount(src, dst, fstype, flags, data=None):
     import ctypes
+
     _sys("mount", _b(src), _b(dst), _b(fstype), ctypes.c_ulong(flags), _b(data))
 
 
@@ -167,7 +177,7 @@ def run_case(job, case):
     data = case.get("stdin", "").encode()
     view = memoryview(data)
     while view:
-        view = view[os.write(stdin_fd, view):]
+        view = view[os.write(stdin_fd, view) :]
     os.lseek(stdin_fd, 0, 0)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -321,7 +331,7 @@ def child(job, case, stdin_fd, out_w, err_w, ver_w):
                 raise OSError("uid drop failed")
         if job["isolation"] == "unshare":
             _sys("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (bwrap sets it itself)
-        sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+        sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.argv = ["solution.py"]
@@ -390,6 +400,7 @@ def execute(job, case):
         return EXIT_MEMORY
     except BaseException:
         import traceback
+
         traceback.print_exc()
         return 1
 

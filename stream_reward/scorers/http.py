@@ -103,16 +103,26 @@ class GenericVerifier(HttpScorer):
     kind = "http"
 
     def request(self, traj: Trajectory) -> dict[str, Any]:
-        body = {"uid": traj.uid, "data_source": traj.data_source, "solution_str": traj.response,
-                "ground_truth": traj.ground_truth, "extra_info": traj.extra_info, "prompt": traj.prompt}
+        body = {
+            "uid": traj.uid,
+            "data_source": traj.data_source,
+            "solution_str": traj.response,
+            "ground_truth": traj.ground_truth,
+            "extra_info": traj.extra_info,
+            "prompt": traj.prompt,
+        }
         body.update(self.options.extra_body)
         return body
 
     def parse(self, reply: Any, traj: Trajectory) -> tuple[Scored, int | None]:
         if not isinstance(reply, dict):
-            raise BadReplyError(f"verifier replied with a JSON {type(reply).__name__}, not an object", reason="no_score")
+            raise BadReplyError(
+                f"verifier replied with a JSON {type(reply).__name__}, not an object", reason="no_score"
+            )
         if "score" not in reply:
-            raise BadReplyError(f"verifier reply has no 'score' (keys: {sorted(map(str, reply))[:10]})", reason="no_score")
+            raise BadReplyError(
+                f"verifier reply has no 'score' (keys: {sorted(map(str, reply))[:10]})", reason="no_score"
+            )
         used = _usage_tokens(reply)
         return normalize({k: v for k, v in reply.items() if k != "usage"}), used
 
@@ -140,7 +150,9 @@ class DisRMScorer(HttpScorer):
                 value = item["probs"][-1]
         except (KeyError, IndexError, TypeError):
             shape = "data[-1].embedding" if self.options.api == "embeddings" else "data[-1].probs[-1]"
-            raise BadReplyError(f"reward model reply has no {shape}: {json.dumps(reply)[:200]}", reason="no_score") from None
+            raise BadReplyError(
+                f"reward model reply has no {shape}: {json.dumps(reply)[:200]}", reason="no_score"
+            ) from None
         return normalize(value), _usage_tokens(reply) if isinstance(reply, dict) else None
 
 
@@ -157,7 +169,9 @@ class GenRMScorer(HttpScorer):
         if isinstance(parser, str):
             parser = load_function(parser)
         if parser is not None and not callable(parser):
-            raise ConfigError("reward_kwargs.score_parser", f"must be FILE.py:FUNC, module:FUNC or a callable, got {parser!r}")
+            raise ConfigError(
+                "reward_kwargs.score_parser", f"must be FILE.py:FUNC, module:FUNC or a callable, got {parser!r}"
+            )
         self._parser: Callable[[str], Any] | None = parser
 
     def endpoint_url(self, base: str) -> str:
@@ -175,7 +189,9 @@ class GenRMScorer(HttpScorer):
         try:
             verdict = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
-            raise BadReplyError(f"judge reply has no choices[0].message.content: {json.dumps(reply)[:200]}", reason="no_verdict") from None
+            raise BadReplyError(
+                f"judge reply has no choices[0].message.content: {json.dumps(reply)[:200]}", reason="no_verdict"
+            ) from None
         if not isinstance(verdict, str):
             raise BadReplyError(f"judge verdict is {type(verdict).__name__}, not text", reason="no_verdict")
         used = _usage_tokens(reply)
@@ -189,20 +205,28 @@ class GenRMScorer(HttpScorer):
             try:
                 value = self._parser(verdict)
             except Exception as exc:  # the user's parser refusing a verdict is a data fault
-                raise BadReplyError(f"score_parser raised {type(exc).__name__}: {exc}", reason="unparseable_verdict") from exc
+                raise BadReplyError(
+                    f"score_parser raised {type(exc).__name__}: {exc}", reason="unparseable_verdict"
+                ) from exc
             if value is None:
-                raise BadReplyError(f"score_parser found no score in the verdict: {_tail(verdict)!r}", reason="unparseable_verdict")
+                raise BadReplyError(
+                    f"score_parser found no score in the verdict: {_tail(verdict)!r}", reason="unparseable_verdict"
+                )
             return normalize(value)
         matches = self._pattern.findall(verdict)
         if not matches:
-            raise BadReplyError(f"no score matching {self.options.score_pattern!r} in the verdict: {_tail(verdict)!r}",
-                                reason="unparseable_verdict")
+            raise BadReplyError(
+                f"no score matching {self.options.score_pattern!r} in the verdict: {_tail(verdict)!r}",
+                reason="unparseable_verdict",
+            )
         last = matches[-1]
         text = last[0] if isinstance(last, tuple) else last
         try:
             value = float(text) * self.options.score_scale
         except ValueError:
-            raise BadReplyError(f"score {text!r} in the verdict is not a number", reason="unparseable_verdict") from None
+            raise BadReplyError(
+                f"score {text!r} in the verdict is not a number", reason="unparseable_verdict"
+            ) from None
         if not math.isfinite(value):
             raise BadReplyError(f"score {text!r} in the verdict is not finite", reason="unparseable_verdict")
         return Scored(value)
@@ -262,20 +286,29 @@ def build_http_scorer(spec: str, config: Any) -> HttpScorer:
     limits = {"max_rpm": config.max_rpm, "max_tpm": config.max_tpm, "max_inflight": config.max_concurrent}
     limiter = None
     if redis_url:
-        limiter = QuotaLimiter(redis_url, QuotaConfig(
-            name=quota_name(kind, urls, options, config.quota_key),
-            **limits,
-            estimated_tokens_per_request=config.estimated_tokens_per_request,
-            lease_ttl_s=max(60.0, 2 * config.timeout),
-            burst=options.burst,
-            adaptive=options.adaptive_rate,
-        ), namespace=config.namespace)
+        limiter = QuotaLimiter(
+            redis_url,
+            QuotaConfig(
+                name=quota_name(kind, urls, options, config.quota_key),
+                **limits,
+                estimated_tokens_per_request=config.estimated_tokens_per_request,
+                lease_ttl_s=max(60.0, 2 * config.timeout),
+                burst=options.burst,
+                adaptive=options.adaptive_rate,
+            ),
+            namespace=config.namespace,
+        )
     elif any(v is not None for v in limits.values()):
-        raise ConfigError("redis_url", f"{', '.join(k for k, v in limits.items() if v is not None)} need a Redis URL: the quota is kept in Redis")
+        raise ConfigError(
+            "redis_url",
+            f"{', '.join(k for k, v in limits.items() if v is not None)} need a Redis URL: the quota is kept in Redis",
+        )
     if not config.timeout > 0:
         raise ConfigError("timeout", f"must be > 0, got {config.timeout!r}")
     try:
-        retry = RetryPolicy(retries=config.retries, backoff_base_s=options.backoff_base_s, backoff_max_s=options.backoff_max_s)
+        retry = RetryPolicy(
+            retries=config.retries, backoff_base_s=options.backoff_base_s, backoff_max_s=options.backoff_max_s
+        )
     except ValueError as exc:
         raise ConfigError("retries", str(exc)) from None
     scorer = _KINDS[kind](

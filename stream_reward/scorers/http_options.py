@@ -87,7 +87,9 @@ class HttpOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ConfigError(f"reward_kwargs.{unknown[0]}", f"unknown option of the HTTP scorers; known: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"reward_kwargs.{unknown[0]}", f"unknown option of the HTTP scorers; known: {', '.join(sorted(known))}"
+            )
         options = cls(**kwargs)
         options.validate()
         return options

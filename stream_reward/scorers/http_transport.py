@@ -103,17 +103,32 @@ class HttpScorer:
     ) -> None:
         self.options = options or HttpOptions()
         self.timeout_s = timeout_s
-        self.retry = retry or RetryPolicy(backoff_base_s=self.options.backoff_base_s, backoff_max_s=self.options.backoff_max_s)
+        self.retry = retry or RetryPolicy(
+            backoff_base_s=self.options.backoff_base_s, backoff_max_s=self.options.backoff_max_s
+        )
         self.limiter = limiter
         self.estimated_tokens = estimated_tokens
         self.max_connections = max_connections
         o = self.options
-        self.router = Router([Endpoint(self.endpoint_url(u), CircuitBreaker(o.breaker_failures, o.breaker_cooldown_s, o.breaker_max_cooldown_s, clock))
-                              for u in urls])
+        self.router = Router(
+            [
+                Endpoint(
+                    self.endpoint_url(u),
+                    CircuitBreaker(o.breaker_failures, o.breaker_cooldown_s, o.breaker_max_cooldown_s, clock),
+                )
+                for u in urls
+            ]
+        )
         # What metrics and logs call this verifier; build_http_scorer sets the quota name.
         self.name = masked_spec(self.kind, urls)
         self.stats: dict[str, Any] = {
-            "requests": 0, "ok": 0, "failed": 0, "retries": 0, "http_429": 0, "quota_wait_s": 0.0, "tokens": 0,
+            "requests": 0,
+            "ok": 0,
+            "failed": 0,
+            "retries": 0,
+            "http_429": 0,
+            "quota_wait_s": 0.0,
+            "tokens": 0,
             "failures_by_reason": {},
         }
         headers = {"Content-Type": "application/json", **o.headers}
@@ -142,7 +157,9 @@ class HttpScorer:
     # -------------------------------------------------------------- plumbing
     def _session_now(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=min(self.timeout_s, self.options.connect_timeout_s))
+            timeout = aiohttp.ClientTimeout(
+                total=self.timeout_s, connect=min(self.timeout_s, self.options.connect_timeout_s)
+            )
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers)
             # Waiting for a pooled connection would count against the request's
@@ -159,8 +176,17 @@ class HttpScorer:
 
     def endpoints(self) -> list[dict[str, Any]]:
         """Per-server counters and breaker state (for `status` and metrics)."""
-        return [{"url": ep.label, "in_flight": ep.in_flight, "requests": ep.requests, "failures": ep.failures,
-                 "breaker": ep.breaker.state, "trips": ep.breaker.trips} for ep in self.router.endpoints]
+        return [
+            {
+                "url": ep.label,
+                "in_flight": ep.in_flight,
+                "requests": ep.requests,
+                "failures": ep.failures,
+                "breaker": ep.breaker.state,
+                "trips": ep.breaker.trips,
+            }
+            for ep in self.router.endpoints
+        ]
 
     def _count_failure(self, reason: str) -> None:
         self.stats["failed"] += 1
@@ -173,7 +199,9 @@ class HttpScorer:
             body = json.dumps(self.request(traj), default=_json_default).encode()
         except (TypeError, ValueError) as exc:
             self._count_failure("bad_request")
-            raise ScoringError(f"cannot encode the request for uid {traj.uid!r}: {exc}", reason="bad_request", attempts=0) from exc
+            raise ScoringError(
+                f"cannot encode the request for uid {traj.uid!r}: {exc}", reason="bad_request", attempts=0
+            ) from exc
         limiter = self.limiter
 
         async def pause_everyone(retry_after_s: float | None) -> None:
@@ -182,11 +210,14 @@ class HttpScorer:
 
         def on_retry(exc: BaseException, n: int, delay: float) -> None:
             self.stats["retries"] += 1
-            log.debug("uid %r: attempt %d failed (%s); retrying in %.2fs", traj.uid, n, getattr(exc, "reason", exc), delay)
+            log.debug(
+                "uid %r: attempt %d failed (%s); retrying in %.2fs", traj.uid, n, getattr(exc, "reason", exc), delay
+            )
 
         try:
-            scored = await call_with_retry(lambda n: self._attempt(traj, body), self.retry,
-                                           on_retry=on_retry, on_rate_limited=pause_everyone)
+            scored = await call_with_retry(
+                lambda n: self._attempt(traj, body), self.retry, on_retry=on_retry, on_rate_limited=pause_everyone
+            )
         except ScoringError as exc:
             self._count_failure(exc.reason)
             raise
@@ -227,7 +258,9 @@ class HttpScorer:
                 reply = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 snippet = " ".join(raw[:200].decode(errors="replace").split())
-                raise BadReplyError(f"{endpoint.label} replied 200 with a body that is not JSON: {snippet!r}", reason="bad_json") from None
+                raise BadReplyError(
+                    f"{endpoint.label} replied 200 with a body that is not JSON: {snippet!r}", reason="bad_json"
+                ) from None
             scored, used = self.parse(reply, traj)
             if used is not None:
                 self.stats["tokens"] += used

@@ -27,8 +27,13 @@ class CircuitBreaker:
     ``cooldown_s`` one probe request is let through (half-open): success closes
     the breaker, failure re-opens it with twice the cool-down (up to ``max_cooldown_s``)."""
 
-    def __init__(self, failures: int = 3, cooldown_s: float = 5.0, max_cooldown_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        failures: int = 3,
+        cooldown_s: float = 5.0,
+        max_cooldown_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.threshold = failures
         self.base_cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s

@@ -455,7 +455,9 @@ def _minerva_check(solution: str, ground_truth: str) -> tuple[bool, str]:
     return pred == normalize_final_answer(ground_truth), pred
 
 
-def _strict_box_check(solution: str, ground_truth: Any, pause_tokens_index: Sequence[int] | None) -> tuple[bool, str | None]:
+def _strict_box_check(
+    solution: str, ground_truth: Any, pause_tokens_index: Sequence[int] | None
+) -> tuple[bool, str | None]:
     if pause_tokens_index is not None:
         if len(pause_tokens_index) != 4:
             raise ValueError("pause_tokens_index must hold 4 indices")

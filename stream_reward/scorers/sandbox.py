@@ -43,7 +43,16 @@ from typing import Any
 from ..errors import ConfigError, ScoringError, VerifierError
 from ..scoring import Scored
 from ..trajectory import Trajectory
-from .sandbox_isolation import MARKER, OUT_OF_RESOURCES, UIDS, choose_backend, kill_sandbox, root_spec, sandbox_env, wrap_command
+from .sandbox_isolation import (
+    MARKER,
+    OUT_OF_RESOURCES,
+    UIDS,
+    choose_backend,
+    kill_sandbox,
+    root_spec,
+    sandbox_env,
+    wrap_command,
+)
 
 __all__ = ["SandboxConfig", "SandboxScorer", "CASE_STATUSES", "extract_code", "parse_tests", "case_script"]
 
@@ -85,7 +94,17 @@ class SandboxConfig:
     uid_count: int = 1000
 
     def __post_init__(self) -> None:
-        for key in ("timeout_s", "cpu_s", "memory_mb", "max_output_bytes", "max_file_mb", "max_procs", "tmp_mb", "concurrency", "uid_count"):
+        for key in (
+            "timeout_s",
+            "cpu_s",
+            "memory_mb",
+            "max_output_bytes",
+            "max_file_mb",
+            "max_procs",
+            "tmp_mb",
+            "concurrency",
+            "uid_count",
+        ):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, "must be > 0")
         if self.backend not in ("auto", "bwrap", "unshare", "none"):
@@ -142,7 +161,9 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             raise _bad("'inputs' and 'outputs' must be non-empty lists of the same length")
         fn_name = gt.get("fn_name")
         if fn_name is None:
-            return "stdin", [{"stdin": _text(i, "input"), "stdout": _text(o, "output")} for i, o in zip(inputs, outputs)]
+            return "stdin", [
+                {"stdin": _text(i, "input"), "stdout": _text(o, "output")} for i, o in zip(inputs, outputs)
+            ]
         if not isinstance(fn_name, str) or not fn_name.isidentifier():
             raise _bad("'fn_name' must be an identifier")
         if not all(isinstance(args, list) for args in inputs):
@@ -245,10 +266,12 @@ _HARNESS = importlib.resources.files(__package__).joinpath("_sandbox_harness.py"
 _BOOT = "import marshal, sys\nh = marshal.load(sys.stdin.buffer)\nexec(compile(h, 'harness', 'exec') if type(h) is str else h)"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compare_src() -> str:
     """The harness's ``_sr_*`` functions, for the stand-alone programs of case_script()."""
-    functions = [node for node in ast.parse(_HARNESS).body if isinstance(node, ast.FunctionDef) and node.name.startswith("_sr_")]
+    functions = [
+        node for node in ast.parse(_HARNESS).body if isinstance(node, ast.FunctionDef) and node.name.startswith("_sr_")
+    ]
     return "\n" + "\n\n".join(ast.get_source_segment(_HARNESS, node) for node in functions) + "\n"
 
 
@@ -281,7 +304,14 @@ class SandboxScorer:
         uid = UIDS.acquire(self.config.uid_base, self.config.uid_count) if self._root else None
         try:
             job = self._job("print('ok')", "stdin", cases, uid, backend, "/tmp")
-            proc = subprocess.run(self._argv(backend), input=self._harness + marshal.dumps(job, 4), capture_output=True, env=sandbox_env(), timeout=60, start_new_session=True)
+            proc = subprocess.run(
+                self._argv(backend),
+                input=self._harness + marshal.dumps(job, 4),
+                capture_output=True,
+                env=sandbox_env(),
+                timeout=60,
+                start_new_session=True,
+            )
             if self._parse(proc.stdout, proc.stderr, proc.returncode, 1)[0][0] != "passed":
                 return "probe program did not pass"
         except (OSError, subprocess.TimeoutExpired, ScoringError) as exc:
@@ -297,10 +327,20 @@ class SandboxScorer:
             self._argvs[backend] = wrap_command(self.config, backend, harness, root=self._root)
         return self._argvs[backend]
 
-    def _job(self, program: str, form: str, cases: list[dict[str, Any]], uid: int | None, backend: str, workdir: str) -> dict[str, Any]:
+    def _job(
+        self, program: str, form: str, cases: list[dict[str, Any]], uid: int | None, backend: str, workdir: str
+    ) -> dict[str, Any]:
         if self._job_base is None:
             self._job_base = self._build_job_base()
-        job = {"program": program, "form": form, "cases": cases, "uid": uid, "isolation": backend, "pidns": backend != "none", "workdir": workdir}
+        job = {
+            "program": program,
+            "form": form,
+            "cases": cases,
+            "uid": uid,
+            "isolation": backend,
+            "pidns": backend != "none",
+            "workdir": workdir,
+        }
         return {**self._job_base, **job}
 
     def _build_job_base(self) -> dict[str, Any]:
@@ -337,7 +377,11 @@ class SandboxScorer:
         """Run ``program`` against ``cases`` (as from parse_tests) in one sandbox;
         return ``(status, detail)`` per case."""
         async with self._semaphore():
-            uid = UIDS.acquire(self.config.uid_base, self.config.uid_count) if self._root and self.backend != "none" else None
+            uid = (
+                UIDS.acquire(self.config.uid_base, self.config.uid_count)
+                if self._root and self.backend != "none"
+                else None
+            )
             workdir = tempfile.mkdtemp(prefix="stream-reward-unsafe-") if self.backend == "none" else "/tmp"
             try:
                 return await self._run(self._job(program, form, cases, uid, self.backend, workdir), len(cases), uid)
@@ -360,8 +404,12 @@ class SandboxScorer:
             )
         except OSError as exc:
             if exc.errno in OUT_OF_RESOURCES:
-                raise VerifierError(f"host out of resources starting a sandbox: {exc}", reason="host_resources") from exc
-            raise VerifierError(f"cannot start the {self.backend} sandbox: {exc}", reason="sandbox_unavailable") from exc
+                raise VerifierError(
+                    f"host out of resources starting a sandbox: {exc}", reason="host_resources"
+                ) from exc
+            raise VerifierError(
+                f"cannot start the {self.backend} sandbox: {exc}", reason="sandbox_unavailable"
+            ) from exc
         deadline_s = 15.0 + n * (self.config.timeout_s + 1.0)
         try:
             out, err = await asyncio.wait_for(proc.communicate(payload), deadline_s)
@@ -383,5 +431,8 @@ class SandboxScorer:
         results = msg.get("results") if isinstance(msg, dict) else None
         if not isinstance(results, list) or len(results) != n:
             tail = err.decode("utf-8", "replace").strip()[-500:]
-            raise VerifierError(f"{self.backend} sandbox failed (exit {returncode}): {tail or 'no output'}", reason="sandbox_unavailable")
+            raise VerifierError(
+                f"{self.backend} sandbox failed (exit {returncode}): {tail or 'no output'}",
+                reason="sandbox_unavailable",
+            )
         return [(str(status), str(detail)) for status, detail in results]

@@ -70,7 +70,11 @@ class SandboxFusionScorer:
             raise ConfigError("url", f"{url!r} is not an http(s) URL")
         self.url = url.rstrip("/") + "/run_code"
         self.config = config or SandboxFusionConfig()
-        self.retry = RetryPolicy(retries=self.config.retries, backoff_base_s=self.config.backoff_base_s, backoff_max_s=self.config.backoff_max_s)
+        self.retry = RetryPolicy(
+            retries=self.config.retries,
+            backoff_base_s=self.config.backoff_base_s,
+            backoff_max_s=self.config.backoff_max_s,
+        )
         # Created inside the running loop on first use, never here (the loop may not exist yet).
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -113,17 +117,25 @@ class SandboxFusionScorer:
     async def _case(self, uid: str, form: str, program: str, case: dict[str, Any]) -> tuple[str, str]:
         code, stdin = case_script(form, program, case)
         cfg = self.config
-        body = json.dumps({
-            "code": code,
-            "language": cfg.language,
-            "compile_timeout": cfg.compile_timeout_s,
-            "run_timeout": cfg.run_timeout_s,
-            "memory_limit_MB": cfg.memory_limit_mb,
-            "stdin": stdin,
-        }).encode()
+        body = json.dumps(
+            {
+                "code": code,
+                "language": cfg.language,
+                "compile_timeout": cfg.compile_timeout_s,
+                "run_timeout": cfg.run_timeout_s,
+                "memory_limit_MB": cfg.memory_limit_mb,
+                "stdin": stdin,
+            }
+        ).encode()
 
         def on_retry(exc: BaseException, n: int, delay: float) -> None:
-            log.debug("uid %r: SandboxFusion attempt %d failed (%s); retrying in %.2fs", uid, n, getattr(exc, "reason", exc), delay)
+            log.debug(
+                "uid %r: SandboxFusion attempt %d failed (%s); retrying in %.2fs",
+                uid,
+                n,
+                getattr(exc, "reason", exc),
+                delay,
+            )
 
         reply = await call_with_retry(lambda n: self._attempt(body), self.retry, on_retry=on_retry)
         return _judge(form, case, reply)
@@ -144,11 +156,15 @@ class SandboxFusionScorer:
             reply = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             snippet = " ".join(raw[:200].decode(errors="replace").split())
-            raise BadReplyError(f"SandboxFusion replied 200 with a body that is not JSON: {snippet!r}", reason="bad_json") from None
+            raise BadReplyError(
+                f"SandboxFusion replied 200 with a body that is not JSON: {snippet!r}", reason="bad_json"
+            ) from None
         if not isinstance(reply, dict) or reply.get("status") not in ("Success", "Failed", "SandboxError"):
             raise BadReplyError(f"SandboxFusion reply has no valid status: {str(reply)[:200]}", reason="bad_reply")
         if reply["status"] == "SandboxError":  # the sandbox broke, not the program: retry
-            raise VerifierError(f"SandboxFusion SandboxError: {str(reply.get('message'))[:200]}", reason="sandbox_error")
+            raise VerifierError(
+                f"SandboxFusion SandboxError: {str(reply.get('message'))[:200]}", reason="sandbox_error"
+            )
         return reply
 
 

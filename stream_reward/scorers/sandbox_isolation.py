@@ -71,7 +71,12 @@ OWNER_ENV = "STREAM_REWARD_SANDBOX_OWNER"  # the scorer's pid, in every sandboxe
 OUT_OF_RESOURCES = {errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE}  # errnos of a host, not a sandbox, fault
 
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
-_DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"), ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2"))
+_DEV_LINKS = (
+    ("/dev/fd", "/proc/self/fd"),
+    ("/dev/stdin", "/proc/self/fd/0"),
+    ("/dev/stdout", "/proc/self/fd/1"),
+    ("/dev/stderr", "/proc/self/fd/2"),
+)
 # All the sandbox sees of /etc (each bind costs ~0.1 ms a sample; add more with
 # SandboxConfig.extra_ro_binds).
 _ETC = ("/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group")
@@ -79,7 +84,13 @@ _ETC = ("/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group")
 
 def sandbox_env() -> dict[str, str]:
     # Nothing of the host's environment (API keys!) reaches the sandbox.
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "PYTHONHASHSEED": "0", OWNER_ENV: str(os.getpid())}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": "/tmp",
+        "PYTHONHASHSEED": "0",
+        OWNER_ENV: str(os.getpid()),
+    }
 
 
 # ---------------------------------------------------------------- backend selection
@@ -153,8 +164,30 @@ def wrap_command(config: SandboxConfig, backend: str, command: list[str], *, roo
     if backend == "none":
         return command
     if backend == "unshare":
-        return [config.unshare_path, "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private", "--net", "--ipc", "--uts", "--", *command]
-    argv = [config.bwrap_path, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+        return [
+            config.unshare_path,
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount",
+            "--propagation",
+            "private",
+            "--net",
+            "--ipc",
+            "--uts",
+            "--",
+            *command,
+        ]
+    argv = [
+        config.bwrap_path,
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+    ]
     if root:
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL"]
     else:
@@ -210,7 +243,10 @@ class _UidPool:
 
     def _lock_dir(self) -> str:
         if self._dir is None:
-            path = os.path.join("/run" if os.access("/run", os.W_OK) else tempfile.gettempdir(), f"stream-reward-sandbox-uids-{os.geteuid()}")
+            path = os.path.join(
+                "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir(),
+                f"stream-reward-sandbox-uids-{os.geteuid()}",
+            )
             os.makedirs(path, mode=0o700, exist_ok=True)
             st = os.lstat(path)
             if st.st_uid != os.geteuid() or not os.path.isdir(path) or os.path.islink(path):
@@ -230,7 +266,11 @@ class _UidPool:
                 continue
             fd = self._fds.get(uid)
             if fd is None:
-                fd = os.open(os.path.join(self._lock_dir(), str(uid)), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fd = os.open(
+                    os.path.join(self._lock_dir(), str(uid)),
+                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                )
                 self._fds[uid] = fd
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
