@@ -27,9 +27,11 @@ scalars = (
     | st.text(max_size=30)
     | st.binary(max_size=30)
 )
-values = st.recursive(
-    scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8
-)
+def _containers(children):
+    return st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+
+
+values = st.recursive(scalars, _containers, max_leaves=8)
 
 record = st.fixed_dictionaries(
     {"v": st.sampled_from([1, 1, 1, 2, "1"])},
