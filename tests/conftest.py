@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stream_reward.embedded import EmbeddedServer
+from stream_reward.ops.embedded import EmbeddedServer
 
 
 @pytest.fixture(scope="session")

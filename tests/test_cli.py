@@ -12,8 +12,8 @@ import pytest
 
 from stream_reward.cli import main
 from stream_reward.errors import ConfigError
-from stream_reward.logs import JsonFormatter, configure_logging, progress_bar
-from stream_reward.settings import env_name, load_settings, mask_secrets
+from stream_reward.ops.logs import JsonFormatter, configure_logging, progress_bar
+from stream_reward.ops.settings import env_name, load_settings, mask_secrets
 
 SECRET = "hunter2-s3cret"
 

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_reward.codec import (
+from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
+from stream_reward.wire.codec import (
     SCHEMA_VERSION,
     decode_result,
     decode_trajectory,
@@ -14,8 +15,7 @@ from stream_reward.codec import (
     pack_ids,
     unpack_ids,
 )
-from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
-from stream_reward.trajectory import ScoreResult, Trajectory, trajectory_from_json
+from stream_reward.wire.trajectory import ScoreResult, Trajectory, trajectory_from_json
 
 
 def full_trajectory() -> Trajectory:

@@ -19,7 +19,7 @@ import pytest
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig, ProducerConfig
 from stream_reward.errors import CollectTimeoutError, VerifierError
-from stream_reward.scoring import Scored
+from stream_reward.scoring.scorer import Scored
 from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.config import ProducerConfig
-from stream_reward.quota import QuotaConfig, QuotaLimiter
+from stream_reward.config import ProducerConfig, QuotaConfig
+from stream_reward.scoring.quota import QuotaLimiter
 from workers.verifier_server import VerifierServer
 
 pytestmark = pytest.mark.anyio

@@ -33,15 +33,22 @@ from typing import Any
 import msgpack
 from redis.exceptions import RedisError, ResponseError
 
-from stream_reward.broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, is_transient, with_reconnect
-from stream_reward.codec import decode_trajectory, encode_result
 from stream_reward.config import ConsumerConfig
 from stream_reward.errors import CodecError, ScoringError
-from stream_reward.keys import Keys
-from stream_reward.ledger import LedgerItem, LedgerWriter
-from stream_reward.scoring import Scorer
-from stream_reward.stream import FIELD_PAYLOAD, ensure_group, read_group, read_header
-from stream_reward.trajectory import ScoreResult, Trajectory
+from stream_reward.scoring.scorer import Scorer
+from stream_reward.wire.codec import decode_trajectory, encode_result
+from stream_reward.wire.connection import (
+    CLUSTER_ERRORS,
+    TRANSIENT_ERRORS,
+    connect,
+    is_cluster,
+    is_transient,
+    with_reconnect,
+)
+from stream_reward.wire.entries import FIELD_PAYLOAD, ensure_group, read_group, read_header
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import LedgerItem, LedgerWriter
+from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = ["Worker", "WorkerStats"]
 

@@ -31,9 +31,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.exceptions import RedisError
 
-from stream_reward.broker import TRANSIENT_ERRORS, connect, mask_url
-from stream_reward.keys import Keys
-from stream_reward.trajectory import ScoreResult
+from stream_reward.wire.connection import TRANSIENT_ERRORS, connect, mask_url
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.trajectory import ScoreResult
 
 __all__ = ["WorkerMetrics", "LATENCY_BUCKETS"]
 

@@ -27,15 +27,16 @@ from typing import Any
 
 from yarl import URL
 
-from ..broker import mask_url
-from ..errors import BadReplyError, ConfigError
-from ..quota import QuotaConfig, QuotaLimiter
-from ..retry import RetryPolicy
-from ..scoring import Scored, load_function, normalize
-from ..trajectory import Trajectory
-from .http_options import DEFAULT_GENRM_TEMPLATE, HttpOptions
-from .http_transport import HttpScorer, masked_spec
-from .router import CircuitBreaker, Router
+from stream_reward.config import QuotaConfig
+from stream_reward.errors import BadReplyError, ConfigError
+from stream_reward.scorers.http_options import DEFAULT_GENRM_TEMPLATE, HttpOptions
+from stream_reward.scorers.http_transport import HttpScorer, masked_spec
+from stream_reward.scorers.router import CircuitBreaker, Router
+from stream_reward.scoring.quota import QuotaLimiter
+from stream_reward.scoring.retry import RetryPolicy
+from stream_reward.scoring.scorer import Scored, load_function, normalize
+from stream_reward.wire.connection import mask_url
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = [
     "HttpOptions",

@@ -4,12 +4,12 @@ A protocol (``stream_reward.scorers.http``) says what to send (``request``), whe
 (``endpoint_url``) and how to read the reply (``parse``). Everything else is here.
 Each request:
 
-1. takes a lease of the verifier's global quota (``stream_reward.quota``) — RPM,
+1. takes a lease of the verifier's global quota (``stream_reward.scoring.quota``) — RPM,
    TPM (charged with an estimate, settled with the reply's ``usage``), in flight,
    and the shared pause after a 429;
 2. goes to the base URL the ``Router`` picks (``stream_reward.scorers.router``):
    the fewest requests in flight whose circuit breaker is closed;
-3. is retried on infrastructure faults (``stream_reward.retry``); a 429 pauses
+3. is retried on infrastructure faults (``stream_reward.scoring.retry``); a 429 pauses
    every worker for its ``Retry-After``; data faults fail the sample at once.
 
 The aiohttp session is created on first use inside the running loop (never in
@@ -28,14 +28,14 @@ from typing import Any, ClassVar
 
 import aiohttp
 
-from ..broker import mask_url
-from ..errors import BadReplyError, ScoringError, VerifierError
-from ..quota import QuotaLimiter
-from ..retry import RetryPolicy, call_with_retry, status_error, transport_error
-from ..scoring import Scored
-from ..trajectory import Trajectory
-from .http_options import HttpOptions
-from .router import CircuitBreaker, Endpoint, Router
+from stream_reward.errors import BadReplyError, ScoringError, VerifierError
+from stream_reward.scorers.http_options import HttpOptions
+from stream_reward.scorers.router import CircuitBreaker, Endpoint, Router
+from stream_reward.scoring.quota import QuotaLimiter
+from stream_reward.scoring.retry import RetryPolicy, call_with_retry, status_error, transport_error
+from stream_reward.scoring.scorer import Scored
+from stream_reward.wire.connection import mask_url
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = ["HttpScorer", "masked_spec"]
 

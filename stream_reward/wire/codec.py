@@ -16,8 +16,9 @@ from typing import Any
 
 import msgpack
 
-from .errors import CodecError, PayloadTooLargeError, SchemaVersionError
-from .trajectory import ScoreResult, Trajectory
+from stream_reward.config import DEFAULT_MAX_MESSAGE_BYTES
+from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
+from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -31,7 +32,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 _LITTLE = sys.byteorder == "little"
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import msgpack
 
-from .broker import connect
-from .keys import Keys
-from .stream import read_header
+from stream_reward.config import DEFAULT_NAMESPACE
+from stream_reward.wire.connection import connect
+from stream_reward.wire.entries import read_header
+from stream_reward.wire.keys import Keys
 
 __all__ = ["DeadLetter", "list_dead_letters", "redrive_dead_letters"]
 
@@ -70,7 +71,7 @@ def _parse(partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> DeadL
 
 
 async def list_dead_letters(
-    redis_url: str, *, namespace: str = "sr", partitions: int = 1, count: int = 100, client: Any = None
+    redis_url: str, *, namespace: str = DEFAULT_NAMESPACE, partitions: int = 1, count: int = 100, client: Any = None
 ) -> list[DeadLetter]:
     owned = client is None
     client = client or connect(redis_url)
@@ -87,7 +88,12 @@ async def list_dead_letters(
 
 
 async def redrive_dead_letters(
-    redis_url: str, *, namespace: str = "sr", partitions: int = 1, ids: list[str] | None = None, client: Any = None
+    redis_url: str,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    partitions: int = 1,
+    ids: list[str] | None = None,
+    client: Any = None,
 ) -> int:
     """Push dead letters (all, or those with ``ids``) back onto their stream and delete them
     from the dead-letter stream, in one transaction per entry. Returns how many."""

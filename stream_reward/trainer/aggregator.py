@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from .broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, with_reconnect
-from .codec import decode_result
-from .config import BatchPolicy
-from .errors import BrokerError, CollectTimeoutError, ConfigError
-from .keys import Keys
-from .stream import read_streams
-from .trajectory import ScoreResult
+from stream_reward.config import DEFAULT_NAMESPACE, BatchPolicy
+from stream_reward.errors import BrokerError, CollectTimeoutError, ConfigError
+from stream_reward.wire.codec import decode_result
+from stream_reward.wire.connection import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, with_reconnect
+from stream_reward.wire.entries import read_streams
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.trajectory import ScoreResult
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +120,7 @@ class RewardAggregator:
         self,
         redis_url: str,
         *,
-        namespace: str = "sr",
+        namespace: str = DEFAULT_NAMESPACE,
         partitions: int | None = None,
         collected_ttl_s: int = 3600,
         client: Any = None,

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import BadReplyError, RetryLater, ScoringError, VerifierError
+from stream_reward.errors import BadReplyError, RetryLater, ScoringError, VerifierError
 
 __all__ = [
     "RetryPolicy",

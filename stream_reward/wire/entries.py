@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 from redis.exceptions import ResponseError
 
-from .broker import is_cluster
+from stream_reward.wire.connection import is_cluster
 
 __all__ = [
     "ensure_group",

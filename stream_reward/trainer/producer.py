@@ -19,14 +19,14 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from .broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, mask_url
-from .codec import encode_result, encode_trajectory
-from .config import BatchPolicy, ProducerConfig
-from .errors import BackpressureError, BrokerError, ConfigError
-from .keys import Keys
-from .ledger import LedgerItem, LedgerWriter
-from .stream import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
-from .trajectory import ScoreResult, Trajectory, default_uid
+from stream_reward.config import BatchPolicy, ProducerConfig
+from stream_reward.errors import BackpressureError, BrokerError, ConfigError
+from stream_reward.wire.codec import encode_result, encode_trajectory
+from stream_reward.wire.connection import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, mask_url
+from stream_reward.wire.entries import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import LedgerItem, LedgerWriter
+from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["RolloutProducer", "SyncRolloutProducer"]
 

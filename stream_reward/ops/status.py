@@ -22,9 +22,10 @@ from typing import Any
 import msgpack
 from redis.exceptions import ResponseError
 
-from .broker import connect, mask_url
-from .keys import Keys
-from .stream import read_header
+from stream_reward.config import DEFAULT_NAMESPACE
+from stream_reward.wire.connection import connect, mask_url
+from stream_reward.wire.entries import read_header
+from stream_reward.wire.keys import Keys
 
 __all__ = ["read_status", "read_heartbeats", "render_status", "record_batch", "ALIVE_FACTOR"]
 
@@ -207,9 +208,10 @@ async def _quota(client: Any, namespace: str, limits: dict[str, dict[str, Any]] 
 
 
 async def _quota_state(client: Any, namespace: str, name: str, limits: dict[str, Any]) -> dict[str, Any] | None:
-    if importlib.util.find_spec("stream_reward.quota") is None:
+    if importlib.util.find_spec("stream_reward.scoring.quota") is None:
         return None
-    from .quota import QuotaConfig, QuotaLimiter
+    from stream_reward.config import QuotaConfig
+    from stream_reward.scoring.quota import QuotaLimiter
 
     fields = QuotaConfig.__dataclass_fields__
     limiter = QuotaLimiter(
@@ -279,7 +281,7 @@ def _consumers(streams: list[dict[str, Any]], beats: dict[str, dict[str, Any]]) 
 
 async def read_status(
     redis_url: str,
-    namespace: str = "sr",
+    namespace: str = DEFAULT_NAMESPACE,
     *,
     partitions: int | None = None,
     heartbeat_interval_s: float = 2.0,

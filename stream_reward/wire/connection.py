@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from .errors import BrokerError
+from stream_reward.errors import BrokerError
 
 __all__ = [
     "connect",

@@ -16,9 +16,9 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from .codec import _plain
-from .errors import ScoringError
-from .scoring import load_function, normalize
+from stream_reward.errors import ScoringError
+from stream_reward.scoring.scorer import load_function, normalize
+from stream_reward.wire.codec import _plain
 
 _HEADER = struct.Struct(">I")
 
