@@ -157,7 +157,7 @@ policy:
 def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from workers.main import FLAG_KEYS, add_worker_arguments, child_argv, resolve_args
+    from stream_reward.ops.worker_cli import FLAG_KEYS, add_worker_arguments, resolve_args, worker_argv
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
@@ -183,7 +183,7 @@ def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.M
     assert settings.consumer_config().concurrency == 8
     assert set(FLAG_KEYS.values()) <= {f"{sec}.{k}" for sec, keys in settings.values.items() for k in keys}
 
-    argv = child_argv(args, consumer="host-1-2", slot=2)
+    argv = worker_argv(args, consumer="host-1-2", slot=2)
     # A child gets the flags as given (plus its own port and one process), the file, not the environment's password.
     assert SECRET not in " ".join(argv)
     assert argv[argv.index("--config") + 1] == config
@@ -191,14 +191,14 @@ def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.M
     assert argv[argv.index("--metrics-port") + 1] == "9102"
     assert argv[argv.index("--consumer") + 1] == "host-1-2"
     assert "--timeout-s" not in argv  # from the file: the child reads it there
-    argv = child_argv(args, consumer="worker-a", slot=1)  # a supervisor that passes the slot
+    argv = worker_argv(args, consumer="worker-a", slot=1)  # a supervisor that passes the slot
     assert argv[argv.index("--metrics-port") + 1] == "9101" and "--slot" not in argv
 
 
 def test_unknown_manager_kwarg_is_a_config_error() -> None:
     import argparse
 
-    from workers.main import add_worker_arguments, resolve_args
+    from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
