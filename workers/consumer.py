@@ -30,7 +30,6 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
-import msgpack
 from redis.exceptions import RedisError, ResponseError
 
 from stream_reward.config import ConsumerConfig
@@ -45,7 +44,9 @@ from stream_reward.wire.connection import (
     is_transient,
     with_reconnect,
 )
+from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.entries import FIELD_PAYLOAD, ensure_group, read_group, read_header
+from stream_reward.wire.heartbeat import encode_heartbeat
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
@@ -328,18 +329,15 @@ class Worker:
         batch is known from the entry's plain fields, record a `failed` result so
         the batch still completes."""
         batch, index, uid = read_header(fields)
-        dead = msgpack.packb(
-            {
-                "reason": reason,
-                "error": error,
-                "entry_id": entry_id,
-                "partition": partition,
-                "consumer": self.config.consumer,
-                "deliveries": deliveries,
-                "at": time.time(),
-                "fields": {k.decode(errors="replace"): v for k, v in fields.items()},
-            },
-            use_bin_type=True,
+        dead = encode_dead_letter(
+            reason=reason,
+            error=error,
+            entry_id=entry_id,
+            partition=partition,
+            consumer=self.config.consumer,
+            deliveries=deliveries,
+            at=time.time(),
+            fields=fields,
         )
         result = None
         if batch is not None and uid is not None and index >= 0:
@@ -553,7 +551,7 @@ class Worker:
             "settled_per_s_1m": (settled - first_settled) / (now - first_at) if now > first_at else 0.0,
             **self.stats.as_dict(),
         }
-        await self._client.hset(self.keys.workers(), self.config.consumer, msgpack.packb(beat))
+        await self._client.hset(self.keys.workers(), self.config.consumer, encode_heartbeat(beat))
 
     async def _trim(self) -> None:
         """Drop entries that every group has acknowledged: bounded memory for the stream."""

@@ -26,12 +26,12 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import msgpack
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.exceptions import RedisError
 
 from stream_reward.wire.connection import TRANSIENT_ERRORS, connect, mask_url
+from stream_reward.wire.heartbeat import parse_heartbeats
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.trajectory import ScoreResult
 
@@ -163,15 +163,10 @@ class WorkerMetrics:
             snap["streams"].append((stream, length, groups))
         for p in range(keys.partitions):
             snap["dlq"].append((keys.dead_letters(p), int(await client.xlen(keys.dead_letters(p)))))
-        now = time.time()
-        alive = 0
-        for packed in (await client.hgetall(keys.workers())).values():
-            try:
-                seen = float(msgpack.unpackb(packed, raw=False).get("seen", 0))
-            except (ValueError, AttributeError, msgpack.UnpackException):
-                continue
-            alive += now - seen <= 3 * self.heartbeat_interval_s
-        snap["workers_alive"] = alive
+        beats = parse_heartbeats(
+            await client.hgetall(keys.workers()), interval_s=self.heartbeat_interval_s, now=time.time()
+        )
+        snap["workers_alive"] = sum(beat["alive"] for beat in beats.values())
         snap["open_batches"] = int(await client.zcard(keys.batches()))
         self._snapshot = snap  # one assignment: the scrape thread sees the old or the new reading
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from redis.exceptions import RedisError
 
 from stream_reward.ops.settings import Settings
-from stream_reward.ops.status import ALIVE_FACTOR, read_heartbeats
+from stream_reward.ops.status import read_heartbeats
 from stream_reward.wire.connection import TRANSIENT_ERRORS, connect, mask_url
+from stream_reward.wire.heartbeat import ALIVE_FACTOR
 from stream_reward.wire.keys import Keys
 
 __all__ = ["check_health"]

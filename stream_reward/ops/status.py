@@ -24,24 +24,12 @@ from redis.exceptions import ResponseError
 
 from stream_reward.config import DEFAULT_NAMESPACE
 from stream_reward.wire.connection import connect, mask_url
-from stream_reward.wire.entries import read_header
+from stream_reward.wire.deadletter import decode_dead_letter
+from stream_reward.wire.heartbeat import parse_heartbeats
+from stream_reward.wire.heartbeat import text as _s
 from stream_reward.wire.keys import Keys
 
-__all__ = ["read_status", "read_heartbeats", "render_status", "record_batch", "ALIVE_FACTOR"]
-
-ALIVE_FACTOR = 3  # a heartbeat older than this many intervals means the worker is not alive
-
-
-def _s(value: Any) -> Any:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-def _decode_map(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {_s(k): _decode_map(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_decode_map(v) for v in value]
-    return _s(value)
+__all__ = ["read_status", "read_heartbeats", "render_status", "record_batch"]
 
 
 async def read_heartbeats(
@@ -49,20 +37,7 @@ async def read_heartbeats(
 ) -> dict[str, dict[str, Any]]:
     """Consumer name -> its heartbeat record, with ``age_s`` and ``alive`` added."""
     now = time.time() if now is None else now
-    raw = await client.hgetall(keys.workers())
-    beats = {}
-    for name, packed in raw.items():
-        try:
-            beat = _decode_map(msgpack.unpackb(packed, raw=False))
-        except (ValueError, msgpack.UnpackException):
-            continue  # not a heartbeat record; never let one bad value hide the others
-        if not isinstance(beat, dict):
-            continue
-        seen = float(beat.get("seen", 0) or 0)
-        beat["age_s"] = round(max(0.0, now - seen), 3)
-        beat["alive"] = now - seen <= ALIVE_FACTOR * interval_s
-        beats[_s(name)] = beat
-    return beats
+    return parse_heartbeats(await client.hgetall(keys.workers()), interval_s=interval_s, now=now)
 
 
 async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any]:
@@ -154,25 +129,13 @@ async def _dead_letters(client: Any, keys: Keys, recent: int) -> dict[str, Any]:
             continue
         for entry_id, fields in await client.xrevrange(keys.dead_letters(p), count=recent):
             try:
-                record = msgpack.unpackb(fields[b"e"], raw=False)
-            except (KeyError, ValueError, msgpack.UnpackException):
-                record = {}
-            batch, index, uid = read_header(record.get("fields") or {})
-            error = str(record.get("error", ""))
-            latest.append(
-                {
-                    "id": _s(entry_id),
-                    "partition": p,
-                    "reason": record.get("reason"),
-                    "error": error[:200] + ("..." if len(error) > 200 else ""),
-                    "batch": batch,
-                    "index": index if index >= 0 else None,
-                    "uid": uid,
-                    "consumer": _s(record.get("consumer")),
-                    "deliveries": record.get("deliveries"),
-                    "at": record.get("at"),
-                }
-            )
+                letter = decode_dead_letter(p, entry_id, fields).summary()
+            except (KeyError, ValueError, TypeError, msgpack.UnpackException):
+                letter = dict.fromkeys(("reason", "batch", "index", "uid", "consumer", "deliveries", "at"))
+            error = str(letter.get("error") or "")
+            letter.pop("payload_bytes", None)
+            letter.update(id=_s(entry_id), partition=p, error=error[:200] + ("..." if len(error) > 200 else ""))
+            latest.append(letter)
     latest.sort(key=lambda d: d.get("at") or 0, reverse=True)
     return {"total": sum(per_partition), "partitions": per_partition, "recent": latest[:recent]}
 
