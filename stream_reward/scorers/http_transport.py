@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar
 
 import aiohttp
@@ -37,9 +37,15 @@ from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.connection import mask_url
 from stream_reward.wire.trajectory import Trajectory
 
-__all__ = ["HttpScorer", "masked_spec"]
+__all__ = ["HttpScorer", "Transport", "masked_spec"]
 
 log = logging.getLogger(__name__)
+
+
+# ``transport(url, body, headers) -> (status, headers, body)`` replaces the aiohttp
+# session: unit tests of a protocol hand in a plain async function (as httpx's
+# MockTransport takes a handler) and may raise aiohttp's errors to act a fault.
+Transport = Callable[[str, bytes, Mapping[str, str]], Awaitable[tuple[int, Mapping[str, str], bytes]]]
 
 
 def masked_spec(kind: str, urls: list[str]) -> str:
@@ -100,8 +106,10 @@ class HttpScorer:
         estimated_tokens: int | None = None,
         max_connections: int = 256,
         clock: Callable[[], float] = time.monotonic,
+        transport: Transport | None = None,
     ) -> None:
         self.options = options or HttpOptions()
+        self._transport = transport
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy(
             backoff_base_s=self.options.backoff_base_s, backoff_max_s=self.options.backoff_max_s
@@ -155,16 +163,19 @@ class HttpScorer:
         return body
 
     # -------------------------------------------------------------- plumbing
-    def _session_now(self) -> aiohttp.ClientSession:
+    def _session_now(self) -> aiohttp.ClientSession | None:
+        if self._slots is None:
+            # Waiting for a pooled connection would count against the request's
+            # timeout inside aiohttp; waiting here does not.
+            self._slots = asyncio.Semaphore(self.max_connections)
+        if self._transport is not None:
+            return None  # an injected transport needs no session
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(
                 total=self.timeout_s, connect=min(self.timeout_s, self.options.connect_timeout_s)
             )
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers)
-            # Waiting for a pooled connection would count against the request's
-            # timeout inside aiohttp; waiting here does not.
-            self._slots = asyncio.Semaphore(self.max_connections)
         return self._session
 
     async def aclose(self) -> None:
@@ -269,11 +280,16 @@ class HttpScorer:
                 self.stats["tokens"] += self.estimated_tokens
             return scored
 
-    async def _post(self, session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes) -> tuple[int, Any, bytes]:
+    async def _post(
+        self, session: aiohttp.ClientSession | None, endpoint: Endpoint, body: bytes
+    ) -> tuple[int, Any, bytes]:
         endpoint.in_flight += 1
         endpoint.requests += 1
         self.stats["requests"] += 1
         try:
+            if session is None:
+                assert self._transport is not None
+                return await self._transport(endpoint.url, body, self._headers)
             async with session.post(endpoint.url, data=body) as resp:
                 return resp.status, resp.headers, await resp.read()
         finally:
