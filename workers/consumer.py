@@ -30,7 +30,7 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from stream_reward.config import ConsumerConfig
 from stream_reward.errors import CodecError, ScoringError
@@ -38,6 +38,7 @@ from stream_reward.scoring.scorer import Scorer
 from stream_reward.wire.codec import decode_trajectory, encode_result
 from stream_reward.wire.connection import (
     CLUSTER_ERRORS,
+    REDIS_ERRORS,
     TRANSIENT_ERRORS,
     connect,
     is_cluster,
@@ -303,18 +304,14 @@ class Worker:
                 reason, error, attempts = exc.reason, str(exc), exc.attempts or 1
             else:
                 reason, error, attempts = "scorer_error", f"{type(exc).__name__}: {exc}", 1
-            result = ScoreResult(
+            result = ScoreResult.failed(
                 traj.uid,
                 traj.batch_id,
                 traj.index,
-                0.0,
-                "failed",
                 reason=reason,
                 error=error,
                 attempts=attempts,
-                valid_response_length=traj.response_length,
-                data_source=traj.data_source,
-                group=traj.group,
+                traj=traj,
                 scored_at=time.time(),
             )
             self.stats.failed += 1
@@ -342,16 +339,8 @@ class Worker:
         result = None
         if batch is not None and uid is not None and index >= 0:
             result = encode_result(
-                ScoreResult(
-                    uid,
-                    batch,
-                    index,
-                    0.0,
-                    "failed",
-                    reason=reason,
-                    error=error,
-                    attempts=deliveries,
-                    scored_at=time.time(),
+                ScoreResult.failed(
+                    uid, batch, index, reason=reason, error=error, attempts=deliveries, scored_at=time.time()
                 )
             )
         self.stats.dead_letters += 1
@@ -398,7 +387,7 @@ class Worker:
             await _sleep_unless(stop, interval)
             try:
                 await self._reclaim_once(self.config.reclaim_idle_ms)
-            except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("reclaim sweep failed: %s", type(exc).__name__)
 
     async def _reclaim_once(self, min_idle_ms: int) -> int:
@@ -513,7 +502,7 @@ class Worker:
     async def _farewell(self) -> None:
         try:
             await self._client.hdel(self.keys.workers(), self.config.consumer)
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS):
+        except REDIS_ERRORS:
             pass
 
     # ------------------------------------------------------------------ housekeeping
@@ -526,7 +515,7 @@ class Worker:
                 if loop.time() >= next_trim:
                     await self._trim()
                     next_trim = loop.time() + self.config.trim_interval_s
-            except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+            except REDIS_ERRORS as exc:
                 log.debug("housekeeping skipped: %s", type(exc).__name__)
             except Exception:  # housekeeping must never take the worker down
                 log.exception("housekeeping failed")

@@ -28,9 +28,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from redis.exceptions import RedisError
 
-from stream_reward.wire.connection import TRANSIENT_ERRORS, connect, mask_url
+from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url
 from stream_reward.wire.heartbeat import parse_heartbeats
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.trajectory import ScoreResult
@@ -179,7 +178,7 @@ class WorkerMetrics:
             while not stop.is_set():
                 try:
                     await self.refresh(client, keys)
-                except (RedisError, *TRANSIENT_ERRORS) as exc:
+                except REDIS_ERRORS as exc:
                     log.debug("metrics refresh skipped: %s", type(exc).__name__)
                     self._snapshot = {**self._snapshot, "failed_at": time.time()}
                 with contextlib.suppress(TimeoutError):

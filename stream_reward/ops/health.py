@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from redis.exceptions import RedisError
-
 from stream_reward.ops.settings import Settings
 from stream_reward.ops.status import read_heartbeats
-from stream_reward.wire.connection import TRANSIENT_ERRORS, connect, mask_url
+from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url
 from stream_reward.wire.heartbeat import ALIVE_FACTOR
 from stream_reward.wire.keys import Keys
 
@@ -22,7 +20,7 @@ async def check_health(settings: Settings, *, consumer: str | None = None) -> tu
     client = connect(url, socket_timeout=5)
     try:
         beats = await read_heartbeats(client, Keys(settings.namespace), interval_s=interval)
-    except (RedisError, *TRANSIENT_ERRORS) as exc:
+    except REDIS_ERRORS as exc:
         return False, f"cannot read heartbeats from {mask_url(url)}: {type(exc).__name__}"
     finally:
         await client.aclose()

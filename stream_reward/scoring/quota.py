@@ -41,10 +41,8 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from stream_reward.config import QuotaConfig
-from stream_reward.wire.connection import TRANSIENT_ERRORS, connect, with_reconnect
+from stream_reward.wire.connection import REDIS_ERRORS, connect, with_reconnect
 from stream_reward.wire.keys import DEFAULT_NAMESPACE, Keys
 
 __all__ = ["QuotaLimiter", "Lease"]
@@ -427,7 +425,7 @@ class QuotaLimiter:
             await asyncio.sleep(interval)
             try:
                 await self._script("renew")(keys=self.keys, args=[lease.id, ttl_us])
-            except (RedisError, *TRANSIENT_ERRORS) as exc:
+            except REDIS_ERRORS as exc:
                 log.debug("quota %r: lease renewal failed: %s", self.config.name, type(exc).__name__)
 
     # ------------------------------------------------------------------ 429s

@@ -17,12 +17,10 @@ from collections import OrderedDict
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
-
 from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.errors import BackpressureError, BrokerError, ConfigError
 from stream_reward.wire.codec import encode_result, encode_trajectory
-from stream_reward.wire.connection import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, mask_url
+from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url, redis_errors
 from stream_reward.wire.entries import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
@@ -107,7 +105,7 @@ class RolloutProducer:
             "deadline": now + policy.deadline_s if policy.deadline_s else 0,
             "partitions": self.keys.partitions,
         }
-        try:
+        with redis_errors(f"open_batch {batch_id!r} on {mask_url(self._url)}"):
             await self._ensure_groups()
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.hset(self.keys.batch_meta(batch_id), mapping=meta)
@@ -119,8 +117,6 @@ class RolloutProducer:
                 for key in (self.keys.batch_meta(batch_id), self.keys.lengths(batch_id)):
                     pipe.expire(key, self.config.result_ttl_s)
                 await pipe.execute()
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
-            raise BrokerError(f"open_batch {batch_id!r} on {mask_url(self._url)}: {type(exc).__name__}") from exc
         self._uids(batch_id).clear()
 
     async def push(self, traj: Trajectory) -> None:
@@ -142,7 +138,7 @@ class RolloutProducer:
             await self._wait_for_room(len(entries))
             await self._ensure_groups()
             await self._xadd(entries)
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+        except REDIS_ERRORS as exc:
             # Some entries of the pipeline may have landed; they will be scored and
             # counted once, and the caller may push the whole call again safely
             # because results are write-once per uid.
@@ -205,16 +201,14 @@ class RolloutProducer:
         GRPO ``group`` if it has one: the result then lands in the partition its
         trajectory would have gone to, where a late push of it would find it."""
         uid = uid or default_uid(batch_id, index)
-        result = ScoreResult(
-            uid, batch_id, index, 0.0, "failed", reason=reason, error=error, group=group, scored_at=time.time()
+        result = ScoreResult.failed(
+            uid, batch_id, index, reason=reason, error=error, group=group, scored_at=time.time()
         )
         ledger = LedgerWriter(self.client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
-        try:
+        with redis_errors(f"recording failed sample {uid!r}"):
             await ledger.write(
                 self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))]
             )
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
-            raise BrokerError(f"recording failed sample {uid!r}: {type(exc).__name__}") from exc
 
     async def backlog(self) -> int:
         """Entries in the streams not yet delivered to the consumer group (the group's lag)."""
