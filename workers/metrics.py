@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url
+from stream_reward.wire.entries import group_state
 from stream_reward.wire.heartbeat import parse_heartbeats
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.trajectory import ScoreResult
@@ -149,16 +150,8 @@ class WorkerMetrics:
             length = int(await client.xlen(stream))
             groups = []
             if length or await client.exists(stream):  # XINFO on a missing key is an error
-                for g in await client.xinfo_groups(stream):
-                    lag = g.get("lag")
-                    groups.append(
-                        (
-                            _s(g["name"]),
-                            int(g.get("pending", 0)),
-                            int(lag) if lag is not None else None,
-                            int(g.get("consumers", 0)),
-                        )
-                    )
+                for g in map(group_state, await client.xinfo_groups(stream)):
+                    groups.append((g["name"], g["pending"], g["lag"], g["consumers"]))
             snap["streams"].append((stream, length, groups))
         for p in range(keys.partitions):
             snap["dlq"].append((keys.dead_letters(p), int(await client.xlen(keys.dead_letters(p)))))

@@ -25,6 +25,7 @@ from redis.exceptions import ResponseError
 from stream_reward.config import DEFAULT_NAMESPACE
 from stream_reward.wire.connection import connect, mask_url
 from stream_reward.wire.deadletter import decode_dead_letter
+from stream_reward.wire.entries import group_state
 from stream_reward.wire.heartbeat import parse_heartbeats
 from stream_reward.wire.heartbeat import text as _s
 from stream_reward.wire.keys import Keys
@@ -61,11 +62,9 @@ async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any
         entries_added=int(info.get("entries-added", 0) or 0),
         last_id=_s(info.get("last-generated-id")),
     )
-    for group in await client.xinfo_groups(name):
-        gname = _s(group["name"])
-        lag = group.get("lag")
+    for group in map(group_state, await client.xinfo_groups(name)):
         consumers = []
-        for consumer in await client.xinfo_consumers(name, gname):
+        for consumer in await client.xinfo_consumers(name, group["name"]):
             consumers.append(
                 {
                     "name": _s(consumer["name"]),
@@ -76,13 +75,12 @@ async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any
             )
         out["groups"].append(
             {
-                "group": gname,
-                "consumers": int(group.get("consumers", 0)),
-                "pending": int(group.get("pending", 0)),
-                # lag is nil when Redis cannot tell (entries deleted mid-range); report unknown, not 0
-                "lag": int(lag) if lag is not None else None,
-                "entries_read": int(group["entries-read"]) if group.get("entries-read") is not None else None,
-                "last_delivered_id": _s(group.get("last-delivered-id")),
+                "group": group["name"],
+                "consumers": group["consumers"],
+                "pending": group["pending"],
+                "lag": group["lag"],
+                "entries_read": group["entries_read"],
+                "last_delivered_id": group["last_delivered_id"],
                 "consumer_list": consumers,
             }
         )

@@ -34,6 +34,7 @@ from stream_reward.scorers.router import CircuitBreaker, Endpoint, Router
 from stream_reward.scoring.quota import QuotaLimiter
 from stream_reward.scoring.retry import RetryPolicy, call_with_retry, status_error, transport_error
 from stream_reward.scoring.scorer import Scored
+from stream_reward.wire.codec import to_plain
 from stream_reward.wire.connection import mask_url
 from stream_reward.wire.trajectory import Trajectory
 
@@ -76,15 +77,9 @@ def _json_default(value: Any) -> Any:
     # them as the JSON they mean rather than failing the sample.
     if isinstance(value, (bytes, bytearray)):
         return value.decode("utf-8", errors="replace")
-    if isinstance(value, (set, frozenset, tuple)):
+    if isinstance(value, (set, frozenset)):
         return list(value)
-    item = getattr(value, "item", None)
-    if callable(item):
-        return item()
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    return str(value)
+    return to_plain(value, unknown=str)
 
 
 class HttpScorer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine, Iterable
@@ -19,6 +18,7 @@ from typing import Any, TypeVar
 
 from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.errors import BackpressureError, BrokerError, ConfigError
+from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.codec import encode_result, encode_trajectory
 from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url, redis_errors
 from stream_reward.wire.entries import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
@@ -248,13 +248,11 @@ class SyncRolloutProducer:
     """Blocking wrapper for trainers that are not async: one private loop in a thread."""
 
     def __init__(self, redis_url: str, config: ProducerConfig | None = None) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="stream-reward-producer", daemon=True)
-        self._thread.start()
+        self._thread = LoopThread("stream-reward-producer")
         self._producer = RolloutProducer(redis_url, config)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._thread.run(coro)
 
     def open_batch(self, batch_id: str, size: int, response_len: int, *, policy: BatchPolicy | None = None) -> None:
         self._run(self._producer.open_batch(batch_id, size, response_len, policy=policy))
@@ -266,11 +264,9 @@ class SyncRolloutProducer:
         return self._run(self._producer.push_many(list(trajs)))
 
     def close(self) -> None:
-        if self._loop.is_running():
+        if self._thread.running:
             self._run(self._producer.aclose())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._thread.stop()
 
     def __enter__(self) -> SyncRolloutProducer:
         return self
