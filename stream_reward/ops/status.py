@@ -505,9 +505,6 @@ def record_batch(
     from prometheus_client import REGISTRY
 
     completion, tail, samples, valid, batches = _trainer_metrics(registry or REGISTRY)
-    timings = getattr(rewards, "timings", None) or {}
-    completion_s = completion_s if completion_s is not None else timings.get("completion_s")
-    reward_tail_s = reward_tail_s if reward_tail_s is not None else timings.get("reward_tail_s")
     if completion_s is not None:
         completion.observe(max(0.0, completion_s))
     if reward_tail_s is not None:
