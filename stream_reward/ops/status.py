@@ -498,9 +498,7 @@ def record_batch(
     """Record a collected batch in Prometheus metrics (the trainer's process exposes them).
 
     ``completion_s``: from opening the batch (or starting generation) to rewards
-    ready; ``reward_tail_s``: from the last push to rewards ready. Either may be
-    omitted; when ``rewards`` carries ``timings`` (seconds, keys of the same
-    names) those are used.
+    ready; ``reward_tail_s``: from the last push to rewards ready. Either may be omitted.
     """
     from prometheus_client import REGISTRY
 
