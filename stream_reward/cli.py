@@ -24,7 +24,7 @@ from stream_reward.errors import StreamRewardError
 from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import LOG_FORMATS, configure_logging, progress_bar
 from stream_reward.ops.settings import Settings
-from stream_reward.ops.worker_cli import WORKER_MODULE, add_worker_arguments, resolve_args, resolve_flags
+from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args, resolve_flags, worker_command
 
 __all__ = ["main", "build_parser"]
 
@@ -178,7 +178,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings.require_redis()
     # exec, not a child: signals from the terminal or a service manager reach the
     # worker itself, and the library never imports the runnable side.
-    os.execv(sys.executable, [sys.executable, "-m", WORKER_MODULE, *args.worker_argv])
+    os.execv(sys.executable, worker_command(*args.worker_argv))
     return 0  # not reached
 
 

@@ -400,3 +400,32 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for command in ("demo", "server", "worker", "produce", "collect", "score", "status", "config", "bench"):
         assert command in out
+
+
+def test_worker_command_becomes_the_worker_program(redis_url: str, namespace: str) -> None:
+    """`stream-reward worker` execs `python -m workers` in its own process: it scores, and exits 0 in burst mode."""
+    import subprocess
+    import sys
+
+    import asyncio
+
+    from stream_reward import ProducerConfig, RolloutProducer, Trajectory
+    from stream_reward.trainer.aggregator import RewardAggregator
+
+    async def push() -> None:
+        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+            await producer.open_batch("exec", 2, 8)
+            for i, answer in enumerate(["#### 4", "#### 5"]):
+                await producer.push(
+                    Trajectory("exec", i, "openai/gsm8k", response=answer, ground_truth="4", valid_response_length=3)
+                )
+
+    async def collect() -> list[float]:
+        async with RewardAggregator(redis_url, namespace=namespace) as agg:
+            return (await agg.collect("exec", timeout_s=30)).scores
+
+    asyncio.run(push())
+    argv = [sys.executable, "-m", "stream_reward.cli", "worker", "--redis", redis_url, "--namespace", namespace]
+    proc = subprocess.run([*argv, "--burst"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert asyncio.run(collect()) == [1.0, 0.0]

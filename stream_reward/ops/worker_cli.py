@@ -21,10 +21,24 @@ from stream_reward.errors import ConfigError
 from stream_reward.ops.logs import LOG_FORMATS
 from stream_reward.ops.settings import Settings, load_settings, schema
 
-__all__ = ["FLAG_KEYS", "WORKER_MODULE", "add_worker_arguments", "resolve_args", "resolve_flags", "worker_argv"]
+__all__ = [
+    "FLAG_KEYS",
+    "WORKER_MODULE",
+    "worker_command",
+    "add_worker_arguments",
+    "resolve_args",
+    "resolve_flags",
+    "worker_argv",
+]
 
 # The runnable consumer side (top-level ``workers/``): started as a program, never imported here.
 WORKER_MODULE = "workers"
+
+
+def worker_command(*args: str) -> list[str]:
+    """The argv of a worker program with ``args``: every caller starts workers through this."""
+    return [sys.executable, "-m", WORKER_MODULE, *args]
+
 
 # Worker flag (argparse dest) -> settings key. Flags not listed here are not
 # config-file settings (--consumer, --burst, --check, ...).
@@ -198,7 +212,7 @@ def worker_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:
             values["metrics_port"] = port + int(slot)
     template = argparse.ArgumentParser(add_help=False)
     add_worker_arguments(template)
-    argv = [sys.executable, "-m", WORKER_MODULE]
+    argv = worker_command()
     if given is not None:
         # The config file or environment may ask for several processes: a child is one.
         argv += ["--processes", "1"]
