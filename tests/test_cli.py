@@ -19,13 +19,8 @@ SECRET = "hunter2-s3cret"
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No STREAM_REWARD_* setting from the outer environment leaks into a test."""
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("STREAM_REWARD_") and name not in ("STREAM_REWARD_SERVER_BIN", "STREAM_REWARD_TEST_LOG"):
-            monkeypatch.delenv(name)
+def _clean_env(clean_env: None) -> None:
+    """Every test here reads settings: none may leak in from the outer environment."""
 
 
 @pytest.fixture(autouse=True)
@@ -404,10 +399,9 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_worker_command_becomes_the_worker_program(redis_url: str, namespace: str) -> None:
     """`stream-reward worker` execs `python -m workers` in its own process: it scores, and exits 0 in burst mode."""
+    import asyncio
     import subprocess
     import sys
-
-    import asyncio
 
     from stream_reward import ProducerConfig, RolloutProducer, Trajectory
     from stream_reward.trainer.aggregator import RewardAggregator

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections.abc import Iterator
 
 import pytest
+from helpers import wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -50,15 +50,6 @@ def echo_batch(batch_id: str, n: int, sleep_s: float = 0.0) -> tuple[list[Trajec
         )
         expected.append(score)
     return trajs, expected
-
-
-async def wait_until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 async def ledger_uids(client, keys: Keys, batch_id: str) -> list[set[str]]:

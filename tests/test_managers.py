@@ -10,9 +10,10 @@ import time
 import types
 
 import pytest
+from helpers import score_batch
 
-from stream_reward import RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.config import ManagerConfig, OverlongConfig, ProducerConfig, QuotaConfig
+from stream_reward import Trajectory
+from stream_reward.config import ManagerConfig, OverlongConfig, QuotaConfig
 from stream_reward.errors import BadReplyError, ConfigError, ScorerTimeoutError, ScoringError
 from stream_reward.managers.layers import MicroBatchScorer, overlong_penalty
 from stream_reward.managers.registry import build_scorer, function_scorer, manager_names, register_manager
@@ -23,17 +24,6 @@ pytestmark = pytest.mark.anyio
 
 SCORERS = "tests/data/scorers.py"
 FAST = ["--block-ms", "50", "--log-level", "ERROR"]
-
-
-async def score_batch(redis_url: str, namespace: str, trajs: list[Trajectory], width: int = 8, timeout_s: float = 30):
-    batch_id = trajs[0].batch_id
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
-        await producer.open_batch(batch_id, len(trajs), width)
-        await producer.push_many(trajs)
-        return await agg.collect(batch_id, timeout_s=timeout_s)
 
 
 async def wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:

@@ -11,6 +11,7 @@ import time
 
 import msgpack
 import pytest
+from helpers import wait_until
 
 from stream_reward import BatchPolicy, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -49,15 +50,6 @@ async def pending_count(url: str, namespace: str) -> int:
         return int(summary["pending"])
     finally:
         await client.aclose()
-
-
-async def wait_until(predicate, timeout_s: float = 20.0, every_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(every_s)
-    raise AssertionError("condition not reached in time")
 
 
 async def ledger_sizes(url: str, namespace: str, batch_id: str) -> tuple[int, int]:
