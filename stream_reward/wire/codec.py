@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+PROTOCOL_VERSION = SCHEMA_VERSION
 
 _LITTLE = sys.byteorder == "little"
 

@@ -118,6 +118,9 @@ class Keys:
         """Sorted set of open batch ids, scored by creation time (for `status`)."""
         return f"{self.tag()}:batches"
 
+    def namespace_info(self) -> str:
+        return f"{self.tag()}:info"
+
     def workers(self) -> str:
         """Hash consumer name -> heartbeat record."""
         return f"{self.tag()}:workers"
