@@ -36,7 +36,7 @@ from redis.exceptions import RedisError, ResponseError
 from stream_reward.config import ConsumerConfig
 from stream_reward.errors import CodecError, ScoringError
 from stream_reward.scoring.scorer import Scorer
-from stream_reward.wire.codec import decode_trajectory, encode_result
+from stream_reward.wire.codec import PROTOCOL_VERSION, decode_trajectory, encode_result
 from stream_reward.wire.connection import (
     CLUSTER_ERRORS,
     TRANSIENT_ERRORS,
@@ -48,6 +48,7 @@ from stream_reward.wire.connection import (
 from stream_reward.wire.entries import FIELD_PAYLOAD, ensure_group, read_group, read_header
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
+from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = ["Worker", "WorkerStats"]
@@ -122,6 +123,10 @@ class Worker:
                 give_up_after_s=None,
                 stop=stop,
             )
+        # Refuse (ProtocolMismatchError: exit 2) a namespace of another protocol version rather than poison it.
+        await with_reconnect(
+            lambda: join_namespace(client, self.keys), what="join namespace", give_up_after_s=None, stop=stop
+        )
         log.info(
             "worker %s joined group %r of namespace %r (%d partitions, concurrency %d)",
             self.config.consumer,
@@ -291,6 +296,7 @@ class Worker:
                 scored.score,
                 "ok",
                 scored.extra,
+                attempts=scored.attempts,
                 valid_response_length=traj.response_length,
                 data_source=traj.data_source,
                 group=traj.group,
@@ -330,6 +336,7 @@ class Worker:
         batch, index, uid = read_header(fields)
         dead = msgpack.packb(
             {
+                "v": PROTOCOL_VERSION,
                 "reason": reason,
                 "error": error,
                 "entry_id": entry_id,
@@ -543,6 +550,7 @@ class Worker:
             self._beats.popleft()
         first_at, first_settled = self._beats[0]
         beat = {
+            "v": PROTOCOL_VERSION,
             "host": self._host,
             "pid": os.getpid(),
             "started": self._started,
