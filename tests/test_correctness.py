@@ -388,11 +388,20 @@ async def test_missing_samples_say_never_pushed_or_deadline_with_their_uid(redis
         RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
         RewardAggregator(redis_url, namespace=namespace) as agg,
     ):
-        await producer.open_batch("m", 2, WIDTH)
-        # Index 0 pushed (nobody scores it), index 1 never pushed.
-        await producer.push(Trajectory("m", 0, "test", response="a", ground_truth="a", uid="pushed-0"))
+        await producer.open_batch("m", 3, WIDTH)
+        # Index 0 and 1 pushed (nobody scores them), index 2 never pushed.
+        await producer.push(Trajectory("m", 0, "test", response="a", uid="pushed-0", valid_response_length=3))
+        await producer.push(Trajectory("m", 1, "test", response="a", uid="pushed-1", valid_response_length=2))
+        # The push-time record of index -> uid (Keys.pushed), as the conflict check at push keeps it.
+        client = connect(redis_url)
+        try:
+            await client.hset(Keys(namespace).pushed("m"), "1", "pushed-1")
+        finally:
+            await client.aclose()
         rewards = await agg.collect("m", timeout_s=0.5, on_timeout="resolve")
-    first, second = rewards.results
-    assert (first.reason, first.uid) == ("timeout", "pushed-0")
-    assert second.reason == "never_pushed" and second.uid == ""
-    assert "never pushed" in (second.error or "")
+    first, second, third = rewards.results
+    assert (first.reason, first.valid_response_length) == ("timeout", 3)
+    assert (second.reason, second.uid) == ("timeout", "pushed-1")
+    assert "pushed as uid 'pushed-1'" in (second.error or "")
+    assert third.reason == "never_pushed" and third.uid == ""
+    assert "never pushed" in (third.error or "")
