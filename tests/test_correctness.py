@@ -304,16 +304,33 @@ def test_every_record_carries_the_one_protocol_version() -> None:
     assert codec.SCHEMA_VERSION == PROTOCOL_VERSION
 
 
-async def test_a_worker_of_another_protocol_version_refuses_to_join(redis_url: str, namespace: str) -> None:
+@pytest.mark.parametrize("processes", ["1", "2"])
+async def test_a_worker_of_another_protocol_version_refuses_to_join(
+    redis_url: str, namespace: str, processes: str
+) -> None:
     client = connect(redis_url)
     try:
         await client.hset(Keys(namespace).namespace_info(), mapping={"protocol": PROTOCOL_VERSION + 1, "epoch": "e"})
     finally:
         await client.aclose()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "workers", "--redis", redis_url, "--namespace", namespace, stderr=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "workers",
+        "--redis",
+        redis_url,
+        "--namespace",
+        namespace,
+        "--processes",
+        processes,
+        stderr=asyncio.subprocess.PIPE,
     )
-    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:  # a supervisor restarting refused children forever
+            proc.terminate()
+            await proc.wait()
     assert proc.returncode == 2
     assert b"protocol" in err and b"Traceback" not in err
     with pytest.raises(Exception, match="protocol"):
