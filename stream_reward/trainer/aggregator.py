@@ -360,6 +360,29 @@ class RewardAggregator:
                     cursor = entries[-1][0]
                     queue.put_nowait(entries)
 
+        readers = [asyncio.create_task(follow(name)) for name in done]
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait([getter, *readers], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                for reader in readers:
+                    if reader.done() and reader.exception() is not None:
+                        raise reader.exception()  # type: ignore[misc]
+                if all(reader.done() for reader in readers):  # past the end: drain what landed meanwhile
+                    while not queue.empty():
+                        yield queue.get_nowait()
+                    return
+                readers = [reader for reader in readers if not reader.done()]
+        finally:
+            for reader in readers:
+                reader.cancel()
+            # A reader cancelled mid-BLOCK drops its connection (redis-py closes it); the pool opens another.
+            await asyncio.gather(*readers, return_exceptions=True)
+
     async def collect(
         self, batch_id: str, timeout_s: float | None = None, *, on_timeout: str = "raise"
     ) -> BatchRewards:
