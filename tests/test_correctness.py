@@ -361,6 +361,29 @@ async def test_collect_raises_state_lost_when_the_namespace_vanishes(redis_url: 
             await agg.collect("s", timeout_s=1)
 
 
+async def test_producer_and_worker_notice_a_lost_state_and_carry_on(redis_url: str, namespace: str) -> None:
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
+        await producer.open_batch("before", 2, WIDTH)
+        await producer.push_many(samples("before", ["a"]))
+        await agg.meta("before")  # the aggregator saw the old epoch
+        client = connect(redis_url)
+        try:
+            await client.delete(*await client.keys(f"{{{namespace}}}*"))
+        finally:
+            await client.aclose()
+        with pytest.raises(StateLostError, match="'before'") as info:
+            await producer.open_batch("after", 1, WIDTH)
+        assert info.value.batches == ["before"]
+        # The next batch works: the producer made its stream and group again.
+        await producer.open_batch("after", 1, WIDTH)
+        await producer.push_many(samples("after", ["a"]))
+        async with worker(redis_url, namespace):
+            assert (await agg.collect("after", timeout_s=20)).scores == [1.0]
+
+
 async def test_expired_and_never_opened_are_told_apart(redis_url: str, namespace: str) -> None:
     from stream_reward.errors import ConfigError
 

@@ -107,6 +107,7 @@ class Worker:
         self._reading.set()
         self._started = time.time()
         self._beats: deque[tuple[float, int]] = deque()
+        self._epoch: str | None = None  # the namespace epoch this worker joined
         self._host = socket.gethostname()
 
     # ------------------------------------------------------------------ running
@@ -124,7 +125,7 @@ class Worker:
                 stop=stop,
             )
         # Refuse (ProtocolMismatchError: exit 2) a namespace of another protocol version rather than poison it.
-        await with_reconnect(
+        self._epoch = await with_reconnect(
             lambda: join_namespace(client, self.keys), what="join namespace", give_up_after_s=None, stop=stop
         )
         log.info(
@@ -165,6 +166,20 @@ class Worker:
                 await writer
                 await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
+
+    async def _rejoin(self) -> None:
+        """After the streams vanished: say so when the namespace lost its state, and give it
+        a new epoch, so that producers and aggregators waiting on the old one raise StateLostError."""
+        epoch = await join_namespace(self._client, self.keys)
+        if epoch != self._epoch:
+            log.error(
+                "namespace %r lost its state (epoch %s replaced by %s): Redis restarted without persistence, "
+                "was flushed or failed over to an empty replica; the batches in flight must be rerun",
+                self.config.namespace,
+                self._epoch,
+                epoch,
+            )
+            self._epoch = epoch
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -230,6 +245,7 @@ class Worker:
                     if "NOGROUP" in str(exc):  # the stream was deleted under us (or Redis restarted without AOF)
                         for s in streams:
                             await ensure_group(self._client, s, self.config.group)
+                        await self._rejoin()
                         continue
                     raise
                 idle = not reply

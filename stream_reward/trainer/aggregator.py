@@ -180,7 +180,11 @@ class RewardAggregator:
 
         raw, (protocol, epoch), opened = await with_reconnect(read, what="read batch meta")
         check_protocol(keys, protocol)
-        self._notice_epoch(epoch, batch_id)
+        if raw and epoch is not None and raw.get(b"epoch") == epoch:
+            # A batch of the current epoch: whatever this aggregator saw before, this batch is whole.
+            self._epoch = epoch.decode()
+        else:
+            self._notice_epoch(epoch, batch_id)
         if not raw:
             if opened is not None:
                 raise ConfigError(
@@ -188,7 +192,8 @@ class RewardAggregator:
                     f"batch {batch_id!r} expired: opened {time.ctime(float(opened))}, its keys are gone "
                     f"(kept collected_ttl_s after collect, the producer's result_ttl_s if never collected)",
                 )
-            raise ConfigError("batch_id", f"batch {batch_id!r} was never opened in namespace {self._namespace!r}")
+            hint = "" if epoch is not None else " (the namespace holds no state: never used, or Redis lost it)"
+            raise ConfigError("batch_id", f"batch {batch_id!r} was never opened in namespace {self._namespace!r}{hint}")
         m = {k.decode(): v.decode() for k, v in raw.items()}
         return BatchMeta(
             size=int(m["size"]),
