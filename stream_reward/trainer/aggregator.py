@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
@@ -316,6 +317,10 @@ class RewardAggregator:
                 uid, batch_id, index, 0.0, "failed", reason=exc.reason, error=f"unreadable result: {exc}"
             )
 
+    async def _read(self, cursors: dict[str, Any], block: int | None) -> Any:
+        """One XREAD of the done streams; ``block`` None reads what is there without waiting."""
+        return await read_streams(self.client, cursors, count=1000, block=block)
+
     def _block_ms(self, end: float | None) -> int | None:
         """BLOCK for the next read; None once ``end`` has passed."""
         if end is None:
@@ -331,9 +336,7 @@ class RewardAggregator:
         cursors = {name: "0-0" for name in done}
         while True:
             block = self._block_ms(end)
-            reply = await with_reconnect(
-                lambda block=block: read_streams(self.client, cursors, count=1000, block=block), what="read results"
-            )
+            reply = await with_reconnect(partial(self._read, cursors, block), what="read results")
             if not reply:
                 if block is None:
                     return
@@ -352,10 +355,7 @@ class RewardAggregator:
             cursor = "0-0"
             while True:
                 block = self._block_ms(end)
-                reply = await with_reconnect(
-                    lambda block=block: read_streams(self.client, {name: cursor}, count=1000, block=block),
-                    what="read results",
-                )
+                reply = await with_reconnect(partial(self._read, {name: cursor}, block), what="read results")
                 if not reply:
                     if block is None:
                         return
