@@ -1,30 +1,34 @@
-"""Run model-written programs against tests in a local sandbox.
+"""Run model-written programs against tests in a local sandbox, judged where the
+program cannot reach.
 
-One sample = one sandbox = one harness process. The harness
-(``_sandbox_harness.py``, trusted code sent on stdin) reads the program and
-every test case, forks a fresh child per case, applies the per-case limits in
-the child, drops it to an unprivileged uid, runs the case, then kills and reaps
-everything left in the sandbox before the next case. Forking from an
-interpreter that is already up costs well under a millisecond, so a sample with
-ten cases pays one interpreter start and one namespace setup, not ten. How the
-sandbox is kept apart from the host (bwrap or unshare, uids, teardown) is
-``sandbox_isolation``.
+Processes, per sandbox slot (``concurrency`` slots, started on first use and
+kept): a *harness* inside bubblewrap (or unshare), a pre-imported interpreter
+that clones one fresh process per test case (``_sandbox_harness.py``), and a
+trusted *checker* on the host that runs HumanEval ``check`` functions and
+assert statements (``_sandbox_checker.py``). The scorer, in the worker, drives
+both and judges the stdin and call forms itself. The candidate's process never
+holds a test, a comparison or an expected output; what it returns crosses as
+plain data (``sandbox_wire``) and is compared on the trusted side
+(``sandbox_judge``). Its exit code and stray output mean nothing but "it
+exited".
 
-Limits, per case: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, no core
-files, a wall-clock timeout and a cap on stdout+stderr. After each case the
-harness ``kill(-1, SIGKILL)``s the sandbox's PID namespace (which reaches
-setsid'd grandchildren) and waits until nothing but itself is left.
+Limits: per case a wall-clock ``timeout_s``, RLIMIT_CPU / AS / FSIZE, a capped
+stdout+stderr and a fresh /tmp and /dev/shm; per slot a memory cgroup (every
+process, tmpfs and memfd pages) and a pids cgroup (``sandbox_cgroups``); a
+seccomp filter (``sandbox_seccomp``); per sample a wall budget
+``sample_timeout_s``, and by default the first timed-out case ends the sample
+(the rest count as timeouts). ``docs/sandbox.md`` is the threat model.
 
-Infrastructure faults (the backend cannot start, the host cannot fork) raise
-``VerifierError`` — never a 0 score. The call/assert/check forms are judged
-inside the sandboxed process, so a program that deliberately tampers with the
-interpreter can fake them; the stdin form is judged by the harness.
+Infrastructure faults (the backend cannot start, the host cannot fork, the
+harness dies) raise ``VerifierError`` — never a 0. A response without a code
+block is a wrong answer: 0.0.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import atexit
 import functools
 import importlib.resources
 import json
@@ -32,29 +36,33 @@ import logging
 import marshal
 import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, ScoringError, VerifierError
 from ..scoring import Scored
 from ..trajectory import Trajectory
+from .sandbox_cgroups import SlotCgroups, open_slot
+from .sandbox_judge import normalize_output, same, wrapped_outputs
+from .sandbox_seccomp import filter_bytes
+from .sandbox_wire import WireError, loads
 from .sandbox_isolation import (
     MARKER,
     OUT_OF_RESOURCES,
     UIDS,
     choose_backend,
-    kill_sandbox,
     root_spec,
     sandbox_env,
+    uid_alive,
     wrap_command,
 )
 
-__all__ = ["SandboxConfig", "SandboxScorer", "CASE_STATUSES", "extract_code", "parse_tests", "case_script"]
+__all__ = ["SandboxConfig", "SandboxScorer", "CASE_STATUSES", "extract_code", "parse_tests", "case_script", "no_code"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +71,13 @@ CASE_STATUSES = ("passed", "failed", "runtime_error", "timeout", "memory", "outp
 
 @dataclass(frozen=True, slots=True)
 class SandboxConfig:
-    """Limits are per test case; ``concurrency`` bounds sandboxes per scorer.
+    """Limits are per test case unless named otherwise; ``concurrency`` is the
+    number of sandbox slots (each a persistent sandbox running one sample at a
+    time). ``memory_mb`` and ``max_procs`` bound a slot's cgroups (all processes
+    of a case together) when ``cgroups`` allows, and each process's RLIMIT_AS.
+    ``sample_timeout_s`` bounds a sample's cases together; ``stop_on_timeout``
+    ends a sample at its first timed-out case. ``cgroups``: "auto" (use them
+    when this host lets us), "required" (refuse to start without), "off".
 
     ``tmp_mb`` sizes each of the sandbox's private /tmp and /dev/shm.
     ``extra_ro_binds`` are host paths shown read-only at the same place (not
@@ -92,6 +106,10 @@ class SandboxConfig:
     extra_ro_binds: tuple[str, ...] = ()
     uid_base: int = 60000
     uid_count: int = 1000
+    sample_timeout_s: float = 60.0
+    stop_on_timeout: bool = True
+    cgroups: str = "auto"  # auto | required | off
+    seccomp: bool = True
 
     def __post_init__(self) -> None:
         for key in (
@@ -104,11 +122,14 @@ class SandboxConfig:
             "tmp_mb",
             "concurrency",
             "uid_count",
+            "sample_timeout_s",
         ):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, "must be > 0")
         if self.backend not in ("auto", "bwrap", "unshare", "none"):
             raise ConfigError("backend", f"{self.backend!r} is not auto, bwrap, unshare or none")
+        if self.cgroups not in ("auto", "required", "off"):
+            raise ConfigError("cgroups", f"{self.cgroups!r} is not auto, required or off")
         if self.uid_base < 1000:
             raise ConfigError("uid_base", "must be >= 1000 (an unprivileged uid range)")
 
@@ -172,7 +193,10 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             json.dumps([inputs, outputs])
         except (TypeError, ValueError) as exc:
             raise _bad(f"call-based cases are not JSON values ({exc})") from exc
-        return "call", [{"fn_name": fn_name, "args": a, "expected": o} for a, o in zip(inputs, outputs)]
+        wrapped = wrapped_outputs(outputs)
+        return "call", [
+            {"fn_name": fn_name, "args": a, "expected": o, "wrapped": wrapped} for a, o in zip(inputs, outputs)
+        ]
     raise _bad(f"unknown test format (keys: {sorted(map(str, gt))[:8]})")
 
 
@@ -189,13 +213,16 @@ def extract_code(response: str) -> str | None:
     return blocks[-1][1] if blocks else None
 
 
-def read_sample(traj: Trajectory) -> tuple[str, list[dict[str, Any]], str]:
-    """``(form, cases, program)`` of a code sample; the tests are checked first."""
+def read_sample(traj: Trajectory) -> tuple[str, list[dict[str, Any]], str | None]:
+    """``(form, cases, program)`` of a code sample; the tests are checked first.
+    ``program`` is None when the response has no code block (see ``no_code``)."""
     form, cases = parse_tests(traj.ground_truth)
-    program = extract_code(traj.response)
-    if program is None:
-        raise ScoringError("no fenced code block in the response", reason="no_code")
-    return form, cases, program
+    return form, cases, extract_code(traj.response)
+
+
+def no_code(cases: list[dict[str, Any]], *, all_or_nothing: bool) -> Scored:
+    """A response without code is the policy's wrong answer, not our failure: 0.0."""
+    return tally([("failed", "no code block in the response")] * len(cases), all_or_nothing=all_or_nothing)
 
 
 def tally(results: list[tuple[str, str]], *, all_or_nothing: bool) -> Scored:
@@ -228,7 +255,7 @@ def case_script(form: str, program: str, case: dict[str, Any]) -> tuple[str, str
             f"import sys as _sr_sys\n"
             f"_sr_case = {{'a': {_literal(case['args'])}, 'e': {_literal(case['expected'])}}}\n"
             f"_sr_result = _sr_function(globals(), {case['fn_name']!r})(*_sr_case['a'])\n"
-            f"if not _sr_same(_sr_result, _sr_case['e']):\n"
+            f"if not _sr_same(_sr_result, _sr_case['e'], {bool(case.get('wrapped'))!r}):\n"
             f"    print('wrong answer', file=_sr_sys.stderr); _sr_sys.exit({WRONG_ANSWER_EXIT})\n"
         )
     elif form == "assert":
@@ -257,22 +284,258 @@ def _assert_wrapper(code: str, then: str) -> str:
     )
 
 
-# ---------------------------------------------------------------- the harness
+# ---------------------------------------------------------------- sources sent to the sandbox
 
-_HARNESS = importlib.resources.files(__package__).joinpath("_sandbox_harness.py").read_text(encoding="utf-8")
+_HERE = importlib.resources.files(__package__)
+_WIRE = _HERE.joinpath("sandbox_wire.py").read_text(encoding="utf-8")
+_HARNESS = _WIRE + "\n" + _HERE.joinpath("_sandbox_harness.py").read_text(encoding="utf-8")
+_CHECKER = _WIRE + "\n" + _HERE.joinpath("_sandbox_checker.py").read_text(encoding="utf-8")
+_JUDGE = _HERE.joinpath("sandbox_judge.py").read_text(encoding="utf-8")
 
-# The harness travels on stdin ahead of the job, precompiled when the sandbox runs
-# this very interpreter (compiling it would cost ~2.5 ms per sample).
-_BOOT = "import marshal, sys\nh = marshal.load(sys.stdin.buffer)\nexec(compile(h, 'harness', 'exec') if type(h) is str else h)"
+# The source travels as the first frame on stdin, precompiled when the sandbox
+# runs this very interpreter.
+_BOOT = (
+    "import marshal, os\ndef _r(n):\n    b = b''\n    while len(b) < n:\n        c = os.read(0, n - len(b))\n"
+    "        if not c:\n            raise SystemExit(1)\n        b += c\n    return b\n"
+    "h = marshal.loads(_r(int.from_bytes(_r(4), 'little')))\n"
+    "exec(compile(h, 'harness', 'exec') if type(h) is str else h)"
+)
+
+_FUNCTION_SRC = '''
+def _sr_function(g, name):
+    fn = g.get(name)
+    if fn is None and isinstance(g.get("Solution"), type):
+        fn = getattr(g["Solution"](), name, None)
+    if fn is None:
+        raise NameError(f"the program defines no function {name!r}")
+    return fn
+'''
 
 
 @functools.cache
 def _compare_src() -> str:
-    """The harness's ``_sr_*`` functions, for the stand-alone programs of case_script()."""
+    """The judge's ``_sr_*`` functions, for the stand-alone programs of case_script()."""
     functions = [
-        node for node in ast.parse(_HARNESS).body if isinstance(node, ast.FunctionDef) and node.name.startswith("_sr_")
+        node for node in ast.parse(_JUDGE).body if isinstance(node, ast.FunctionDef) and node.name.startswith("_sr_")
     ]
-    return "\n" + "\n\n".join(ast.get_source_segment(_HARNESS, node) for node in functions) + "\n"
+    return "\n" + "\n\n".join(ast.get_source_segment(_JUDGE, node) or "" for node in functions) + _FUNCTION_SRC
+
+
+def _frame(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "little") + data
+
+
+class _Channel:
+    """Length-prefixed frames to and from a child process over two pipes.
+
+    Reads wait on the running loop (``add_reader`` per wait, so one channel serves
+    several event loops in turn); writes are blocking: the peer is always reading
+    when we write to it.
+    """
+
+    def __init__(self, write_fd: int, read_fd: int) -> None:
+        self.write_fd, self.read_fd = write_fd, read_fd
+        os.set_blocking(read_fd, False)
+        self._buf = bytearray()
+
+    def send(self, data: bytes) -> None:
+        view = memoryview(_frame(data))
+        os.set_blocking(self.write_fd, True)
+        while view:
+            view = view[os.write(self.write_fd, view) :]
+
+    def _pop(self) -> bytes | None:
+        if len(self._buf) >= 4:
+            n = int.from_bytes(self._buf[:4], "little")
+            if len(self._buf) >= 4 + n:
+                body = bytes(self._buf[4 : 4 + n])
+                del self._buf[: 4 + n]
+                return body
+        return None
+
+    def _fill(self) -> bool:
+        try:
+            chunk = os.read(self.read_fd, 1 << 20)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            return False
+        self._buf += chunk
+        return True
+
+    async def recv(self) -> bytes:
+        while True:
+            body = self._pop()
+            if body is not None:
+                return body
+            if not self._fill():
+                raise EOFError("the process closed its pipe")
+            if self._pop_ready():
+                continue
+            loop = asyncio.get_running_loop()
+            ready = loop.create_future()
+            loop.add_reader(self.read_fd, lambda: ready.done() or ready.set_result(None))
+            try:
+                await ready
+            finally:
+                loop.remove_reader(self.read_fd)
+
+    def _pop_ready(self) -> bool:
+        return len(self._buf) >= 4 and len(self._buf) >= 4 + int.from_bytes(self._buf[:4], "little")
+
+    def recv_sync(self, timeout_s: float) -> bytes:
+        import select
+
+        end = time.monotonic() + timeout_s
+        while True:
+            body = self._pop()
+            if body is not None:
+                return body
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([self.read_fd], [], [], left)[0]:
+                raise TimeoutError("no reply")
+            if not self._fill():
+                raise EOFError("the process closed its pipe")
+
+
+class _Broken(Exception):
+    """The slot's harness or checker misbehaved; the slot is torn down."""
+
+
+class _Slot:
+    """One persistent sandbox (harness) and its trusted checker."""
+
+    def __init__(self, scorer: SandboxScorer, index: int) -> None:
+        self.scorer, self.index = scorer, index
+        self.harness: subprocess.Popen[bytes] | None = None
+        self.checker: subprocess.Popen[bytes] | None = None
+        self.h: _Channel | None = None
+        self.c: _Channel | None = None
+        self.uid: int | None = None
+        self.cgroups: SlotCgroups | None = None
+        self.per_case_ns = False
+        self.checker_pid: int | None = None  # the checker's child for the current sample
+
+    # -- lifecycle
+
+    def start_harness(self) -> None:
+        s, cfg = self.scorer, self.scorer.config
+        if s.backend != "none" and s._root:
+            self.uid = UIDS.acquire(cfg.uid_base, cfg.uid_count)
+        if cfg.cgroups != "off" and s._root:
+            self.cgroups = open_slot(f"stream-reward-{os.getpid()}-{id(s):x}-{self.index}", cfg.memory_mb, cfg.max_procs)
+            if self.cgroups is None and cfg.cgroups == "required":
+                self.stop()
+                raise ConfigError("cgroups", "cgroups were required but this host does not let us create them")
+        fds = self.cgroups.fds() if self.cgroups else []
+        argv = wrap_command(cfg, s.backend, [cfg.python, "-I", "-S", "-c", _BOOT, MARKER], root=s._root)
+        try:
+            self.harness = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=sandbox_env(),
+                pass_fds=fds,
+                start_new_session=True,  # the backend leads its own group: one killpg ends it
+            )
+        except OSError as exc:
+            self.stop()
+            reason = "host_resources" if exc.errno in OUT_OF_RESOURCES else "sandbox_unavailable"
+            raise VerifierError(f"cannot start the {s.backend} sandbox: {exc}", reason=reason) from exc
+        assert self.harness.stdin is not None and self.harness.stdout is not None
+        self.h = _Channel(self.harness.stdin.fileno(), self.harness.stdout.fileno())
+        boot = {
+            **s._boot_base(),
+            "uid": self.uid,
+            "cgroup_fds": list(self.cgroups.procs_fds) if self.cgroups else [],
+            "oom_fd": self.cgroups.oom_fd if self.cgroups else None,
+            "per_case_ns": s.backend != "none",
+            "drop_caps": s.backend == "bwrap" and not s._root,
+        }
+        try:
+            self.h.send(s._harness_code)
+            self.h.send(marshal.dumps(boot, 4))
+        except OSError as exc:
+            self.stop()
+            raise VerifierError(f"{s.backend} sandbox did not start: {exc}", reason="sandbox_unavailable") from exc
+
+    def ready(self, reply: bytes) -> None:
+        msg = _json_obj(reply)
+        if msg.get("ev") != "ready":
+            raise _Broken(f"harness did not start: {reply[:200]!r}")
+        self.per_case_ns = bool(msg.get("per_case_ns"))
+
+    def start_checker(self) -> None:
+        s, cfg = self.scorer, self.scorer.config
+        uid = str(self.uid) if self.uid is not None else "-"
+        self.checker = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _BOOT, uid],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=sandbox_env(),
+            cwd="/",
+        )
+        assert self.checker.stdin is not None and self.checker.stdout is not None
+        self.c = _Channel(self.checker.stdin.fileno(), self.checker.stdout.fileno())
+        self.c.send(s._checker_code)
+        del cfg
+
+    def stop(self) -> None:
+        for proc in (self.harness, self.checker):
+            if proc is None:
+                continue
+            for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+                try:
+                    kill()
+                except OSError:
+                    pass
+            for pipe in (proc.stdin, proc.stdout):
+                try:
+                    if pipe is not None:
+                        pipe.close()
+                except OSError:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                logger.error("sandbox process %d did not die", proc.pid)
+        if self.checker_pid is not None:
+            _kill_pid(self.checker_pid)
+        self.harness = self.checker = None
+        self.h = self.c = None
+        self.checker_pid = None
+        if self.harness is None and self.uid is not None:
+            _wait_uid_empty(self.uid)
+            UIDS.release(self.uid)
+            self.uid = None
+        if self.cgroups is not None:
+            self.cgroups.close()
+            self.cgroups = None
+
+
+def _json_obj(raw: bytes) -> dict[str, Any]:
+    try:
+        msg = json.loads(raw)
+    except ValueError as exc:
+        raise _Broken(f"unreadable message from the harness: {exc}") from None
+    if not isinstance(msg, dict):
+        raise _Broken("unreadable message from the harness")
+    return msg
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _wait_uid_empty(uid: int) -> None:
+    end = time.monotonic() + 5
+    while time.monotonic() < end and uid_alive(uid):
+        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------- the scorer
@@ -280,16 +543,24 @@ def _compare_src() -> str:
 
 class SandboxScorer:
     """Scores a response by running its last code block against the sample's tests
-    (see ``tally`` for the score and its extra)."""
+    (see ``tally`` for the score and its extra). ``close()`` / ``aclose()`` stop
+    the slots; they also die with this process."""
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self._root = os.geteuid() == 0
         self._sem: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
-        self._argvs: dict[str, list[str]] = {}
-        self._job_base: dict[str, Any] | None = None
+        self._boot: dict[str, Any] | None = None
+        self._slots = [_Slot(self, i) for i in range(self.config.concurrency)]
+        self._free = list(reversed(self._slots))
         same_python = os.path.realpath(self.config.python) == os.path.realpath(sys.executable)
-        self._harness = marshal.dumps(compile(_HARNESS, "<sandbox-harness>", "exec") if same_python else _HARNESS, 4)
+        self._harness_code = marshal.dumps(
+            compile(_HARNESS, "<sandbox-harness>", "exec") if same_python else _HARNESS, 4
+        )
+        self._checker_code = marshal.dumps(compile(_CHECKER, "<sandbox-checker>", "exec"), 4)
+        self._seccomp = filter_bytes() if self.config.seccomp else None
+        if self.config.seccomp and self._seccomp is None:
+            logger.warning("no seccomp filter for this architecture: candidate syscalls are not filtered")
         self.backend = self.config.backend  # named in errors while the probe runs
         self.backend = choose_backend(self.config, root=self._root, probe=self._probe_run)
         if self.backend == "none":
@@ -297,69 +568,69 @@ class SandboxScorer:
                 "SANDBOX DISABLED: unsafe_no_isolation=True, model-written code runs with this process's "
                 "privileges, network and filesystem. Never do this with untrusted code."
             )
+        atexit.register(self.close)
+
+    def _boot_base(self) -> dict[str, Any]:
+        if self._boot is None:
+            cfg = self.config
+            site: list[str] = []
+            if cfg.site_packages and os.path.realpath(cfg.python) == os.path.realpath(sys.executable):
+                site = sorted({p for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib")) if p})
+            self._boot = {
+                "sys_path": site,
+                "isolation": self.backend,
+                "seccomp": self._seccomp if self.backend != "none" else None,
+                **root_spec(cfg),
+            }
+        return self._boot
+
+    def _limits(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "cpu_s": cfg.cpu_s,
+            "memory_mb": cfg.memory_mb,
+            "max_output_bytes": cfg.max_output_bytes,
+            "max_file_mb": cfg.max_file_mb,
+            "max_procs": cfg.max_procs,
+        }
 
     def _probe_run(self, backend: str) -> str | None:
-        """Runs a real program in ``backend``, the way ``run`` would."""
-        cases = [{"stdin": "", "stdout": "ok"}]
-        uid = UIDS.acquire(self.config.uid_base, self.config.uid_count) if self._root else None
+        """Starts a slot in ``backend`` and runs a real program in it, the way ``run`` would."""
+        self.backend = backend
+        self._boot = None
+        slot = _Slot(self, -1)
         try:
-            job = self._job("print('ok')", "stdin", cases, uid, backend, "/tmp")
-            proc = subprocess.run(
-                self._argv(backend),
-                input=self._harness + marshal.dumps(job, 4),
-                capture_output=True,
-                env=sandbox_env(),
-                timeout=60,
-                start_new_session=True,
-            )
-            if self._parse(proc.stdout, proc.stderr, proc.returncode, 1)[0][0] != "passed":
-                return "probe program did not pass"
-        except (OSError, subprocess.TimeoutExpired, ScoringError) as exc:
+            slot.start_harness()
+            assert slot.h is not None
+            slot.ready(slot.h.recv_sync(60))
+            slot.h.send(marshal.dumps(self._case_msg("stdin", "print('ok')", b"", 10.0), 4))
+            done = _json_obj(slot.h.recv_sync(60))
+            if done.get("ev") != "done" or done.get("status") or done.get("exit") != 0 or done["stdout"] != "ok\n":
+                return f"probe program did not pass: {str(done)[:300]}"
+        except (OSError, EOFError, TimeoutError, _Broken, VerifierError) as exc:
             return f"probe failed: {exc}"
         finally:
-            if uid is not None:
-                UIDS.release(uid)
+            slot.stop()
+            self._boot = None
         return None
 
-    def _argv(self, backend: str) -> list[str]:
-        if backend not in self._argvs:
-            harness = [self.config.python, "-I", "-S", "-c", _BOOT, MARKER]
-            self._argvs[backend] = wrap_command(self.config, backend, harness, root=self._root)
-        return self._argvs[backend]
-
-    def _job(
-        self, program: str, form: str, cases: list[dict[str, Any]], uid: int | None, backend: str, workdir: str
-    ) -> dict[str, Any]:
-        if self._job_base is None:
-            self._job_base = self._build_job_base()
-        job = {
-            "program": program,
-            "form": form,
-            "cases": cases,
-            "uid": uid,
-            "isolation": backend,
-            "pidns": backend != "none",
-            "workdir": workdir,
-        }
-        return {**self._job_base, **job}
-
-    def _build_job_base(self) -> dict[str, Any]:
-        cfg = self.config
-        site: list[str] = []
-        if cfg.site_packages and os.path.realpath(cfg.python) == os.path.realpath(sys.executable):
-            site = sorted({p for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib")) if p})
+    def _case_msg(self, mode: str, program: str, stdin: bytes, timeout_s: float, **extra: Any) -> dict[str, Any]:
         return {
-            "sys_path": site,
-            **root_spec(cfg),
-            "limits": {
-                "timeout_s": cfg.timeout_s,
-                "cpu_s": cfg.cpu_s,
-                "memory_mb": cfg.memory_mb,
-                "max_output_bytes": cfg.max_output_bytes,
-                "max_file_mb": cfg.max_file_mb,
-                "max_procs": cfg.max_procs,
-            },
+            "op": "case",
+            "mode": mode,
+            "program": program,
+            "stdin": stdin,
+            "timeout_s": timeout_s,
+            "limits": self._limits(),
+            **extra,
         }
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.stop()
+
+    async def aclose(self) -> None:
+        self.close()
 
     # -- running
 
@@ -371,68 +642,210 @@ class SandboxScorer:
 
     async def score(self, traj: Trajectory) -> Scored:
         form, cases, program = read_sample(traj)
-        return tally(await self.run(program, form, cases), all_or_nothing=self.config.all_or_nothing)
+        if program is None:
+            return no_code(cases, all_or_nothing=self.config.all_or_nothing)
+        results = await self.run(program, form, cases, prompt=traj.prompt)
+        return tally(results, all_or_nothing=self.config.all_or_nothing)
 
-    async def run(self, program: str, form: str, cases: list[dict[str, Any]]) -> list[tuple[str, str]]:
-        """Run ``program`` against ``cases`` (as from parse_tests) in one sandbox;
+    async def run(
+        self, program: str, form: str, cases: list[dict[str, Any]], prompt: str | None = None
+    ) -> list[tuple[str, str]]:
+        """Run ``program`` against ``cases`` (as from parse_tests) in one sandbox slot;
         return ``(status, detail)`` per case."""
         async with self._semaphore():
-            uid = (
-                UIDS.acquire(self.config.uid_base, self.config.uid_count)
-                if self._root and self.backend != "none"
-                else None
-            )
-            workdir = tempfile.mkdtemp(prefix="stream-reward-unsafe-") if self.backend == "none" else "/tmp"
+            slot = self._free.pop()
+            ok = False
             try:
-                return await self._run(self._job(program, form, cases, uid, self.backend, workdir), len(cases), uid)
+                if slot.harness is None or slot.harness.poll() is not None:
+                    slot.stop()
+                    slot.start_harness()
+                    assert slot.h is not None
+                    slot.ready(await asyncio.wait_for(slot.h.recv(), 60))
+                results = await self._run_cases(slot, program, form, cases, prompt)
+                ok = True
+                return results
+            except (_Broken, EOFError, OSError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, OSError) and exc.errno in OUT_OF_RESOURCES:
+                    raise VerifierError(f"host out of resources: {exc}", reason="host_resources") from exc
+                raise VerifierError(f"{self.backend} sandbox failed: {exc}", reason="sandbox_unavailable") from exc
             finally:
-                if uid is not None:
-                    UIDS.release(uid)
-                if self.backend == "none":
-                    shutil.rmtree(workdir, ignore_errors=True)
+                if not ok:
+                    slot.stop()  # unknown state (error, cancellation): start afresh next time
+                self._free.append(slot)
 
-    async def _run(self, job: dict[str, Any], n: int, uid: int | None) -> list[tuple[str, str]]:
-        payload = self._harness + marshal.dumps(job, 4)
+    async def _run_cases(
+        self, slot: _Slot, program: str, form: str, cases: list[dict[str, Any]], prompt: str | None
+    ) -> list[tuple[str, str]]:
+        cfg = self.config
+        end = time.monotonic() + cfg.sample_timeout_s
+        results: list[tuple[str, str]] = []
+        sample_open = False
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(self.backend),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=sandbox_env(),
-                start_new_session=True,  # the backend leads its own group: one killpg ends it
-            )
-        except OSError as exc:
-            if exc.errno in OUT_OF_RESOURCES:
-                raise VerifierError(
-                    f"host out of resources starting a sandbox: {exc}", reason="host_resources"
-                ) from exc
-            raise VerifierError(
-                f"cannot start the {self.backend} sandbox: {exc}", reason="sandbox_unavailable"
-            ) from exc
-        deadline_s = 15.0 + n * (self.config.timeout_s + 1.0)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(payload), deadline_s)
-        except asyncio.TimeoutError:
-            raise VerifierError(f"sandbox did not finish within {deadline_s:.0f}s", reason="sandbox_timeout") from None
+            for case in cases:
+                left = end - time.monotonic()
+                if left <= 0.05 or (cfg.stop_on_timeout and results and results[-1][0] == "timeout"):
+                    results.append(("timeout", "not run: the sample's time is up"))
+                    continue
+                timeout_s = min(cfg.timeout_s, left)
+                if form == "stdin":
+                    results.append(await self._stdin_case(slot, program, case, timeout_s))
+                elif form == "call":
+                    results.append(await self._call_case(slot, program, case, timeout_s))
+                else:
+                    if not sample_open:
+                        await self._open_checker_sample(slot, prompt)
+                        sample_open = True
+                    result = await self._checked_case(slot, program, form, case, timeout_s)
+                    if result is None:  # the checker was killed at the deadline: a fresh one next case
+                        sample_open = False
+                        result = ("timeout", "the tests ran past the time limit")
+                    results.append(result)
         finally:
-            if proc.returncode is None:
-                await kill_sandbox(proc, uid)
-        return self._parse(out, err, proc.returncode, n)
+            if sample_open and slot.c is not None:
+                slot.c.send(marshal.dumps(("finish",)))
+                slot.checker_pid = None
+        return results
 
-    def _parse(self, out: bytes, err: bytes, returncode: int | None, n: int) -> list[tuple[str, str]]:
-        try:
-            msg = ast.literal_eval(out.decode("utf-8", "replace")) if out else None
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
-            msg = None
-        if isinstance(msg, dict) and "infra" in msg:
+    async def _done(self, slot: _Slot, timeout_s: float) -> dict[str, Any]:
+        """The harness's next message, within the case's time plus a margin."""
+        assert slot.h is not None
+        msg = _json_obj(await asyncio.wait_for(slot.h.recv(), timeout_s + 10))
+        if msg.get("ev") == "infra":
             reason = "host_resources" if msg.get("errno") in OUT_OF_RESOURCES else "sandbox_unavailable"
-            raise VerifierError(f"sandbox harness failed: {msg['infra']}", reason=reason)
-        results = msg.get("results") if isinstance(msg, dict) else None
-        if not isinstance(results, list) or len(results) != n:
-            tail = err.decode("utf-8", "replace").strip()[-500:]
-            raise VerifierError(
-                f"{self.backend} sandbox failed (exit {returncode}): {tail or 'no output'}",
-                reason="sandbox_unavailable",
-            )
-        return [(str(status), str(detail)) for status, detail in results]
+            raise VerifierError(f"sandbox harness failed: {msg.get('error')}", reason=reason)
+        if msg.get("ev") not in ("done", "msg"):
+            raise _Broken(f"unexpected message from the harness: {str(msg)[:200]}")
+        return msg
+
+    async def _stdin_case(self, slot: _Slot, program: str, case: dict[str, Any], timeout_s: float) -> tuple[str, str]:
+        assert slot.h is not None
+        slot.h.send(marshal.dumps(self._case_msg("stdin", program, case["stdin"].encode(), timeout_s), 4))
+        done = await self._done(slot, timeout_s)
+        verdict = _exit_verdict(done)
+        if verdict is not None:
+            return verdict
+        ok = normalize_output(str(done.get("stdout", "")).encode("utf-8", "surrogateescape")) == normalize_output(
+            case["stdout"].encode()
+        )
+        return ("passed", "") if ok else ("failed", "wrong answer")
+
+    async def _call_case(self, slot: _Slot, program: str, case: dict[str, Any], timeout_s: float) -> tuple[str, str]:
+        assert slot.h is not None
+        msg = self._case_msg("calls", program, b"", timeout_s, calls=[(case["fn_name"], case["args"])])
+        slot.h.send(marshal.dumps(msg, 4))
+        done = await self._done(slot, timeout_s)
+        replies = done.get("replies") or []
+        if done.get("status") or len(replies) < 2:
+            return _exit_verdict(done, exited_early=True) or ("failed", "the program exited before the tests ran")
+        try:
+            reply = loads(str(replies[1]).encode("utf-8", "surrogateescape"))
+        except WireError as exc:
+            return ("failed", f"unreadable answer: {exc}")
+        if type(reply) is tuple and len(reply) == 2 and reply[0] == "ok":
+            if same(reply[1], case["expected"], case.get("wrapped", False)):
+                return ("passed", "")
+            return ("failed", f"expected {case['expected']!r:.120}, got {reply[1]!r:.120}")
+        if type(reply) is tuple and len(reply) == 3 and reply[0] == "raise":
+            return ("runtime_error", f"{reply[1]}: {reply[2]}"[:300])
+        if type(reply) is tuple and len(reply) == 2 and reply[0] == "bad":
+            return ("failed", str(reply[1])[:300])
+        return ("failed", "malformed answer")
+
+    async def _open_checker_sample(self, slot: _Slot, prompt: str | None) -> None:
+        if slot.checker is None or slot.checker.poll() is not None:
+            slot.start_checker()
+            assert slot.c is not None
+            if marshal.loads(await asyncio.wait_for(slot.c.recv(), 60)) != ("ready",):
+                raise _Broken("checker did not start")
+        assert slot.c is not None
+        slot.c.send(marshal.dumps(("sample", prompt or "", self._boot_base()["sys_path"])))
+        started = marshal.loads(await asyncio.wait_for(slot.c.recv(), 30))
+        if not (isinstance(started, tuple) and started[0] == "started"):
+            raise _Broken(f"checker could not start a sample: {started!r}")
+        slot.checker_pid = int(started[1])
+
+    async def _checked_case(
+        self, slot: _Slot, program: str, form: str, case: dict[str, Any], timeout_s: float
+    ) -> tuple[str, str] | None:
+        assert slot.h is not None and slot.c is not None
+        deadline = time.monotonic() + timeout_s
+        slot.h.send(marshal.dumps(self._case_msg("serve", program, b"", timeout_s), 4))
+        first = await self._done(slot, timeout_s)
+        if first["ev"] == "done":
+            return _exit_verdict(first, exited_early=True) or ("failed", "the program exited before the tests ran")
+        try:
+            ready = loads(str(first["data"]).encode("utf-8", "surrogateescape"))
+        except WireError:
+            ready = None
+        names = ready[1] if type(ready) is tuple and len(ready) == 2 and type(ready[1]) is dict else {}
+        test = case["test"] if form == "check" else case["assert"]
+        slot.c.send(marshal.dumps(("case", form, test, case.get("entry_point"), names)))
+        done: dict[str, Any] | None = None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                msg = marshal.loads(await asyncio.wait_for(slot.c.recv(), max(left, 0) + 2))
+            except asyncio.TimeoutError:
+                # The tests themselves ran past the deadline: end the case and this checker sample.
+                if slot.checker_pid is not None:
+                    _kill_pid(slot.checker_pid)
+                    slot.checker_pid = None
+                    crashed = marshal.loads(await asyncio.wait_for(slot.c.recv(), 10))
+                    if crashed[0] != "crashed":
+                        raise _Broken("checker did not stop") from None
+                if done is None:
+                    slot.h.send(marshal.dumps({"op": "end"}))
+                    await self._until_done(slot, timeout_s)
+                return None
+            if msg[0] == "call":
+                if done is not None:
+                    slot.c.send(marshal.dumps(("gone",)))
+                    continue
+                slot.h.send(marshal.dumps({"op": "call", "data": msg[1]}, 4))
+                event = await self._done(slot, timeout_s)
+                if event["ev"] == "done":
+                    done = event
+                    slot.c.send(marshal.dumps(("gone",)))
+                else:
+                    slot.c.send(marshal.dumps(("reply", str(event["data"]).encode("utf-8", "surrogateescape"))))
+            elif msg[0] == "verdict":
+                status, detail = str(msg[1]), str(msg[2])
+                if done is None:
+                    slot.h.send(marshal.dumps({"op": "end"}))
+                    done = await self._until_done(slot, timeout_s)
+                limit = done.get("status")
+                if limit:  # a limit the candidate hit wins over whatever the tests concluded
+                    return (str(limit), "")
+                if status == "gone":
+                    return _exit_verdict(done, exited_early=True) or ("failed", "the program exited during the tests")
+                return (status, detail)
+            elif msg[0] == "crashed":
+                slot.checker_pid = None
+                raise VerifierError(f"the trusted checker died (wait status {msg[1]})", reason="checker_crashed")
+            else:
+                raise _Broken(f"unexpected message from the checker: {msg!r:.200}")
+
+    async def _until_done(self, slot: _Slot, timeout_s: float) -> dict[str, Any]:
+        while True:
+            event = await self._done(slot, timeout_s)
+            if event["ev"] == "done":
+                return event
+
+
+def _exit_verdict(done: dict[str, Any], exited_early: bool = False) -> tuple[str, str] | None:
+    """The case's status from how its process ended, or None if it ran to a normal end."""
+    status = done.get("status")
+    err = str(done.get("err", ""))
+    detail = (err.strip().splitlines() or [""])[-1][:300]
+    if status:
+        return (str(status), "cpu time limit" if status == "timeout" and "signal" in done else "")
+    if "signal" in done:
+        return ("runtime_error", f"killed by signal {done['signal']}")
+    code = done.get("exit")
+    if "MemoryError" in err:
+        return ("memory", detail)
+    if code != 0:
+        return ("runtime_error", detail or f"exit code {code}")
+    if exited_early:
+        return ("failed", "the program exited before the tests ran")
+    return None

@@ -64,6 +64,7 @@ __all__ = [
     "root_spec",
     "UIDS",
     "kill_sandbox",
+    "uid_alive",
 ]
 
 MARKER = "stream-reward-sandbox"  # in every sandboxed process's cmdline; tests look for it
@@ -189,9 +190,15 @@ def wrap_command(config: SandboxConfig, backend: str, command: list[str], *, roo
         "--new-session",
     ]
     if root:
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL"]
+        # SYS_ADMIN: the harness mounts a fresh /proc, /tmp and /dev/shm per case in
+        # a new mount and PID namespace; case processes drop every capability.
+        argv += ["--cap-drop", "ALL"]
+        for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_SYS_ADMIN"):
+            argv += ["--cap-add", cap]
     else:
-        argv += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+        # Root of a user namespace of our own, for the same per-case namespaces;
+        # case processes give up every capability (they cannot change uid here).
+        argv += ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN"]
     binds = _ro_binds(config)
     # bwrap creates missing parents of a bind target 0700 (as root), which would
     # hide e.g. /root/.pyenv/... from the sandbox uid: create them 0755 first.
@@ -307,7 +314,7 @@ async def kill_sandbox(proc: asyncio.subprocess.Process, uid: int | None) -> Non
     # The namespace is torn down asynchronously; wait until it is gone, so that
     # its uid is empty before another run counts processes against it.
     end = time.monotonic() + 5
-    while time.monotonic() < end and (not all(map(_dead, victims)) or (uid is not None and _uid_alive(uid))):
+    while time.monotonic() < end and (not all(map(_dead, victims)) or (uid is not None and uid_alive(uid))):
         await asyncio.sleep(0.005)
 
 
@@ -342,7 +349,7 @@ def _sigkill(pid: int) -> None:
         pass
 
 
-def _uid_alive(uid: int) -> bool:
+def uid_alive(uid: int) -> bool:
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
