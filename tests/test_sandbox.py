@@ -23,7 +23,7 @@ from stream_reward.trajectory import Trajectory
 
 # A uid range of our own, so that sandboxes of other test runs or benchmarks on the
 # same host never look like ours (nor ours like theirs).
-UIDS = dict(uid_base=200_000 + (os.getpid() % 10_000) * 16, uid_count=16)
+UIDS = dict(uid_base=200_000 + (os.getpid() % 10_000) * 64, uid_count=64)
 FAST = dict(timeout_s=1.5, cpu_s=1.0, memory_mb=256, max_output_bytes=1 << 20, **UIDS)
 
 
@@ -31,27 +31,53 @@ def _config(**kw) -> SandboxConfig:
     return SandboxConfig(**{**FAST, **kw})
 
 
+_OPEN: list[SandboxScorer] = []  # scorers to close (their slots are persistent sandboxes)
+
+
 def _scorer_or_skip(**kw) -> SandboxScorer:
     try:
-        return SandboxScorer(_config(**kw))
+        s = SandboxScorer(_config(**kw))
     except ConfigError as exc:
         pytest.skip(f"sandbox backend unavailable here: {exc}")
+    _OPEN.append(s)
+    return s
 
 
 @pytest.fixture(scope="module", params=["bwrap", "unshare"])
-def scorer(request) -> SandboxScorer:
-    return _scorer_or_skip(backend=request.param)
+def scorer(request):
+    s = _scorer_or_skip(backend=request.param)
+    _OPEN.remove(s)
+    yield s
+    s.close()
 
 
 @pytest.fixture(scope="module")
-def bwrap() -> SandboxScorer:
-    return _scorer_or_skip(backend="bwrap")
+def bwrap():
+    s = _scorer_or_skip(backend="bwrap")
+    _OPEN.remove(s)
+    yield s
+    s.close()
 
 
-def _sandboxed_processes() -> list[tuple[str, int, bytes]]:
+def test_closing_the_scorer_leaves_no_sandbox_behind():
+    s = _scorer_or_skip(concurrency=2)
+    _OPEN.remove(s)
+
+    async def two():
+        return await asyncio.gather(*(s.score(traj("print('ok')", stdin_case())) for _ in range(2)))
+
+    assert [r.score for r in asyncio.run(two())] == [1.0, 1.0]
+    slots = {str(x.harness.pid) for x in s._slots if x.harness is not None}
+    assert len(slots) == 2 and slots <= {p[0] for p in _sandboxed_processes()}  # two live slots
+    s.close()
+    assert not slots & {p[0] for p in _sandboxed_processes()}
+
+
+def _sandboxed_processes(slots: bool = True) -> list[tuple[str, int, bytes]]:
     """Live processes of sandboxes this test process started: by uid (even a program
-    that exec'd something else with a clean environment keeps its uid), and by the
-    harness's marker plus our pid as owner (the harness itself runs as root)."""
+    that exec'd something else with a clean environment keeps its uid), and, with
+    ``slots``, by the harness's marker plus our pid as owner (the harness itself
+    runs as root and lives as long as its scorer)."""
     owner = f"{OWNER_ENV}={os.getpid()}".encode()
     found = []
     for pid in os.listdir("/proc"):
@@ -66,15 +92,19 @@ def _sandboxed_processes() -> list[tuple[str, int, bytes]]:
         except OSError:
             continue
         mine = UIDS["uid_base"] <= uid < UIDS["uid_base"] + UIDS["uid_count"]
-        if mine or (MARKER.encode() in cmdline and owner in environ):
+        if mine or (slots and MARKER.encode() in cmdline and owner in environ):
             found.append((pid, uid, cmdline[:120]))
     return found
 
 
 @pytest.fixture(autouse=True)
 def no_sandboxed_process_left():
+    before = len(_OPEN)
     yield
-    assert _sandboxed_processes() == [], "a sandboxed process outlived its run"
+    # A case's processes die with the case; the slots (harnesses) with their scorer.
+    assert _sandboxed_processes(slots=False) == [], "a sandboxed process outlived its run"
+    while len(_OPEN) > before:
+        _OPEN.pop().close()
 
 
 def traj(code: str, ground_truth, lang: str = "python") -> Trajectory:
@@ -214,20 +244,15 @@ def test_all_or_nothing():
     assert score(s, "print(int(input()) + 1)", {"inputs": ["1", "2"], "outputs": ["2", "3"]}).score == 1.0
 
 
-def test_no_code_and_bad_tests_are_scoring_errors(bwrap):
-    with pytest.raises(ScoringError) as info:
-        asyncio.run(
-            bwrap.score(
-                Trajectory(
-                    batch_id="b",
-                    index=0,
-                    data_source="code",
-                    response="I would loop.",
-                    ground_truth=json.dumps(stdin_case()),
-                )
+def test_no_code_is_a_wrong_answer_and_bad_tests_a_scoring_error(bwrap):
+    r = asyncio.run(
+        bwrap.score(
+            Trajectory(
+                batch_id="b", index=0, data_source="code", response="I would loop.", ground_truth=json.dumps(stdin_case())
             )
         )
-    assert info.value.reason == "no_code"
+    )
+    assert r.score == 0.0 and "no code" in r.extra["error"]  # the policy's fault: a score, not `failed`
     with pytest.raises(ScoringError) as info:
         score(bwrap, "print(1)", "{broken")
     assert info.value.reason == "bad_tests"
@@ -413,7 +438,9 @@ def test_setsid_grandchild_holding_stdout_is_killed(scorer):
 def test_process_cannot_kill_the_harness(scorer):
     code = "import os, signal\nfor pid in range(1, 50):\n    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\nprint('ok')"
     r = score(scorer, code, {"inputs": ["", ""], "outputs": ["ok", "ok"]})
-    assert r.extra["cases"] == ["runtime_error", "runtime_error"]  # it can only kill itself
+    # Its own PID namespace holds only itself (PID 1, which ignores its own SIGKILL):
+    # the harness is out of reach, and both cases ran.
+    assert r.extra["cases"] == ["passed", "passed"]
 
 
 @pytest.mark.parametrize("backend", ["bwrap", "unshare", "none"])
@@ -467,9 +494,10 @@ def test_backend_failing_to_start_is_infrastructure_error(tmp_path):
         f"#!/bin/sh\nif [ -e {flag} ]; then echo 'bwrap: simulated failure' >&2; exit 1; fi\nexec {real} \"$@\"\n"
     )
     wrapper.chmod(0o755)
-    s = SandboxScorer(_config(backend="bwrap", bwrap_path=str(wrapper)))
+    s = _scorer_or_skip(backend="bwrap", bwrap_path=str(wrapper))
     assert score(s, "print('ok')", stdin_case()).score == 1.0
     flag.touch()
+    s.close()  # the running slot keeps working: the failure shows when a sandbox (re)starts
     with pytest.raises(VerifierError) as info:
         score(s, "print('ok')", stdin_case())
     assert info.value.reason == "sandbox_unavailable"

@@ -253,9 +253,9 @@ def _scorer(**kw) -> SandboxScorer:
         pytest.skip(f"sandbox backend unavailable here: {exc}")
 
 
-@pytest.fixture(scope="module")
-def scorer():
-    s = _scorer(backend="bwrap")
+@pytest.fixture(scope="module", params=["bwrap", "unshare"])
+def scorer(request):
+    s = _scorer(backend=request.param)
     yield s
     close = getattr(s, "close", None)
     if close is not None:

@@ -55,6 +55,9 @@ def send(obj):
         view = view[os.write(1, view) :]
 
 
+_RAISED = set()  # ids of exceptions rebuilt from the candidate's: a crash, not a wrong answer
+
+
 class CandidateGone(BaseException):
     """The candidate's process ended (limit, crash or exit) during a call."""
 
@@ -89,9 +92,9 @@ def _rpc(kind, name, handle, args, kwargs):
         cls = getattr(builtins, rep[1], None)
         # Only ordinary exceptions are rebuilt (a test may expect ValueError);
         # SystemExit & co. from the candidate must not end the checker.
-        if isinstance(cls, type) and issubclass(cls, Exception):
-            raise cls(rep[2])
-        raise RuntimeError(f"{rep[1]}: {rep[2]}")
+        exc = cls(rep[2]) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(f"{rep[1]}: {rep[2]}")
+        _RAISED.add(id(exc))
+        raise exc
     if tag == "bad" and len(rep) == 2 and type(rep[1]) is str:
         raise CandidateFault(rep[1])
     raise CandidateFault("malformed reply")
@@ -180,7 +183,8 @@ def run_case(prompt, form, test, entry_point, names):
     except AssertionError as exc:
         return ("verdict", "failed", f"assertion failed {exc}".strip()[:300])
     except BaseException as exc:
-        return ("verdict", "failed", f"{type(exc).__name__}: {exc}"[:300])
+        status = "runtime_error" if id(exc) in _RAISED else "failed"
+        return ("verdict", status, f"{type(exc).__name__}: {exc}"[:300])
 
 
 def sample_child(prompt, sys_path, uid):
@@ -208,7 +212,8 @@ def main():
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # dies with the scorer's process
-    uid = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "-" else None
+    # The tests need no privilege: with root, each sample's child runs as nobody.
+    uid = 65534 if os.geteuid() == 0 else None
     for name in ("math", "re", "collections", "itertools", "functools", "random", "copy", "string", "typing"):
         __import__(name)
     send(("ready",))

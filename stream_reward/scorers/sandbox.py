@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -415,6 +416,7 @@ class _Slot:
         self.cgroups: SlotCgroups | None = None
         self.per_case_ns = False
         self.checker_pid: int | None = None  # the checker's child for the current sample
+        self.errors: Any = None
 
     # -- lifecycle
 
@@ -428,13 +430,14 @@ class _Slot:
                 self.stop()
                 raise ConfigError("cgroups", "cgroups were required but this host does not let us create them")
         fds = self.cgroups.fds() if self.cgroups else []
+        self.errors = tempfile.TemporaryFile()  # the backend's own complaints, for the error message
         argv = wrap_command(cfg, s.backend, [cfg.python, "-I", "-S", "-c", _BOOT, MARKER], root=s._root)
         try:
             self.harness = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=self.errors,
                 env=sandbox_env(),
                 pass_fds=fds,
                 start_new_session=True,  # the backend leads its own group: one killpg ends it
@@ -457,8 +460,20 @@ class _Slot:
             self.h.send(s._harness_code)
             self.h.send(marshal.dumps(boot, 4))
         except OSError as exc:
+            try:
+                self.harness.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            why = self.stderr_tail() or exc
             self.stop()
-            raise VerifierError(f"{s.backend} sandbox did not start: {exc}", reason="sandbox_unavailable") from exc
+            raise VerifierError(f"{s.backend} sandbox did not start: {why}", reason="sandbox_unavailable") from exc
+
+    def stderr_tail(self) -> str:
+        try:
+            self.errors.seek(0)
+            return self.errors.read()[-500:].decode("utf-8", "replace").strip()
+        except (OSError, AttributeError, ValueError):
+            return ""
 
     def ready(self, reply: bytes) -> None:
         msg = _json_obj(reply)
@@ -468,9 +483,8 @@ class _Slot:
 
     def start_checker(self) -> None:
         s, cfg = self.scorer, self.scorer.config
-        uid = str(self.uid) if self.uid is not None else "-"
         self.checker = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _BOOT, uid],
+            [sys.executable, "-I", "-S", "-c", _BOOT],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -513,6 +527,9 @@ class _Slot:
         if self.cgroups is not None:
             self.cgroups.close()
             self.cgroups = None
+        if self.errors is not None:
+            self.errors.close()
+            self.errors = None
 
 
 def _json_obj(raw: bytes) -> dict[str, Any]:
@@ -608,7 +625,7 @@ class SandboxScorer:
             if done.get("ev") != "done" or done.get("status") or done.get("exit") != 0 or done["stdout"] != "ok\n":
                 return f"probe program did not pass: {str(done)[:300]}"
         except (OSError, EOFError, TimeoutError, _Broken, VerifierError) as exc:
-            return f"probe failed: {exc}"
+            return f"probe failed: {slot.stderr_tail() or exc}"
         finally:
             slot.stop()
             self._boot = None
@@ -660,7 +677,13 @@ class SandboxScorer:
                     slot.stop()
                     slot.start_harness()
                     assert slot.h is not None
-                    slot.ready(await asyncio.wait_for(slot.h.recv(), 60))
+                    try:
+                        slot.ready(await asyncio.wait_for(slot.h.recv(), 60))
+                    except (EOFError, _Broken, asyncio.TimeoutError) as exc:
+                        raise VerifierError(
+                            f"{self.backend} sandbox did not start: {slot.stderr_tail() or exc}",
+                            reason="sandbox_unavailable",
+                        ) from None
                 results = await self._run_cases(slot, program, form, cases, prompt)
                 ok = True
                 return results

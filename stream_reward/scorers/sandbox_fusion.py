@@ -31,7 +31,7 @@ from ..errors import BadReplyError, ConfigError, VerifierError
 from ..retry import RetryPolicy, call_with_retry, status_error, transport_error
 from ..scoring import Scored
 from ..trajectory import Trajectory
-from .sandbox import WRONG_ANSWER_EXIT, case_script, read_sample, tally
+from .sandbox import WRONG_ANSWER_EXIT, case_script, no_code, read_sample, tally
 
 __all__ = ["SandboxFusionConfig", "SandboxFusionScorer"]
 
@@ -104,6 +104,8 @@ class SandboxFusionScorer:
 
     async def score(self, traj: Trajectory) -> Scored:
         form, cases, program = read_sample(traj)
+        if program is None:
+            return no_code(cases, all_or_nothing=self.config.all_or_nothing)
         tasks = [asyncio.create_task(self._case(traj.uid, form, program, case)) for case in cases]
         try:
             results = await asyncio.gather(*tasks)
