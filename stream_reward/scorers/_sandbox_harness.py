@@ -37,6 +37,7 @@ decodes and judges; the candidate's exit code means only "exited".
 import _signal as signal
 import builtins
 import ctypes
+import fcntl
 import gc
 import marshal
 import os
@@ -232,6 +233,12 @@ def run_case(boot, msg):
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()
     ooms = oom_kills(boot)
+    if not boot["per_case_ns"]:  # no mount namespace: a fresh directory stands in for /tmp
+        import tempfile
+
+        msg["workdir"] = tempfile.mkdtemp(prefix="stream-reward-case-")
+        if boot["uid"] is not None:
+            os.chown(msg["workdir"], boot["uid"], boot["uid"])
     sys.stdout.flush()
     pid = spawn(boot)
     if pid == 0:
@@ -246,6 +253,10 @@ def run_case(boot, msg):
                 os.close(fd)
             except OSError:
                 pass
+        if "workdir" in msg:
+            import shutil
+
+            shutil.rmtree(msg["workdir"], ignore_errors=True)
 
 
 def supervise(boot, msg, pid, out_r, err_r, set_r, req_w, rep_r, ooms):
@@ -470,13 +481,12 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
             os.chdir("/tmp")
         else:
             os.setsid()
-            os.chdir(msg.get("workdir") or "/tmp")
-        os.dup2(stdin_fd, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.dup2(req_r, 3)
-        os.dup2(rep_w, 4)
-        os.dup2(set_w, 5)
+            os.chdir(msg["workdir"])
+        # Lift every source above the targets first, so no dup2 closes a source
+        # that has not been moved yet.
+        sources = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (stdin_fd, out_w, err_w, req_r, rep_w, set_w)]
+        for target, fd in enumerate(sources):
+            os.dup2(fd, target)
         os.closerange(6, 1 << 16)
         lim = msg["limits"]
         cpu = max(1, int(lim["cpu_s"] + 0.999))
@@ -484,8 +494,10 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
         setlimit(resource.RLIMIT_AS, lim["memory_mb"] << 20)
         setlimit(resource.RLIMIT_FSIZE, lim["max_file_mb"] << 20)
         setlimit(resource.RLIMIT_CORE, 0)
-        if not boot.get("cgroup_fds") and boot["uid"] is not None:
-            setlimit(resource.RLIMIT_NPROC, lim["max_procs"])  # per uid: the slot's own
+        if not boot.get("cgroup_fds"):
+            # Without a pids cgroup: RLIMIT_NPROC, per real uid (the slot's own when
+            # root, where it is honoured; the worker's user otherwise).
+            setlimit(resource.RLIMIT_NPROC, lim["max_procs"])
         uid = boot["uid"]
         if uid is not None:
             os.setgroups([])
