@@ -267,7 +267,7 @@ def run(n_problems: int = 20, concurrency: int | None = None, rounds: int = 5, b
         (sandbox_s, baseline_s, sandbox_scores, baseline_scores), (one_s, one_base_s, _, _) = asyncio.run(go())
     finally:
         scorer.close()
-    expected_ok = all((s == 1.0) if e == 1.0 else (s < 1.0) for s, (_, e) in zip(sandbox_scores, samples))
+    expected_ok = all((s == 1.0) if e == 1.0 else (s < 1.0) for s, (_, e) in zip(sandbox_scores, samples, strict=True))
     runs_per_s = runs * rounds / sandbox_s
     baseline_runs_per_s = runs * rounds / baseline_s
     return {

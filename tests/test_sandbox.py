@@ -248,7 +248,11 @@ def test_no_code_is_a_wrong_answer_and_bad_tests_a_scoring_error(bwrap):
     r = asyncio.run(
         bwrap.score(
             Trajectory(
-                batch_id="b", index=0, data_source="code", response="I would loop.", ground_truth=json.dumps(stdin_case())
+                batch_id="b",
+                index=0,
+                data_source="code",
+                response="I would loop.",
+                ground_truth=json.dumps(stdin_case()),
             )
         )
     )
@@ -512,6 +516,8 @@ def test_case_script_matches_the_harness():
     checks = [
         ("call", "def f(a):\n    return a * 2", {"fn_name": "f", "args": [2], "expected": 4}, 0),
         ("call", "def f(a):\n    return a", {"fn_name": "f", "args": [2], "expected": 4}, 3),
+        ("call", "def f(a):\n    return min(a)", {"fn_name": "f", "args": [[2, 1]], "expected": [1, 2]}, 3),
+        ("call", "def f(a):\n    return a", {"fn_name": "f", "args": [5], "expected": [5], "wrapped": True}, 0),
         ("assert", "def f(a):\n    return a", {"assert": "assert f(1) == 2"}, 3),
         ("check", "def f(a):\n    return a", {"test": "def check(c):\n    assert c(1) == 1", "entry_point": "f"}, 0),
         ("stdin", "print(input())", {"stdin": "hi", "stdout": "hi"}, 0),

@@ -164,7 +164,12 @@ def _hack_programs() -> list[tuple[str, str, str, dict]]:
             "shadow_abs",
             "check",
             "def abs(x):\n    return 0\ndef add(a, b):\n    return 0.5\n",
-            {"gt": {"test": "def check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n", "entry_point": "add"}},
+            {
+                "gt": {
+                    "test": "def check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n",
+                    "entry_point": "add",
+                }
+            },
         ),
         (
             "shadow_abs",
@@ -303,12 +308,13 @@ def test_no_code_is_a_wrong_answer_not_a_failure(scorer, form):
 # ------------------------------------------------------------ limits that must hold per sandbox
 
 MEMORY_ACROSS_FORKS = (
-    "import os, time\nkids = []\nfor _ in range(3):\n    pid = os.fork()\n    if pid == 0:\n"
+    # The right answer only once three children each hold 200 MB at the same time
+    # (in a 256 MB sandbox): each reports on a pipe after touching its memory.
+    "import os, time\nr, w = os.pipe()\nfor _ in range(3):\n    if os.fork() == 0:\n        os.close(r)\n"
     "        block = bytearray(200 << 20)\n        for i in range(0, len(block), 4096):\n            block[i] = 1\n"
-    "        time.sleep(3)\n        os._exit(0)\n    kids.append(pid)\ntime.sleep(1.0)\n"
-    "alive = sum(os.waitpid(k, os.WNOHANG)[0] == 0 for k in kids)\n"
-    # Correct answer only if all three 200 MB children are alive in a 256 MB sandbox.
-    "a, b = map(int, input().split())\nprint(a + b if alive == 3 else a - b)\n"
+    "        os.write(w, b'x')\n        time.sleep(30)\n        os._exit(0)\nos.close(w)\ngot = b''\n"
+    "while len(got) < 3:\n    chunk = os.read(r, 3)\n    if not chunk:\n        break\n    got += chunk\n"
+    "a, b = map(int, input().split())\nprint(a + b if len(got) == 3 else a - b)\n"
 )
 MEMFD_HOG = (
     "import os\nfd = os.memfd_create('hog')\nchunk = b'x' * (1 << 20)\nwritten = 0\ntry:\n"

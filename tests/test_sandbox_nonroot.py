@@ -18,7 +18,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 import test_sandbox_hacks as hacks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,10 +62,29 @@ def _runnable() -> str | None:
 @pytest.mark.skipif(_runnable() is not None, reason=str(_runnable()))
 def test_non_root_sandbox_scores_hacks_zero():
     table = [(f"{n}-{f}", p, e.get("gt", hacks.FORMS[f])) for n, f, p, e in hacks.HACKS if "prompt" not in e]
-    table += [(n, p, {"inputs": ["2 3\n", "-1 1\n", "4 4\n"], "outputs": ["5\n", "0\n", "8\n"]}) for n, p in hacks.LIMIT_HACKS if n not in ("memory_across_forks",)]
-    honest = [("honest-stdin", hacks.RIGHT_STDIN, hacks.FORMS["stdin"]), ("honest-check", "def add(a, b):\n    return a + b\n", hacks.FORMS["check"])]
+    table += [
+        (n, p, {"inputs": ["2 3\n", "-1 1\n", "4 4\n"], "outputs": ["5\n", "0\n", "8\n"]})
+        for n, p in hacks.LIMIT_HACKS
+        if n not in ("memory_across_forks",)
+    ]
+    honest = [
+        ("honest-stdin", hacks.RIGHT_STDIN, hacks.FORMS["stdin"]),
+        ("honest-check", "def add(a, b):\n    return a + b\n", hacks.FORMS["check"]),
+    ]
     proc = subprocess.run(
-        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", SYSTEM_PYTHON, "-c", SCRIPT, str(REPO), sysconfig.get_path("purelib")],
+        [
+            "setpriv",
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            SYSTEM_PYTHON,
+            "-c",
+            SCRIPT,
+            str(REPO),
+            sysconfig.get_path("purelib"),
+        ],
         input=json.dumps(honest + table),
         capture_output=True,
         text=True,

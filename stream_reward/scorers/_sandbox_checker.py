@@ -29,6 +29,9 @@ import sys
 
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
+if "dumps" not in globals():  # run on its own; the host normally sends sandbox_wire ahead of this source
+    from stream_reward.scorers.sandbox_wire import WireError, dumps, loads
+
 
 def read_exact(fd, n):
     buf = bytearray()
@@ -92,7 +95,9 @@ def _rpc(kind, name, handle, args, kwargs):
         cls = getattr(builtins, rep[1], None)
         # Only ordinary exceptions are rebuilt (a test may expect ValueError);
         # SystemExit & co. from the candidate must not end the checker.
-        exc = cls(rep[2]) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(f"{rep[1]}: {rep[2]}")
+        exc = (
+            cls(rep[2]) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(f"{rep[1]}: {rep[2]}")
+        )
         _RAISED.add(id(exc))
         raise exc
     if tag == "bad" and len(rep) == 2 and type(rep[1]) is str:

@@ -39,6 +39,7 @@ import builtins
 import ctypes
 import fcntl
 import gc
+import json as _json
 import marshal
 import os
 import resource
@@ -52,6 +53,9 @@ CLONE_NEWNS, CLONE_NEWPID, SIGCHLD = 0x00020000, 0x20000000, 17
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 38, 22, 4, 36
 PR_CAPBSET_DROP = 24
+
+if "dumps" not in globals():  # run on its own; the host normally sends sandbox_wire ahead of this source
+    from stream_reward.scorers.sandbox_wire import WireError, dumps, loads
 PRELOAD = ("collections", "itertools", "functools", "heapq", "bisect", "math", "re", "string", "typing", "traceback")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -215,7 +219,9 @@ def oom_kills(boot):
 
 def spawn(boot):
     if boot["per_case_ns"]:
-        pid = _pylibc.syscall(SYS_CLONE[os.uname().machine], ctypes.c_ulong(CLONE_NEWNS | CLONE_NEWPID | SIGCHLD), 0, 0, 0, 0)
+        pid = _pylibc.syscall(
+            SYS_CLONE[os.uname().machine], ctypes.c_ulong(CLONE_NEWNS | CLONE_NEWPID | SIGCHLD), 0, 0, 0, 0
+        )
         if pid < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"clone: {os.strerror(e)}")
@@ -299,7 +305,7 @@ def supervise(boot, msg, pid, out_r, err_r, set_r, req_w, rep_r, ooms):
             if remaining <= 0:
                 status = "timeout"
                 break
-            for fd, ev in poller.poll(max(1, int(remaining * 1000) + 1)):
+            for fd, _ in poller.poll(max(1, int(remaining * 1000) + 1)):
                 if fd == pidfd:
                     exited = True
                 elif fd == 0:

@@ -49,19 +49,19 @@ from ..errors import ConfigError, ScoringError, VerifierError
 from ..scoring import Scored
 from ..trajectory import Trajectory
 from .sandbox_cgroups import SlotCgroups, open_slot
-from .sandbox_judge import normalize_output, same, wrapped_outputs
-from .sandbox_seccomp import filter_bytes
-from .sandbox_wire import WireError, loads
 from .sandbox_isolation import (
     MARKER,
     OUT_OF_RESOURCES,
     UIDS,
     choose_backend,
+    kill_tree,
     root_spec,
     sandbox_env,
-    uid_alive,
     wrap_command,
 )
+from .sandbox_judge import normalize_output, same, wrapped_outputs
+from .sandbox_seccomp import filter_bytes
+from .sandbox_wire import WireError, loads
 
 __all__ = ["SandboxConfig", "SandboxScorer", "CASE_STATUSES", "extract_code", "parse_tests", "case_script", "no_code"]
 
@@ -184,7 +184,7 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
         fn_name = gt.get("fn_name")
         if fn_name is None:
             return "stdin", [
-                {"stdin": _text(i, "input"), "stdout": _text(o, "output")} for i, o in zip(inputs, outputs)
+                {"stdin": _text(i, "input"), "stdout": _text(o, "output")} for i, o in zip(inputs, outputs, strict=True)
             ]
         if not isinstance(fn_name, str) or not fn_name.isidentifier():
             raise _bad("'fn_name' must be an identifier")
@@ -196,7 +196,8 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             raise _bad(f"call-based cases are not JSON values ({exc})") from exc
         wrapped = wrapped_outputs(outputs)
         return "call", [
-            {"fn_name": fn_name, "args": a, "expected": o, "wrapped": wrapped} for a, o in zip(inputs, outputs)
+            {"fn_name": fn_name, "args": a, "expected": o, "wrapped": wrapped}
+            for a, o in zip(inputs, outputs, strict=True)
         ]
     raise _bad(f"unknown test format (keys: {sorted(map(str, gt))[:8]})")
 
@@ -302,7 +303,7 @@ _BOOT = (
     "exec(compile(h, 'harness', 'exec') if type(h) is str else h)"
 )
 
-_FUNCTION_SRC = '''
+_FUNCTION_SRC = """
 def _sr_function(g, name):
     fn = g.get(name)
     if fn is None and isinstance(g.get("Solution"), type):
@@ -310,7 +311,7 @@ def _sr_function(g, name):
     if fn is None:
         raise NameError(f"the program defines no function {name!r}")
     return fn
-'''
+"""
 
 
 @functools.cache
@@ -375,7 +376,7 @@ class _Channel:
                 continue
             loop = asyncio.get_running_loop()
             ready = loop.create_future()
-            loop.add_reader(self.read_fd, lambda: ready.done() or ready.set_result(None))
+            loop.add_reader(self.read_fd, _wake, ready)
             try:
                 await ready
             finally:
@@ -397,6 +398,11 @@ class _Channel:
                 raise TimeoutError("no reply")
             if not self._fill():
                 raise EOFError("the process closed its pipe")
+
+
+def _wake(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
 
 
 class _Broken(Exception):
@@ -425,7 +431,9 @@ class _Slot:
         if s.backend != "none" and s._root:
             self.uid = UIDS.acquire(cfg.uid_base, cfg.uid_count)
         if cfg.cgroups != "off" and s._root:
-            self.cgroups = open_slot(f"stream-reward-{os.getpid()}-{id(s):x}-{self.index}", cfg.memory_mb, cfg.max_procs)
+            self.cgroups = open_slot(
+                f"stream-reward-{os.getpid()}-{id(s):x}-{self.index}", cfg.memory_mb, cfg.max_procs
+            )
             if self.cgroups is None and cfg.cgroups == "required":
                 self.stop()
                 raise ConfigError("cgroups", "cgroups were required but this host does not let us create them")
@@ -500,28 +508,19 @@ class _Slot:
         for proc in (self.harness, self.checker):
             if proc is None:
                 continue
-            for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
-                try:
-                    kill()
-                except OSError:
-                    pass
+            kill_tree(proc, self.uid if proc is self.harness else None)
             for pipe in (proc.stdin, proc.stdout):
                 try:
                     if pipe is not None:
                         pipe.close()
                 except OSError:
                     pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                logger.error("sandbox process %d did not die", proc.pid)
         if self.checker_pid is not None:
             _kill_pid(self.checker_pid)
         self.harness = self.checker = None
         self.h = self.c = None
         self.checker_pid = None
-        if self.harness is None and self.uid is not None:
-            _wait_uid_empty(self.uid)
+        if self.uid is not None:
             UIDS.release(self.uid)
             self.uid = None
         if self.cgroups is not None:
@@ -547,12 +546,6 @@ def _kill_pid(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
-
-
-def _wait_uid_empty(uid: int) -> None:
-    end = time.monotonic() + 5
-    while time.monotonic() < end and uid_alive(uid):
-        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------- the scorer

@@ -61,7 +61,7 @@ def _own_paths() -> dict[str, str]:
 def _bases() -> tuple[str, str, str] | None:
     """("v1"|"v2", memory dir, pids dir) of this process's own groups, or None."""
     own = _own_paths()
-    for mnt, kind, opts in _mounts():
+    for mnt, kind, _ in _mounts():
         if kind == "cgroup2" and "" in own:
             base = mnt + own[""].rstrip("/")
             try:

@@ -24,7 +24,7 @@ def _sr_plain(x):
 def _sr_eq(a, b):
     ta, tb = type(a), type(b)
     if ta is list and tb is list:
-        return len(a) == len(b) and all(_sr_eq(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_sr_eq(x, y) for x, y in zip(a, b))  # noqa: B905 (pasted into programs for any Python 3)
     if ta is dict and tb is dict:
         return len(a) == len(b) and all(k in a and _sr_eq(a[k], b[k]) for k in b)
     if ta not in (bool, int, float, str, type(None)) or tb not in (bool, int, float, str, type(None)):
