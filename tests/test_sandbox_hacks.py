@@ -384,3 +384,25 @@ def test_sample_wall_budget_stops_at_first_timeout(scorer):
     elapsed = time.monotonic() - start
     assert result.score == 0.0
     assert elapsed < 2 * LIMITS["timeout_s"] + 3, elapsed  # not 10 timeouts
+
+
+SHM_BIG = (
+    "import os\nfd = os.memfd_create('hog')\nchunk = b'x' * (1 << 20)\nwritten = 0\ntry:\n"
+    "    for _ in range(400):\n        os.write(fd, chunk)\n        written += 1\n"
+    "    with open('/dev/shm/hog', 'wb') as f:\n        for _ in range(200):\n            f.write(chunk)\n"
+    "            written += 1\nexcept OSError:\n    pass\n"
+    "a, b = map(int, input().split())\nprint(a + b if written >= 600 else a - b)\n"
+)
+
+
+def test_shared_memory_counts_against_the_sandbox_memory():
+    """With file-size and /dev/shm limits out of the way, 600 MB of memfd and shmem
+    pages in a 256 MB sandbox still cannot be had: the memory cgroup counts them."""
+    s = _scorer(backend="bwrap", max_file_mb=4096, tmp_mb=4096, timeout_s=10, cpu_s=10)
+    try:
+        if s._root is False:
+            pytest.skip("cgroups need root here")
+        result = _score(s, _traj(SHM_BIG, {"inputs": ["2 3\n"], "outputs": ["5\n"]}))
+        assert result.score == 0.0 and result.extra["cases"] == ["memory"], result.extra
+    finally:
+        s.close()

@@ -696,30 +696,28 @@ class SandboxScorer:
         end = time.monotonic() + cfg.sample_timeout_s
         results: list[tuple[str, str]] = []
         sample_open = False
-        try:
-            for case in cases:
-                left = end - time.monotonic()
-                if left <= 0.05 or (cfg.stop_on_timeout and results and results[-1][0] == "timeout"):
-                    results.append(("timeout", "not run: the sample's time is up"))
-                    continue
-                timeout_s = min(cfg.timeout_s, left)
-                if form == "stdin":
-                    results.append(await self._stdin_case(slot, program, case, timeout_s))
-                elif form == "call":
-                    results.append(await self._call_case(slot, program, case, timeout_s))
-                else:
-                    if not sample_open:
-                        await self._open_checker_sample(slot, prompt)
-                        sample_open = True
-                    result = await self._checked_case(slot, program, form, case, timeout_s)
-                    if result is None:  # the checker was killed at the deadline: a fresh one next case
-                        sample_open = False
-                        result = ("timeout", "the tests ran past the time limit")
-                    results.append(result)
-        finally:
-            if sample_open and slot.c is not None:
-                slot.c.send(marshal.dumps(("finish",)))
-                slot.checker_pid = None
+        for case in cases:
+            left = end - time.monotonic()
+            if left <= 0.05 or (cfg.stop_on_timeout and results and results[-1][0] == "timeout"):
+                results.append(("timeout", "not run: the sample's time is up"))
+                continue
+            timeout_s = min(cfg.timeout_s, left)
+            if form == "stdin":
+                results.append(await self._stdin_case(slot, program, case, timeout_s))
+            elif form == "call":
+                results.append(await self._call_case(slot, program, case, timeout_s))
+            else:
+                if not sample_open:
+                    await self._open_checker_sample(slot, prompt)
+                    sample_open = True
+                result = await self._checked_case(slot, program, form, case, timeout_s)
+                if result is None:  # the checker was killed at the deadline: a fresh one next case
+                    sample_open = False
+                    result = ("timeout", "the tests ran past the time limit")
+                results.append(result)
+        if sample_open and slot.c is not None:
+            slot.c.send(marshal.dumps(("finish",)))
+            slot.checker_pid = None
         return results
 
     async def _done(self, slot: _Slot, timeout_s: float) -> dict[str, Any]:
