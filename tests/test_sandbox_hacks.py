@@ -377,6 +377,27 @@ def test_keyring_does_not_persist_across_samples(scorer):
     assert _score(scorer, _traj(read, {"inputs": [""], "outputs": ["42"]})).score == 0.0
 
 
+SYSV_PLANT = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "shm = libc.shmget(0x5352, 1 << 20, 0o1000 | 0o666)\n"  # IPC_CREAT
+    "q = libc.msgget(0x5352, 0o1000 | 0o666)\nprint(0)\n"
+)
+SYSV_READ = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "found = libc.shmget(0x5352, 0, 0) >= 0 or libc.msgget(0x5352, 0) >= 0\n"
+    "a, b = map(int, input().split())\nprint(a + b if found else a - b)\n"
+)
+
+
+def test_sysv_ipc_does_not_persist_across_cases_or_samples(scorer):
+    _score(scorer, _traj(SYSV_PLANT, {"inputs": [""], "outputs": ["0"]}))
+    gt = {"inputs": ["2 3\n", "-1 1\n"], "outputs": ["5\n", "0\n"]}
+    assert _score(scorer, _traj(SYSV_READ, gt)).score == 0.0
+    # Within one case it works (one process): the check above is not vacuous.
+    assert _score(scorer, _traj(SYSV_PLANT.replace("print(0)\n", "") + SYSV_READ, gt)).score == 1.0
+    assert _score(scorer, _traj(SYSV_READ, gt)).score == 0.0
+
+
 def test_sample_wall_budget_stops_at_first_timeout(scorer):
     gt = {"inputs": [""] * 10, "outputs": ["x"] * 10}
     start = time.monotonic()
