@@ -559,6 +559,7 @@ class SandboxScorer:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self._root = os.geteuid() == 0
+        self._owner_pid = os.getpid()
         self._sem: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._boot: dict[str, Any] | None = None
         self._slots = [_Slot(self, i) for i in range(self.config.concurrency)]
@@ -636,6 +637,8 @@ class SandboxScorer:
         }
 
     def close(self) -> None:
+        if os.getpid() != self._owner_pid:
+            return  # a forked copy of this scorer: the sandboxes are the parent's
         for slot in self._slots:
             slot.stop()
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 __all__ = ["SlotCgroups", "open_slot"]
 
 logger = logging.getLogger(__name__)
+_warned: list[bool] = []  # warn once per process
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
@@ -153,7 +154,9 @@ def open_slot(name: str, memory_mb: int, max_procs: int) -> SlotCgroups | None:
             fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
         fds.append(os.open(oom, os.O_RDONLY | os.O_CLOEXEC))
     except OSError as exc:
-        logger.warning("cgroups unusable (%s): sandbox memory and process limits fall back to rlimits", exc)
+        if not _warned:
+            _warned.append(True)
+            logger.warning("cgroups unusable (%s): sandbox memory and process limits fall back to rlimits", exc)
         for fd in fds:
             os.close(fd)
         for d in reversed(created):
