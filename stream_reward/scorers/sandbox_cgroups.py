@@ -119,6 +119,9 @@ def open_slot(name: str, memory_mb: int, max_procs: int) -> SlotCgroups | None:
     """Create and limit the groups of one slot; None when cgroups are unusable here."""
     bases = _bases()
     if bases is None:
+        if not _warned:
+            _warned.append(True)
+            logger.warning("no memory+pids cgroup hierarchy: sandbox limits fall back to rlimits")
         return None
     version, mem_base, pids_base = bases
     created: list[str] = []
