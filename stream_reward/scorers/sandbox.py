@@ -420,7 +420,6 @@ class _Slot:
         self.c: _Channel | None = None
         self.uid: int | None = None
         self.cgroups: SlotCgroups | None = None
-        self.per_case_ns = False
         self.checker_pid: int | None = None  # the checker's child for the current sample
         self.errors: Any = None
 
@@ -487,10 +486,8 @@ class _Slot:
         msg = _json_obj(reply)
         if msg.get("ev") != "ready":
             raise _Broken(f"harness did not start: {reply[:200]!r}")
-        self.per_case_ns = bool(msg.get("per_case_ns"))
 
     def start_checker(self) -> None:
-        s, cfg = self.scorer, self.scorer.config
         self.checker = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _BOOT],
             stdin=subprocess.PIPE,
@@ -498,11 +495,11 @@ class _Slot:
             stderr=subprocess.DEVNULL,
             env=sandbox_env(),
             cwd="/",
+            start_new_session=True,  # a terminal's Ctrl-C is for the worker; the checker dies with it anyway
         )
         assert self.checker.stdin is not None and self.checker.stdout is not None
         self.c = _Channel(self.checker.stdin.fileno(), self.checker.stdout.fileno())
-        self.c.send(s._checker_code)
-        del cfg
+        self.c.send(self.scorer._checker_code)
 
     def stop(self) -> None:
         for proc in (self.harness, self.checker):
