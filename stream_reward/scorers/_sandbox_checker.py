@@ -15,7 +15,7 @@ other reply fails the case. A prompt function whose body is only a docstring is
 a stub the response is meant to fill in, so the response's version is used.
 
 Wire with the host: 4-byte little-endian length + ``marshal`` body both ways
-(both ends are trusted). Host -> checker: ``("sample", prompt, sys_path)``,
+(both ends are trusted). Host -> checker: ``("sample", prompt, sys_path, memory_mb)``,
 ``("case", form, test, entry_point, names)``, ``("reply", data)``, ``("gone",)``,
 ``("finish",)``. Checker -> host: ``("started", pid)``, ``("call", data)``,
 ``("verdict", status, detail)``, ``("crashed", wait_status)``.
@@ -192,8 +192,14 @@ def run_case(prompt, form, test, entry_point, names):
         return ("verdict", status, f"{type(exc).__name__}: {exc}"[:300])
 
 
-def sample_child(prompt, sys_path, uid):
+def sample_child(prompt, sys_path, uid, memory_mb):
     sys.path[:0] = sys_path
+    # Trusted code, but it computes on the candidate's answers: bound what an
+    # answer built to blow up a comparison can cost the host.
+    import resource
+
+    limit = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     if uid is not None:
         try:
             os.setgroups([])
@@ -226,10 +232,10 @@ def main():
         msg = recv()
         if msg[0] != "sample":
             continue  # leftovers of a sample whose child was killed
-        _, prompt, sys_path = msg
+        _, prompt, sys_path, memory_mb = msg
         pid = os.fork()
         if pid == 0:
-            sample_child(prompt, sys_path, uid)
+            sample_child(prompt, sys_path, uid, memory_mb)
         _, status = os.waitpid(pid, 0)
         if status:
             send(("crashed", status))

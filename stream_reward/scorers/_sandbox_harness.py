@@ -222,9 +222,7 @@ def oom_kills(boot):
 
 def spawn(boot):
     if boot["per_case_ns"]:
-        pid = _pylibc.syscall(
-            SYS_CLONE[os.uname().machine], ctypes.c_ulong(CASE_NAMESPACES | SIGCHLD), 0, 0, 0, 0
-        )
+        pid = _pylibc.syscall(SYS_CLONE[os.uname().machine], ctypes.c_ulong(CASE_NAMESPACES | SIGCHLD), 0, 0, 0, 0)
         if pid < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"clone: {os.strerror(e)}")

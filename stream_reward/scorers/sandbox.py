@@ -772,7 +772,8 @@ class SandboxScorer:
             if marshal.loads(await asyncio.wait_for(slot.c.recv(), 60)) != ("ready",):
                 raise _Broken("checker did not start")
         assert slot.c is not None
-        slot.c.send(marshal.dumps(("sample", prompt or "", self._boot_base()["sys_path"])))
+        checker_mb = 2 * self.config.memory_mb + 1024  # an interpreter's own address space, plus room
+        slot.c.send(marshal.dumps(("sample", prompt or "", self._boot_base()["sys_path"], checker_mb)))
         started = marshal.loads(await asyncio.wait_for(slot.c.recv(), 30))
         if not (isinstance(started, tuple) and started[0] == "started"):
             raise _Broken(f"checker could not start a sample: {started!r}")
