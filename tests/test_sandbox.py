@@ -526,3 +526,31 @@ def test_case_script_matches_the_harness():
         script, stdin = case_script(form, program, case)
         proc = subprocess.run([sys.executable, "-I", "-c", script], input=stdin, capture_output=True, text=True)
         assert proc.returncode == code, (form, proc.stderr)
+
+
+def test_tests_reach_the_program_only_through_proxies(bwrap):
+    """Classes, methods, keyword arguments and expected exceptions work across the
+    wall; a value that is not plain data fails the case instead of comparing."""
+    two_sum = (
+        "class Solution:\n    def twoSum(self, nums, t, *, start=0):\n        seen = {}\n"
+        "        for i, x in enumerate(nums):\n            if t - x in seen:\n                return [seen[t - x] + start, i + start]\n"
+        "            seen[x] = i\n"
+    )
+    gt = {
+        "assert_case": [
+            "assert Solution().twoSum([2, 7, 11], 9) == [0, 1]",
+            "s = Solution()\nassert s.twoSum([3, 2, 4], 6, start=1) == [2, 3]",
+        ]
+    }
+    assert score(bwrap, two_sum, gt).extra["cases"] == ["passed", "passed"]
+    raises = {
+        "test": "def check(candidate):\n    try:\n        candidate(-1)\n    except ValueError:\n        return\n    assert False\n",
+        "entry_point": "root",
+    }
+    assert score(bwrap, "def root(x):\n    raise ValueError(x)", raises).score == 1.0
+    assert score(bwrap, "def root(x):\n    return 0", raises).score == 0.0
+    gen = {"test": "def check(candidate):\n    assert list(candidate(3)) == [0, 1, 2]\n", "entry_point": "count"}
+    r = score(bwrap, "def count(n):\n    return (i for i in range(n))", gen)
+    assert r.extra["cases"] == ["failed"] and "generator is not plain data" in r.extra["error"]
+    r = score(bwrap, "def count(n):\n    raise KeyError(n)", gen)
+    assert r.extra["cases"] == ["runtime_error"] and "KeyError" in r.extra["error"]
