@@ -48,6 +48,7 @@ from typing import Any
 from ..errors import ConfigError, ScoringError, VerifierError
 from ..scoring import Scored
 from ..trajectory import Trajectory
+from .sandbox_cgroups import PREFIX as CGROUP_PREFIX
 from .sandbox_cgroups import SlotCgroups, open_slot
 from .sandbox_isolation import (
     MARKER,
@@ -431,7 +432,7 @@ class _Slot:
             self.uid = UIDS.acquire(cfg.uid_base, cfg.uid_count)
         if cfg.cgroups != "off" and s._root:
             self.cgroups = open_slot(
-                f"stream-reward-{os.getpid()}-{id(s):x}-{self.index}", cfg.memory_mb, cfg.max_procs
+                f"{CGROUP_PREFIX}{os.getpid()}-{id(s):x}-{self.index}", cfg.memory_mb, cfg.max_procs
             )
             if self.cgroups is None and cfg.cgroups == "required":
                 self.stop()

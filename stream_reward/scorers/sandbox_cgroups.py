@@ -115,6 +115,38 @@ class SlotCgroups:
                 pass  # still busy or gone: a leftover empty group costs nothing
 
 
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+# Group names: PREFIX + "<owner pid>-<scorer>-<slot>". The PID namespace is part
+# of the prefix so that a sweep only ever judges owners it can see.
+PREFIX = f"stream-reward-{_pid_namespace()}-"
+
+
+def _sweep(base: str) -> None:
+    """Remove empty groups left by scorer processes that died without closing."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.kill(int(name[len(PREFIX) :].split("-", 1)[0]), 0)
+            continue  # its owner is alive
+        except ProcessLookupError:
+            pass
+        except (ValueError, OSError):
+            continue
+        try:
+            os.rmdir(os.path.join(base, name))
+        except OSError:
+            pass
+
+
 def open_slot(name: str, memory_mb: int, max_procs: int) -> SlotCgroups | None:
     """Create and limit the groups of one slot; None when cgroups are unusable here."""
     bases = _bases()
@@ -124,6 +156,8 @@ def open_slot(name: str, memory_mb: int, max_procs: int) -> SlotCgroups | None:
             logger.warning("no memory+pids cgroup hierarchy: sandbox limits fall back to rlimits")
         return None
     version, mem_base, pids_base = bases
+    for base in {mem_base, pids_base}:
+        _sweep(base)
     created: list[str] = []
     fds: list[int] = []
     try:
