@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -554,3 +555,33 @@ def test_tests_reach_the_program_only_through_proxies(bwrap):
     assert r.extra["cases"] == ["failed"] and "generator is not plain data" in r.extra["error"]
     r = score(bwrap, "def count(n):\n    raise KeyError(n)", gen)
     assert r.extra["cases"] == ["runtime_error"] and "KeyError" in r.extra["error"]
+
+
+def test_slot_cgroups_limit_and_sweep_leftovers():
+    from stream_reward.scorers import sandbox_cgroups
+
+    if os.geteuid() != 0 or sandbox_cgroups._bases() is None:
+        pytest.skip("cgroups need root and a memory+pids hierarchy")
+    _, mem_base, pids_base = sandbox_cgroups._bases()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = [os.path.join(b, f"{sandbox_cgroups.PREFIX}{dead.pid}-0-0") for b in {mem_base, pids_base}]
+    for d in stale:
+        os.makedirs(d, exist_ok=True)
+    slot = sandbox_cgroups.open_slot(f"{sandbox_cgroups.PREFIX}{os.getpid()}-test-0", 64, 8)
+    try:
+        assert slot is not None
+        assert not any(os.path.exists(d) for d in stale)  # a dead owner's groups are swept
+        assert all(os.path.isdir(d) for d in slot.dirs)
+        limits = {}
+        for d in slot.dirs:
+            for name in ("pids.max", "memory.limit_in_bytes", "memory.max"):
+                if os.path.exists(os.path.join(d, name)):
+                    with open(os.path.join(d, name)) as f:
+                        limits[name] = f.read().strip()
+        assert limits.get("pids.max") == "8"
+        assert str(64 << 20) in (limits.get("memory.limit_in_bytes"), limits.get("memory.max"))
+    finally:
+        if slot is not None:
+            slot.close()
+    assert not any(os.path.exists(d) for d in slot.dirs)
