@@ -457,7 +457,8 @@ class _CapData(ctypes.Structure):
 
 def drop_all_caps():
     # Root inside a user namespace (the non-root sandbox) cannot change uid: it
-    # gives up every capability instead, bounding set included.
+    # gives up every capability instead (and the bounding set where it may:
+    # that needs CAP_SETPCAP; no_new_privs already keeps exec from granting any).
     for cap in range(64):
         if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:  # EINVAL: no such cap
             break
