@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from stream_reward.config import DEFAULT_NAMESPACE, BatchPolicy
 from stream_reward.errors import BrokerError, CollectTimeoutError, ConfigError
+from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.wire.codec import decode_result
 from stream_reward.wire.connection import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, with_reconnect
 from stream_reward.wire.entries import read_streams
@@ -138,6 +139,7 @@ class RewardAggregator:
         self._owns_client = client is None
         self.collected_ttl_s = collected_ttl_s
         self.block_ms = block_ms
+        self._listener: ResultListener | None = None  # the process's result listener, on first result()
 
     @property
     def client(self) -> Any:
@@ -152,6 +154,9 @@ class RewardAggregator:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            await release_listener(listener)
         if self._client is not None and self._owns_client:
             await self._client.aclose()
         self._client = None
@@ -173,6 +178,18 @@ class RewardAggregator:
             deadline=float(m.get("deadline", 0) or 0),
             partitions=int(m.get("partitions", 1)),
         )
+
+    async def result(self, batch_id: str, uid: str, *, timeout_s: float | None = None) -> ScoreResult:
+        """One sample's result, as soon as it lands (at once if it already has), whoever pushed it.
+
+        Served by the process's one result listener: any number of concurrent calls
+        cost one XREAD per page of results. Raises ResultTimeoutError past ``timeout_s``.
+        """
+        meta = await self.meta(batch_id)
+        if self._listener is None:
+            self._listener = acquire_listener(self._url, self._client, self._namespace)
+        keys = Keys(self._namespace, self._partitions or meta.partitions)
+        return await self._listener.wait(batch_id, uid, list(range(keys.partitions)), keys, timeout_s=timeout_s)
 
     async def stream(self, batch_id: str, *, timeout_s: float | None = None) -> AsyncIterator[ScoreResult]:
         """Yield each sample's result once, as it lands; ends when the batch is complete.

@@ -95,6 +95,13 @@ class Keys:
         """Stream of first results of a batch, in landing order; the aggregator blocks on it."""
         return f"{self.tag(partition)}:done:{batch_id}"
 
+    def claims(self, batch_id: str, partition: int = 0) -> str:
+        """Hash of what was pushed to a batch: ``i<index>`` -> uid, ``u<uid>`` -> ``<index>:<digest>``;
+        the push script refuses a conflicting push against it. Under partition 0's
+        tag on a single node (one hash sees every push of the batch); per partition
+        in a cluster, where the push script may touch only its stream's slot."""
+        return f"{self.tag(partition)}:claim:{batch_id}"
+
     def quarantine(self, partition: int = 0) -> str:
         """Hash entry id -> solo attempts started, for suspects of a worker crash."""
         return f"{self.tag(partition)}:quarantine"
