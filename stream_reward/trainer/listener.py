@@ -163,6 +163,11 @@ class _Reader:
             del self.streams[name]
 
 
+def _expire(fut: asyncio.Future[ScoreResult], batch_id: str, uid: str, timeout_s: float) -> None:
+    if not fut.done():
+        fut.set_exception(ResultTimeoutError(batch_id, uid, timeout_s))
+
+
 class ResultListener:
     """Resolves per-sample result futures from the done streams (see module doc)."""
 
@@ -217,16 +222,18 @@ class ResultListener:
         that a result landing during the push cannot slip by; its errors propagate.
         """
         fut = self.expect(batch_id, uid, partitions, keys)
+        # A timer on the future itself, not wait_for(shield(...)): that costs a task and
+        # two more futures per sample, which at thousands of samples a second shows.
+        timer = None
+        if timeout_s is not None and not fut.done():
+            timer = asyncio.get_running_loop().call_later(timeout_s, _expire, fut, batch_id, uid, timeout_s)
         try:
             if before is not None:
                 await before
-            if timeout_s is None:
-                return await fut
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-            except asyncio.TimeoutError:
-                raise ResultTimeoutError(batch_id, uid, timeout_s) from None
+            return await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             if not fut.done():
                 fut.cancel()
             self.forget(fut)

@@ -208,8 +208,10 @@ class RolloutProducer:
             if not entries:
                 return 0
             try:
-                await self._wait_for_room(len(entries))
-                await self._ensure_groups()
+                if self.config.max_backlog and not self._room_known(len(entries)):
+                    await self._wait_for_room(len(entries))
+                if not self._groups_ready:
+                    await self._ensure_groups()
             except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
                 raise BrokerError(
                     f"push of {len(entries)} trajectories failed: {type(exc).__name__}: Redis unreachable or refused"
@@ -370,6 +372,11 @@ class RolloutProducer:
                     lag = max(0, int(length) - pending)
                 total += int(lag)
         return total
+
+    def _room_known(self, incoming: int) -> bool:
+        """The local estimate is fresh and says there is room: no need to ask (the common case)."""
+        fresh = asyncio.get_running_loop().time() - self._backlog_checked_at < self.config.backlog_poll_s
+        return fresh and self._backlog + incoming <= self.config.max_backlog
 
     async def _wait_for_room(self, incoming: int) -> None:
         limit = self.config.max_backlog
