@@ -65,6 +65,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--profile", metavar="FILE", default=None, help="cProfile one extra per-sample run; stats to FILE"
     )
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() this process's start-up heap (torch) before the runs, as a tuned trainer would",
+    )
     add_torch_threads(parser)
     return parser.parse_args(argv)
 
@@ -227,6 +232,32 @@ async def run_latency(args: argparse.Namespace, pool: list[dict[str, Any]]) -> d
     }
 
 
+class _GcPauses:
+    def __init__(self) -> None:
+        self.max_s = 0.0
+        self.over_5ms = 0
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._t0
+        self.max_s = max(self.max_s, pause)
+        self.over_5ms += pause > 0.005
+
+    def __enter__(self) -> _GcPauses:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+
 def _profile_top(profile: cProfile.Profile, n: int, rows: int = 15) -> list[list[Any]]:
     """Top functions by own time, in microseconds per sample."""
     stats = pstats.Stats(profile, stream=io.StringIO())
@@ -240,6 +271,12 @@ def _profile_top(profile: cProfile.Profile, n: int, rows: int = 15) -> list[list
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     setup_torch(args)  # a trainer has torch loaded; keep its import out of what is measured
+    if args.gc_freeze:
+        import gc
+
+        gc.collect()
+        gc.freeze()
+    gc_pauses = _GcPauses()
     load_at_start = os.getloadavg()
     rng = random.Random(args.seed)
     pool = gsm8k_pool(rng, POOL, args.bytes)
@@ -249,7 +286,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for side, fn in (("batched", run_batched), ("per_sample", run_per_sample)):
                 runs[side].append(await fn(args, pool, bar))
                 say(args, f"{side} run {rep + 1}: {runs[side][-1]['samples_per_s']:,.0f} samples/s")
-    latency = await run_latency(args, pool)
+    with gc_pauses:
+        latency = await run_latency(args, pool)
     profile_top = None
     if args.profile:
         profile = cProfile.Profile()
@@ -287,6 +325,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs_batched_per_s": [round(r["samples_per_s"]) for r in runs["batched"]],
         "all_ok": all(r["ok"] == args.n for side in runs.values() for r in side),
         "loadavg_at_start": [round(x, 2) for x in load_at_start],
+        "gc_freeze": args.gc_freeze,
+        # Collector pauses of this process during the latency run: a gen-2 pass over
+        # a trainer's heap (torch) is tens of ms, which is a p99 all by itself.
+        "latency_gc_max_pause_ms": round(gc_pauses.max_s * 1e3, 2),
+        "latency_gc_pauses_over_5ms": gc_pauses.over_5ms,
         "profile_top_us_per_sample": profile_top,
     }
 

@@ -178,7 +178,7 @@ class ResultListener:
         *,
         block_ms: int = 1000,
         linger_s: float = 30.0,
-        read_interval_s: float = 0.002,
+        read_interval_s: float = 0.001,
         owns_client: bool = False,
     ) -> None:
         self.client = client

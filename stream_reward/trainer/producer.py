@@ -218,7 +218,10 @@ class RolloutProducer:
                 ) from exc
             if self._coalescer is None:
                 self._coalescer = Coalescer(
-                    self._flush, max_entries=self.config.coalesce_max_entries, max_delay_s=self.config.coalesce_delay_s
+                    self._flush,
+                    max_entries=self.config.coalesce_max_entries,
+                    max_delay_s=self.config.coalesce_delay_s,
+                    max_in_flight=self.config.coalesce_in_flight,
                 )
             verdicts = await self._coalescer.submit(entries)
         except BaseException:

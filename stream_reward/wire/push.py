@@ -21,7 +21,7 @@ which is deterministic for equal trajectories.
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from typing import Any
 
 import msgpack
@@ -128,7 +128,9 @@ return status
 
 
 def digest(payload: bytes) -> str:
-    return hashlib.blake2b(payload, digest_size=8).hexdigest()
+    # Two fast checksums (64 bits): this tells a changed sample from a retried one, it
+    # is not a defence against a forger; blake2b cost ~3 us a 2 KB sample, this ~0.5.
+    return f"{zlib.crc32(payload):08x}{zlib.adler32(payload):08x}"
 
 
 def push_args(
