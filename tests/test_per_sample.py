@@ -226,3 +226,19 @@ async def test_producer_recreates_its_stream_and_group_after_redis_lost_its_stat
                 assert group["name"] == b"scorers" and await client.xlen(producer.keys.stream()) == 1
             finally:
                 await client.aclose()
+
+
+async def test_result_of_a_sample_already_read_for_score_by_the_shared_listener(redis_url, namespace, spawn_workers):
+    """score() does not keep results it was not asked for; a later result() of one of
+    them, on the same process-wide listener, reads the stream again instead of hanging."""
+    spawn_workers(1, "--scorer", SCORER)
+    config = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, config) as producer, RewardAggregator(redis_url, namespace=namespace) as agg:
+        await producer.open_batch("shared", 3, 4)
+        await producer.push(traj("shared", 0, True))
+        assert (await producer.score(traj("shared", 1, False), timeout_s=30)).score == 0.0
+        assert (await producer.score(traj("shared", 2, True), timeout_s=30)).score == 1.0
+        assert producer._listener is agg._listener or agg._listener is None
+        r0 = await agg.result("shared", "shared/0", timeout_s=5)
+        assert agg._listener is producer._listener  # one listener per process, loop, server and namespace
+    assert (r0.index, r0.score) == (0, 1.0)

@@ -56,7 +56,11 @@ class _Followed:
     """A done stream being read: where the reader is, what landed, who waits."""
 
     cursor: bytes | str = "0-0"
-    landed: dict[bytes, bytes] = field(default_factory=dict)  # uid -> result payload
+    # uid -> result payload, kept only once someone asked for a result that may have
+    # landed already (result()); score() registers before its push and needs none.
+    keep: bool = False
+    epoch: int = 0
+    landed: dict[bytes, bytes] = field(default_factory=dict)
     waiters: dict[bytes, list[asyncio.Future[ScoreResult]]] = field(default_factory=dict)
     idle_since: float = 0.0
 
@@ -79,10 +83,22 @@ class _Reader:
             followed = self.streams[name] = _Followed(idle_since=asyncio.get_running_loop().time())
             if self.task is None or self.task.done():
                 self.task = asyncio.ensure_future(self._run())
-            elif self.reading and not self.woken:
-                self.woken = True
-                self.listener._spawn(self._wake())
+            else:
+                self._wake_if_reading()
         return followed
+
+    def reread(self, followed: _Followed) -> None:
+        """Keep what lands from now on, and read the stream again from its start:
+        results read before were not kept."""
+        followed.keep = True
+        followed.cursor = "0-0"
+        followed.epoch += 1  # a read in flight must not move the cursor back past the results
+        self._wake_if_reading()
+
+    def _wake_if_reading(self) -> None:
+        if self.reading and not self.woken:
+            self.woken = True
+            self.listener._spawn(self._wake())
 
     async def _wake(self) -> None:
         client = self.listener.client
@@ -104,6 +120,7 @@ class _Reader:
                 if not self.streams:
                     return
                 cursors: dict[str, Any] = {name: f.cursor for name, f in self.streams.items()}
+                epochs = {name: f.epoch for name, f in self.streams.items()}
                 cursors[self.wake_key] = self.wake_cursor
                 self.reading = set(cursors)
                 self.woken = False
@@ -122,8 +139,8 @@ class _Reader:
                         self.wake_cursor = entries[-1][0]
                         continue
                     followed = self.streams.get(name)
-                    if followed is None:
-                        continue
+                    if followed is None or followed.epoch != epochs.get(name):
+                        continue  # dropped, or to be read again from the start
                     followed.cursor = entries[-1][0]
                     self._land(followed, entries)
                 if reply and listener.read_interval_s > 0:
@@ -146,8 +163,10 @@ class _Reader:
     def _land(followed: _Followed, entries: list[Any]) -> None:
         waiters = followed.waiters
         landed = followed.landed
+        keep = followed.keep
         for _entry_id, fields in entries:  # one entry per worker flush: uid -> result
-            landed.update(fields)
+            if keep:
+                landed.update(fields)
             if not waiters:
                 continue
             for uid in fields.keys() & waiters.keys():
@@ -221,7 +240,7 @@ class ResultListener:
         ``before`` (the push of the sample) runs once the future is registered, so
         that a result landing during the push cannot slip by; its errors propagate.
         """
-        fut = self.expect(batch_id, uid, partitions, keys)
+        fut = self.expect(batch_id, uid, partitions, keys, landed=before is None)
         # A timer on the future itself, not wait_for(shield(...)): that costs a task and
         # two more futures per sample, which at thousands of samples a second shows.
         timer = None
@@ -238,14 +257,19 @@ class ResultListener:
                 fut.cancel()
             self.forget(fut)
 
-    def expect(self, batch_id: str, uid: str, partitions: list[int], keys: Keys) -> asyncio.Future[ScoreResult]:
-        """Register interest before the sample is pushed, so its result cannot slip by."""
+    def expect(
+        self, batch_id: str, uid: str, partitions: list[int], keys: Keys, *, landed: bool = True
+    ) -> asyncio.Future[ScoreResult]:
+        """Register interest in a result. ``landed=False`` when the sample is not pushed
+        yet (its result cannot have been read), which spares keeping what lands."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ScoreResult] = loop.create_future()
         key = uid.encode()
         fut._sr_where = []  # type: ignore[attr-defined]  # (followed, uid) pairs to clean up
         for p in partitions:
             followed = self._reader(p, keys).follow(keys.done(batch_id, p))
+            if landed and not followed.keep:
+                self._reader(p, keys).reread(followed)
             payload = followed.landed.get(key)
             if payload is not None:
                 fut.set_result(decode_result(payload))
