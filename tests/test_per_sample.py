@@ -242,3 +242,29 @@ async def test_result_of_a_sample_already_read_for_score_by_the_shared_listener(
         r0 = await agg.result("shared", "shared/0", timeout_s=5)
         assert agg._listener is producer._listener  # one listener per process, loop, server and namespace
     assert (r0.index, r0.score) == (0, 1.0)
+
+
+async def test_conflicts_between_default_and_custom_uids(redis_url, namespace):
+    from stream_reward.errors import PushConflictError
+
+    config = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
+        await a.open_batch("d", 4, 4)
+        await a.push(traj("d", 0, True))  # default uid "d/0"
+        with pytest.raises(PushConflictError, match="default uid of index 0"):
+            await b.push(Trajectory("d", 1, "test/exact", response="1", ground_truth="1", uid="d/0"))
+        with pytest.raises(PushConflictError, match="another uid"):
+            await b.push(Trajectory("d", 0, "test/exact", response="1", ground_truth="1", uid="custom"))
+        with pytest.raises(PushConflictError, match="other content"):
+            await b.push(Trajectory("d", 0, "test/exact", response="changed", ground_truth="1000"))
+        await b.push(traj("d", 0, True))  # unchanged: a no-op
+        await b.push(Trajectory("d", 1, "test/exact", response="1", ground_truth="1", uid="c1"))
+        with pytest.raises(PushConflictError, match="another uid"):
+            await a.push(traj("d", 1, True))  # default uid at an index a custom uid holds
+        with pytest.raises(PushConflictError, match="at another index"):
+            await a.push(Trajectory("d", 2, "test/exact", response="1", ground_truth="1", uid="c1"))
+        client = connect(redis_url)
+        try:
+            assert await client.xlen(a.keys.stream()) == 2
+        finally:
+            await client.aclose()

@@ -41,6 +41,16 @@ T = TypeVar("T")
 _RECENT_BATCHES = 64
 
 
+def _default_index(batch_id: str, uid: str) -> int | None:
+    """The index whose default uid ``uid`` is, in this batch; None if it is no default uid."""
+    prefix = f"{batch_id}/"
+    if uid.startswith(prefix):
+        rest = uid[len(prefix) :]
+        if rest.isdigit() and (rest == "0" or not rest.startswith("0")):
+            return int(rest)
+    return None
+
+
 @dataclass(slots=True)
 class _Entry:
     """One trajectory on its way to the push script."""
@@ -54,8 +64,9 @@ class _Entry:
     payload: bytes
     header: bytes
 
-    def row(self) -> tuple[str, int, str, str, int, bytes, bytes]:
-        return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header)
+    def row(self) -> tuple[str, int, str, str, int, bytes, bytes, int]:
+        implied = 1 if self.uid == default_uid(self.batch, self.index) else 0
+        return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, implied)
 
 
 class RolloutProducer:
@@ -186,6 +197,13 @@ class RolloutProducer:
         reserved: list[tuple[set[str], str]] = []
         try:
             for traj in trajs:
+                named = _default_index(traj.batch_id, traj.uid)
+                if named is not None and named != traj.index:
+                    # The push script records no uid for a sample under its default uid (the uid
+                    # names the index); a custom uid naming another index would slip past it.
+                    raise PushConflictError(
+                        traj.batch_id, traj.index, traj.uid, f"its uid is the default uid of index {named}"
+                    )
                 seen = self._uids(traj.batch_id)  # the set itself: an eviction meanwhile cannot lose it
                 if traj.uid in seen:
                     raise ConfigError("uid", f"uid {traj.uid!r} pushed twice in batch {traj.batch_id!r}")

@@ -4,8 +4,11 @@ One call per (stream, chunk) does, for every entry: look up what the batch
 already holds for the entry's index and uid (one HMGET per batch, not one
 command per entry), and then
 
-* nothing there: record the claim (index -> uid, uid -> index:digest), the
-  response length, and XADD the entry: status ``FRESH``;
+* nothing there: record the claim (index -> "digest uid", uid -> index), the
+  response length, and XADD the entry: status ``FRESH``. A sample with its
+  default uid (``batch/index``) needs no uid record: its uid names its index,
+  and the producer refuses a custom uid that names another index. Half the
+  fields for the common case: each costs the server on every push;
 * the same uid at the same index with the same content: already queued (a
   retried push, or a second producer pushing the same sample), nothing is
   added: status ``DUPLICATE``;
@@ -41,6 +44,7 @@ __all__ = [
 FRESH, DUPLICATE, INDEX_TAKEN, UID_ELSEWHERE, CONTENT_DIFFERS = 0, 1, 2, 3, 4
 CONFLICT_REASONS = {
     INDEX_TAKEN: "its index was already pushed under another uid",
+    # (UID_ELSEWHERE also when a custom uid is the default uid of another index: refused by the producer)
     UID_ELSEWHERE: "its uid was already pushed at another index",
     CONTENT_DIFFERS: "its uid was already pushed with other content",
 }
@@ -70,7 +74,7 @@ for _, k in ipairs(order) do
     for i = lo, math.min(lo + SLICE - 1, #list) do
       local row = rows[list[i]]
       fields[#fields + 1] = 'i' .. row[2]
-      fields[#fields + 1] = 'u' .. row[3]
+      if row[8] == 0 then fields[#fields + 1] = 'u' .. row[3] end
     end
     local got = redis.call('HMGET', KEYS[k], unpack(fields))
     for j = 1, #fields do
@@ -80,27 +84,32 @@ for _, k in ipairs(order) do
   local claims, lens = {}, {}
   for _, n in ipairs(list) do
     local row = rows[n]
-    local index, uid = row[2], row[3]
-    local fi, fu = 'i' .. index, 'u' .. uid
-    local mine = index .. ':' .. row[4]
-    local ci, cu = known[fi], known[fu]
+    local index, uid, implied = row[2], row[3], row[8] == 1
+    local at = tostring(index)
+    local fi, fu = 'i' .. at, 'u' .. uid
+    local mine = row[4] .. ' ' .. uid
+    local ci = known[fi]
+    local cu = nil
+    if not implied then cu = known[fu] end
     if not ci and not cu then
-      known[fi] = uid
-      known[fu] = mine
+      known[fi] = mine
       claims[#claims + 1] = fi
-      claims[#claims + 1] = uid
-      claims[#claims + 1] = fu
       claims[#claims + 1] = mine
+      if not implied then
+        known[fu] = at
+        claims[#claims + 1] = fu
+        claims[#claims + 1] = at
+      end
       if row[5] >= 0 then
         lens[#lens + 1] = index
         lens[#lens + 1] = row[5]
       end
       status[n] = 0
-    elseif ci == uid and cu == mine then
+    elseif ci == mine and (implied or cu == at) then
       status[n] = 1
-    elseif ci and ci ~= uid then
+    elseif ci and string.sub(ci, #row[4] + 2) ~= uid then
       status[n] = 2
-    elseif cu and string.match(cu, '^[^:]*') ~= tostring(index) then
+    elseif cu and cu ~= at then
       status[n] = 3
     else
       status[n] = 4
@@ -135,7 +144,7 @@ def digest(payload: bytes) -> str:
 
 def push_args(
     stream: str,
-    rows: list[tuple[str, int, str, str, int, bytes, bytes]],
+    rows: list[tuple[str, int, str, str, int, bytes, bytes, int]],
     claims_key: Any,
     lengths_key: Any,
     *,
@@ -143,15 +152,16 @@ def push_args(
     write_lengths: bool,
 ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV for PUSH_SCRIPT. ``rows``: (batch, index, uid, digest, length or -1,
-    payload, header). ``claims_key(batch)`` / ``lengths_key(batch)`` name the batch's hashes."""
+    payload, header, 1 if uid is the default uid of its index else 0).
+    ``claims_key(batch)`` / ``lengths_key(batch)`` name the batch's hashes."""
     keys = [stream]
     slot: dict[str, int] = {}
     packed = []
-    for batch, index, uid, dig, length, payload, header in rows:
+    for batch, index, uid, dig, length, payload, header, implied in rows:
         k = slot.get(batch)
         if k is None:
             k = slot[batch] = len(keys) + 1  # Lua is 1-based
             keys.append(claims_key(batch))
             keys.append(lengths_key(batch))
-        packed.append((k, index, uid, dig, length, payload, header))
+        packed.append((k, index, uid, dig, length, payload, header, implied))
     return keys, [ttl_s, "1" if write_lengths else "0", msgpack.packb(packed, use_bin_type=False)]
