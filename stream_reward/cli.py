@@ -411,7 +411,18 @@ def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = ("throughput", "overlap", "latency", "memory", "vs_verl", "quota", "sandbox", "faults", "scale")
+BENCHES = (
+    "throughput",
+    "per_sample",
+    "overlap",
+    "latency",
+    "memory",
+    "vs_verl",
+    "quota",
+    "sandbox",
+    "faults",
+    "scale",
+)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
