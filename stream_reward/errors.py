@@ -18,7 +18,8 @@ boundary where they happen, with ``raise ... from exc``::
     ├── RetryLater                  control flow: a verifier asked us to come back
     ├── BackpressureError           the stream is too far ahead of the consumers
     ├── CollectTimeoutError         a batch did not complete in time
-    └── BrokerError                 Redis is unreachable or refused a command
+    ├── BrokerError                 Redis is unreachable or refused a command
+    └── WorkersDiedError            a local pipeline's worker processes all exited
 
 ``ScoringError.reason`` is a short stable code ("unknown_data_source", "timeout",
 ...) that lands in the sample's result record, so dashboards can group failures
@@ -43,6 +44,7 @@ __all__ = [
     "BackpressureError",
     "CollectTimeoutError",
     "BrokerError",
+    "WorkersDiedError",
 ]
 
 
@@ -140,3 +142,8 @@ class CollectTimeoutError(StreamRewardError, TimeoutError):
 
 class BrokerError(StreamRewardError):
     """Redis could not be reached, or refused a command. Credentials are never in the message."""
+
+
+class WorkersDiedError(StreamRewardError):
+    """Every worker process of a local pipeline (``score``, ``demo``) exited before the
+    work was done; the message names the cause when a worker logged one."""

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.managers.registry import build_scorer
@@ -35,11 +36,11 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
     settings = resolve_args(args)
     url = settings.require_redis()
     stop = asyncio.Event()
+    config = settings.consumer_config(args.consumer)
     if handle_signals:
-        _install_signal_handlers(stop)
+        _install_signal_handlers(stop, config.drain_timeout_s)
     manager = settings.manager_config()
     scorer = build_scorer(manager)
-    config = settings.consumer_config(args.consumer)
     metrics = None
     port = settings["worker.metrics_port"]
     if port is not None:
@@ -87,7 +88,13 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
         await worker.aclose()
 
 
-def _install_signal_handlers(stop: asyncio.Event) -> None:
+# Past the drain deadline, what is still running (a scorer that ignores
+# cancellation, a command to a server gone silent) gets this long before the
+# process leaves on its own; its unwritten entries stay pending for other workers.
+_EXIT_GRACE_S = 5.0
+
+
+def _install_signal_handlers(stop: asyncio.Event, drain_timeout_s: float) -> None:
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
@@ -97,9 +104,19 @@ def _install_signal_handlers(stop: asyncio.Event) -> None:
             os._exit(1)
         log.info("%s: draining in-flight samples, then exiting", signal.Signals(signum).name)
         stop.set()
+        # A hard bound on the whole shutdown, whatever state the loop is in.
+        backstop = threading.Timer(max(0.0, drain_timeout_s) + _EXIT_GRACE_S, _exit_now, (drain_timeout_s,))
+        backstop.daemon = True
+        backstop.start()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+
+
+def _exit_now(drain_timeout_s: float) -> None:
+    log.error("shutdown took longer than the drain timeout (%gs) plus %gs; exiting", drain_timeout_s, _EXIT_GRACE_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:
