@@ -215,3 +215,179 @@ def test_wrong_password_is_permanent_one_line_and_fast(namespace):
             assert done.returncode == 2 and took < 10, (args, done.returncode, took, done.stderr)
             line = one_line(done.stderr)
             assert "auth" in line.lower() and secret not in line, line
+
+
+# ---------------------------------------------------------------------- one clear line, timeouts honoured
+def test_expected_faults_are_one_line_exit_2_and_debug_shows_the_traceback(tmp_path):
+    nowhere = f"unix://{tmp_path}/nothing.sock"
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    cases = [
+        ["status", "--redis", nowhere],
+        ["dlq", "list", "--redis", nowhere],
+        ["score", str(tmp_path)],  # a directory
+        ["score", str(tmp_path / "missing.jsonl")],
+        ["status", "--redis", nowhere, "--config", str(bad_json)],
+        ["status", "--no-such-flag"],
+    ]
+    for args in cases:
+        done, took = cli(*args, timeout_s=60)
+        assert done.returncode == 2, (args, done.returncode, done.stderr)
+        one_line(done.stderr)
+        assert took < 15, (args, took)
+    done, _ = cli("--debug", "status", "--redis", nowhere, timeout_s=60)
+    assert done.returncode != 0 and "Traceback" in done.stderr
+
+
+def test_collect_timeout_is_honoured_when_nothing_listens(tmp_path):
+    done, took = cli("collect", "--redis", f"unix://{tmp_path}/nothing.sock", "--batch", "b", "--timeout", "3")
+    assert done.returncode == 2 and took < 3 + 4, (done.returncode, took, done.stderr)
+    assert "Traceback" not in done.stderr and "timeout" in done.stderr.splitlines()[-1], done.stderr
+
+
+# ---------------------------------------------------------------------- JSONL
+def test_oversized_line_fails_alone_with_its_line_number_and_the_setting(tmp_path):
+    ok = json.dumps({"data_source": "openai/gsm8k", "response": "#### 1", "ground_truth": "1"})
+    huge = json.dumps({"data_source": "openai/gsm8k", "response": "x" * 20_000, "ground_truth": "1"})
+    src = tmp_path / "in.jsonl"
+    src.write_text(f"{ok}\n{huge}\n{ok}\n\n")  # and a trailing blank line
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "STREAM_REWARD_MAX_MESSAGE_BYTES": "10000"}
+    done, _ = cli("score", str(src), "--out", str(out), "--processes", "1", "--timeout", "60", env=env)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok"], rows  # no phantom row for the blank line
+    assert "line 2" in rows[1]["error"] and "max_message_bytes" in rows[1]["error"], rows[1]
+
+
+async def test_a_failed_produce_never_leaves_the_batch_open(redis_url, namespace, tmp_path, monkeypatch):
+    from stream_reward.errors import BrokerError
+    from stream_reward.trainer.rollouts import produce_rollouts, read_rollouts
+
+    lines = [json.dumps({"data_source": "openai/gsm8k", "response": "#### 1", "ground_truth": "1"})] * 3
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    rollouts = read_rollouts(src, "broken")
+
+    async def push_fails(self, trajs):
+        raise BrokerError("push failed: Redis unreachable or refused")
+
+    monkeypatch.setattr(RolloutProducer, "push_many", push_fails)
+    with pytest.raises(BrokerError):
+        await produce_rollouts(redis_url, rollouts, 4, ProducerConfig(namespace=namespace))
+    async with RewardAggregator(redis_url, namespace=namespace) as agg:
+        rewards = await agg.collect("broken", timeout_s=5)  # resolved, not open at 0/3 for good
+    assert rewards.status == ["failed"] * 3
+
+
+# ---------------------------------------------------------------------- log floods, watchdog
+async def test_redis_outage_logs_a_few_lines_not_a_flood(namespace):
+    with EmbeddedServer() as server:
+        proc = subprocess.Popen(
+            worker_argv(server.url, namespace, "--drain-timeout-s", "1"), cwd=ROOT, stderr=subprocess.PIPE
+        )
+        try:
+            await asyncio.sleep(2.5)  # joined
+            server.kill()
+            await asyncio.sleep(5)
+            proc.send_signal(signal.SIGTERM)
+            timed_wait(proc, 20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        stderr = read_err(proc)
+    lines = [line for line in stderr.splitlines() if "WARNING" in line]
+    assert len(lines) <= 6, stderr  # was one every 200 ms: ~25 in 5 s
+
+
+async def test_async_scorer_blocking_the_loop_is_named_and_its_timeout_fires(redis_url, namespace):
+    proc = subprocess.Popen(
+        worker_argv(redis_url, namespace, "--scorer", BLOCKING, "--timeout-s", "1", "--concurrency", "1"),
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        async with (
+            RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
+            await producer.open_batch("block", 1, 4)
+            await producer.push_many(batch("block", 1, 30.0))
+            started = time.monotonic()
+            rewards = await agg.collect("block", timeout_s=25)
+            took = time.monotonic() - started
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        timed_wait(proc, 20)
+    stderr = read_err(proc)
+    assert rewards.status == ["failed"] and took < 10, (rewards.status, took)
+    assert "blocking" in stderr and "block" in stderr and "event loop" in stderr, stderr
+
+
+# ---------------------------------------------------------------------- the rest
+def test_server_dir_keeps_appendonly_data_across_restarts(tmp_path):
+    data = tmp_path / "data"
+
+    def run_server() -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stream_reward.cli", "server", "--appendonly", "--dir", str(data)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        return proc, proc.stdout.readline().strip()
+
+    async def set_then_get(url: str, value: bytes | None) -> bytes | None:
+        client = connect(url)
+        try:
+            if value is not None:
+                await client.set("kept", value)
+            return await client.get("kept")
+        finally:
+            await client.aclose()
+
+    proc, url = run_server()
+    assert asyncio.run(set_then_get(url, b"yes")) == b"yes"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    proc.stdout.close()
+    proc, url = run_server()
+    try:
+        assert asyncio.run(set_then_get(url, None)) == b"yes"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+        proc.stdout.close()
+
+
+def test_sigterm_to_score_removes_its_temp_dir(tmp_path):
+    import tempfile
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"data_source": "test", "response": "ok", "extra_info": {"sleep_s": 30}}) + "\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stream_reward.cli", "score", str(src), "--scorer", SLOW, "--processes", "1"],
+        cwd=ROOT,
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+
+    def owned() -> list[Path]:
+        found = []
+        for path in Path(tempfile.gettempdir()).glob("stream-reward-*"):
+            try:
+                if (path / "owner.pid").read_text() == str(proc.pid):
+                    found.append(path)
+            except OSError:
+                pass
+        return found
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not owned():
+        time.sleep(0.1)
+    mine = owned()
+    assert mine
+    time.sleep(3)  # the worker is scoring
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert not any(path.exists() for path in mine)
