@@ -53,6 +53,7 @@ from stream_reward.wire.entries import FIELD_PAYLOAD, ensure_group, read_group, 
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
+from workers.watchdog import SampleInfo, scoring
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -99,6 +100,7 @@ class Worker:
         self._url = redis_url
         self._client = client
         self._inline = bool(getattr(scorer, "inline", False))
+        self._scorer_name = str(getattr(scorer, "name", None) or type(scorer).__name__)
         self._pending: dict[int, list[LedgerItem]] = defaultdict(list)
         self._reserved = 0  # room taken by reads in flight (several when partitions are read apart)
         self._have_pending = asyncio.Event()
@@ -310,6 +312,8 @@ class Worker:
     # ------------------------------------------------------------------ scoring
     async def _score(self, partition: int, entry_id: bytes, traj: Trajectory) -> None:
         started = time.perf_counter()
+        # What the loop watchdog names if this scorer blocks the loop (see workers.watchdog).
+        token = scoring.set(SampleInfo(self._scorer_name, traj.uid, traj.batch_id, traj.index))
         try:
             scored = await self.scorer.score(traj)
             result = ScoreResult(
@@ -345,6 +349,8 @@ class Worker:
                 scored_at=time.time(),
             )
             self.stats.failed += 1
+        finally:
+            scoring.reset(token)
         if self.hooks is not None:
             self.hooks.on_scored(result, time.perf_counter() - started)
         self._queue(partition, LedgerItem(entry_id, traj.batch_id, traj.uid, encode_result(result)))

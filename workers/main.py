@@ -24,10 +24,14 @@ from stream_reward.managers.registry import build_scorer
 from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import configure_logging as _configure_logging
 from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
+from workers.watchdog import LoopWatchdog
 
 __all__ = ["main", "run_worker", "run_from_args"]
 
 log = logging.getLogger(__name__)
+
+# The event loop blocked this long by one callback is logged (see workers.watchdog).
+_LOOP_BLOCK_WARN_S = 1.0
 
 
 async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -> None:
@@ -56,6 +60,10 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
             heartbeat_interval_s=config.heartbeat_interval_s,
         )
     worker = Worker(url, scorer, config, hooks=metrics)
+    # An async scorer that blocks the loop is named, and its timeout still fires.
+    watchdog = LoopWatchdog(warn_after_s=min(_LOOP_BLOCK_WARN_S, manager.timeout), timeout_s=manager.timeout)
+    if handle_signals:
+        watchdog.start()
     refresher: asyncio.Task[None] | None = None
     refresher_stop = asyncio.Event()
     try:
@@ -74,6 +82,7 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
             )
         await worker.run(stop, burst=args.burst)
     finally:
+        watchdog.stop()
         if refresher is not None:
             refresher_stop.set()
             try:

@@ -152,6 +152,10 @@ class LocalPipeline:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for relay in self._relays:
+            relay.join(timeout=1.0)  # EOF follows the worker's exit
+            if not relay.is_alive() and relay.proc.stderr is not None:
+                relay.proc.stderr.close()
         self.workers.clear()
         self._relays.clear()
         if self.server is not None:
