@@ -391,3 +391,37 @@ def test_sigterm_to_score_removes_its_temp_dir(tmp_path):
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     assert not any(path.exists() for path in mine)
+
+
+async def test_many_callers_retrying_through_one_outage_log_one_warning(caplog):
+    """The quota check of every in-flight sample retried on its own: one warning each, every ~30 ms."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from stream_reward.errors import BrokerError
+    from stream_reward.wire.connection import with_reconnect
+
+    async def refused() -> None:
+        raise RedisConnectionError("Connection refused")
+
+    async def one() -> None:
+        with pytest.raises(BrokerError):
+            await with_reconnect(refused, what="quota check (test)", give_up_after_s=1.0)
+
+    with caplog.at_level("WARNING", logger="stream_reward.wire.connection"):
+        await asyncio.gather(*(one() for _ in range(50)))
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) <= 2, len(caplog.records)
+
+
+async def test_wrong_password_is_permanent_in_with_reconnect(namespace):
+    from stream_reward.errors import BrokerError
+    from stream_reward.wire.connection import with_reconnect
+
+    with EmbeddedServer(extra_args=["--requirepass", "pw"]) as server:
+        client = connect(f"unix://:wrong@{server.socket_path}")
+        try:
+            started = time.monotonic()
+            with pytest.raises(BrokerError, match="authentication"):
+                await with_reconnect(lambda: client.ping(), what="ping", give_up_after_s=None)
+            assert time.monotonic() - started < 3
+        finally:
+            await client.aclose()

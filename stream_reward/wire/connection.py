@@ -208,6 +208,9 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
         raise BrokerError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
 
 
+_LIMITERS: dict[str, LogLimiter] = {}
+
+
 async def with_reconnect(
     op: Callable[[], Awaitable[T]],
     *,
@@ -224,10 +227,16 @@ async def with_reconnect(
     loop = asyncio.get_running_loop()
     start = loop.time()
     delay = 0.05
-    limiter = LogLimiter(log)
+    # Shared by every call doing ``what``: a hundred samples retrying their quota check
+    # during one outage are one warning, then a summary now and then.
+    limiter = _LIMITERS.setdefault(what, LogLimiter(log))
+    failed = False
     while True:
         try:
-            return await op()
+            result = await op()
+            if failed:
+                limiter.recovered("%s: Redis reachable again", what)
+            return result
         except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
             if is_permanent(exc):
                 raise permanent_error(exc) from None
@@ -236,6 +245,7 @@ async def with_reconnect(
             elapsed = loop.time() - start
             if (give_up_after_s is not None and elapsed >= give_up_after_s) or (stop is not None and stop.is_set()):
                 raise BrokerError(f"{what}: Redis unreachable for {elapsed:.1f}s ({type(exc).__name__})") from None
+            failed = True
             limiter.warning("%s: Redis unreachable (%s), retrying", what, type(exc).__name__)
             pause = delay * (0.5 + random.random())
             if give_up_after_s is not None:
