@@ -138,7 +138,8 @@ async def test_saturated_worker_notices_sigterm_at_once(redis_url, namespace, sp
     assert code == 0 and waited < 1 + 2.5, (code, waited)  # not the 20 s a slot takes to free
 
 
-async def test_ctrl_c_to_the_supervisors_process_group_is_one_drain(redis_url, namespace):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm-to-group"])
+async def test_ctrl_c_to_the_supervisors_process_group_is_one_drain(redis_url, namespace, sig):
     n = 20
     proc = subprocess.Popen(
         worker_argv(redis_url, namespace, "--processes", "2", "--scorer", SLOW, "--drain-timeout-s", "15"),
@@ -155,7 +156,7 @@ async def test_ctrl_c_to_the_supervisors_process_group_is_one_drain(redis_url, n
                 return await pending_count(redis_url, namespace) == n
 
             await wait_until(busy)
-        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        os.killpg(proc.pid, sig)  # what the terminal does on Ctrl-C; systemd's KillMode=control-group
         code, _ = timed_wait(proc, 30)
         stderr = read_err(proc)
     finally:
@@ -243,6 +244,23 @@ def test_collect_timeout_is_honoured_when_nothing_listens(tmp_path):
     done, took = cli("collect", "--redis", f"unix://{tmp_path}/nothing.sock", "--batch", "b", "--timeout", "3")
     assert done.returncode == 2 and took < 3 + 4, (done.returncode, took, done.stderr)
     assert "Traceback" not in done.stderr and "timeout" in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_ctrl_c_on_demo_is_one_line():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stream_reward.cli", "demo", "--n", "200000", "--generation-s", "60"],
+        cwd=ROOT,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    time.sleep(6)  # workers up, rollouts streaming
+    os.killpg(proc.pid, signal.SIGINT)
+    code, waited = timed_wait(proc, 30)
+    stderr = read_err(proc)
+    assert code == 130 and waited < 20, (code, waited, stderr)
+    assert "interrupted" in one_line(stderr)
 
 
 # ---------------------------------------------------------------------- JSONL

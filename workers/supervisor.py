@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import subprocess
 import time
 from types import FrameType
 
-from stream_reward.ops.embedded import die_with_parent
+from stream_reward.ops.embedded import own_group_and_die_with_parent
 from stream_reward.ops.worker_cli import worker_argv
 
 __all__ = ["supervise"]
@@ -37,13 +36,6 @@ _STARTUP_S = 10.0
 _POLL_S = 0.1
 
 
-def _own_group() -> None:
-    # Between fork and exec: a process group of its own (the terminal's SIGINT and a
-    # group-wide SIGTERM reach the supervisor only), and die with the supervisor.
-    os.setpgid(0, 0)
-    die_with_parent()
-
-
 def supervise(args: argparse.Namespace) -> int:
     n = args.processes
     children: dict[int, subprocess.Popen[bytes]] = {}
@@ -54,7 +46,9 @@ def supervise(args: argparse.Namespace) -> int:
 
     def spawn(slot: int) -> None:
         consumer = f"{args.consumer}-{slot}" if args.consumer else None
-        children[slot] = subprocess.Popen(worker_argv(args, consumer=consumer, slot=slot), preexec_fn=_own_group)
+        children[slot] = subprocess.Popen(
+            worker_argv(args, consumer=consumer, slot=slot), preexec_fn=own_group_and_die_with_parent
+        )
         started_at[slot] = time.monotonic()
 
     def signal_children(sig: int) -> None:

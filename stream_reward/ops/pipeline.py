@@ -17,7 +17,7 @@ from typing import Any
 
 from stream_reward.config import DEFAULT_NAMESPACE
 from stream_reward.errors import WorkersDiedError
-from stream_reward.ops.embedded import EmbeddedServer, die_with_parent
+from stream_reward.ops.embedded import EmbeddedServer, die_with_parent, own_group_and_die_with_parent
 from stream_reward.ops.worker_cli import WORKER_MODULE
 
 __all__ = ["LocalPipeline", "spawn_worker"]
@@ -38,7 +38,10 @@ def spawn_worker(
     # A local worker belongs to this process: if we die without stopping it (a
     # SIGKILLed trainer or bench), the kernel stops it rather than leaving it
     # retrying against a private server that died with us.
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=die_with_parent)
+    # In a group of its own when we relay its stderr (a LocalPipeline): a Ctrl-C
+    # reaches us only, and we stop the workers in order (one drain each).
+    preexec = own_group_and_die_with_parent if stderr is not None else die_with_parent
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=preexec)
 
 
 class _StderrRelay(threading.Thread):
