@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,14 @@ from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args, res
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger(__name__)
+
+# How far past a command's --timeout its own bound fires (see _bounded).
+_TIMEOUT_SLACK_S = 1.0
+
+
+class _TimedOut(StreamRewardError):
+    """A command ran out its --timeout before the library could say more."""
+
 
 # Flags shared by the commands (argparse dest) -> settings key.
 CLI_FLAG_KEYS = {
@@ -142,6 +151,21 @@ async def _with_watcher(coro: Any, watcher: Any) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
+async def _bounded(coro: Any, timeout_s: float | None, what: str, url: str | None) -> Any:
+    """``coro`` under ``timeout_s`` in all, connection attempts included (a server that
+    does not answer is retried inside, past any one command's timeout)."""
+    if timeout_s is None:
+        return await coro
+    try:
+        # A little past the timeout: a batch that times out on its own says how far it got.
+        return await asyncio.wait_for(coro, timeout_s + _TIMEOUT_SLACK_S)
+    except asyncio.TimeoutError:
+        from stream_reward.wire.connection import mask_url
+
+        where = f" (Redis at {mask_url(url)} not answering?)" if url else ""
+        raise _TimedOut(f"{what}: no answer within the {timeout_s:g}s timeout{where}") from None
+
+
 async def _produce(url: str, rollouts: Any, response_len: int, settings: Any) -> None:
     """``jsonl.produce_rollouts`` with the configured failure policy and producer options."""
     from stream_reward.trainer.rollouts import produce_rollouts
@@ -161,7 +185,11 @@ def cmd_server(args: argparse.Namespace) -> int:
     # Handlers first: whoever reads the URL may signal us right away.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with EmbeddedServer(appendonly=args.appendonly) as server:
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)
+    # With --dir the data (AOF with --appendonly) lives there and outlives the server;
+    # without it, in the server's temp dir, removed on exit.
+    with EmbeddedServer(appendonly=args.appendonly, data_dir=os.path.abspath(args.dir) if args.dir else None) as server:
         print(server.url, flush=True)
         while not stop["flag"]:
             time.sleep(0.2)
@@ -204,7 +232,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
                 watcher = _watch_batch(args.redis, args.namespace, args.batch, progress) if progress.drawn else None
                 return await _with_watcher(agg.collect(args.batch, timeout_s=args.timeout), watcher)
 
-        rewards = asyncio.run(run())
+        rewards = asyncio.run(_bounded(run(), args.timeout, f"collect {args.batch!r}", args.redis))
     if args.out:
         import torch
 
@@ -263,7 +291,9 @@ def cmd_score(args: argparse.Namespace) -> int:
                 watcher = _watch_batch(pipeline.url, args.namespace, batch_id, progress) if progress.drawn else None
                 return await _with_watcher(agg.collect(batch_id, timeout_s=args.timeout), watcher)
 
-        rewards = asyncio.run(run())
+        # Workers that die (an unloadable scorer, a wrong password) fail the command
+        # in seconds, naming the cause, instead of at --timeout.
+        rewards = asyncio.run(pipeline.guard(run()))
     rows = result_rows(rewards)
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
@@ -290,12 +320,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         progress_bar("scoring as rollouts stream", total=args.n, enabled=not args.json) as progress,
     ):
         report = asyncio.run(
-            run_demo(
-                pipeline.url,
-                args.n,
-                namespace=args.namespace,
-                generation_s=args.generation_s,
-                progress=progress if progress.drawn else None,
+            pipeline.guard(
+                run_demo(
+                    pipeline.url,
+                    args.n,
+                    namespace=args.namespace,
+                    generation_s=args.generation_s,
+                    progress=progress if progress.drawn else None,
+                )
             )
         )
     if args.json:
@@ -438,7 +470,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
 
-    parser = argparse.ArgumentParser(prog="stream-reward", description="Async streaming reward pipeline for LLM RL.")
+    parser = _Parser(prog="stream-reward", description="Async streaming reward pipeline for LLM RL.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also: --debug after the command)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="simulated rollout step scored as it streams (embedded server if no --redis)")
@@ -450,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("server", help="run an embedded server in the foreground; prints its URL first")
-    p.add_argument("--appendonly", action="store_true", help="persist with AOF in the server's temp dir")
+    p.add_argument("--appendonly", action="store_true", help="persist with AOF (kept across restarts only with --dir)")
+    p.add_argument("--dir", default=None, help="data directory (AOF files); default: a temp dir removed on exit")
     _add_logging(p)
     p.set_defaults(func=cmd_server)
 
@@ -528,25 +562,73 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake in the flags given as one line (and exit 2)."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Unwind like Ctrl-C does: the with-blocks stop the workers and the private
+    # server, and remove the temp dir, which a plain SIGTERM death would leave.
+    raise SystemExit(128 + signum)
+
+
+def _expected_fault(exc: BaseException) -> str | None:
+    """The one line for a fault a user can cause and fix (None: a bug, show the traceback)."""
+    from redis.exceptions import RedisError
+
+    from stream_reward.wire.connection import TRANSIENT_ERRORS, is_permanent, permanent_error
+
+    if isinstance(exc, StreamRewardError):
+        return str(exc)
+    if is_permanent(exc):
+        return str(permanent_error(exc))
+    if isinstance(exc, TRANSIENT_ERRORS) and isinstance(exc, (RedisError, ConnectionError, TimeoutError)):
+        return f"Redis unreachable ({type(exc).__name__}: {exc})"
+    if isinstance(exc, IsADirectoryError):
+        return f"{exc.filename}: is a directory, not a file"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, RedisError):
+        return f"Redis refused a command ({type(exc).__name__}: {exc})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    debug = "--debug" in argv or os.environ.get("STREAM_REWARD_DEBUG", "") not in ("", "0")
+    args = parser.parse_args([a for a in argv if a != "--debug"])
     if args.command == "worker":
         args.worker_argv = argv[argv.index("worker") + 1 :]
     func: Callable[[argparse.Namespace], int] = args.func
+    previous = None
+    if args.command not in ("worker", "server") and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if args.command != "worker":  # the worker configures its own logging, from its settings
             resolve = getattr(args, "resolve", None) or (_settings if hasattr(args, "config") else None)
             settings = resolve(args) if resolve is not None else None
             _configure_logging(args, settings)
         return func(args)
-    except StreamRewardError as exc:
-        print(f"stream-reward {args.command}: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"stream-reward {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        line = _expected_fault(exc)
+        if line is None or debug:
+            raise
+        print(f"stream-reward {args.command}: {line}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
-        print(f"stream-reward {args.command}: {exc}", file=sys.stderr)
-        return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ boundary where they happen, with ``raise ... from exc``::
     ├── PushConflictError           an index or uid already pushed with other content
     ├── BatchExistsError            a batch id reused while its results live
     ├── ProtocolMismatchError       the namespace speaks another protocol version
+    ├── WorkersDiedError            a local pipeline's worker processes all exited
     └── BrokerError                 Redis is unreachable or refused a command
         └── StateLostError          the namespace's state vanished (restart without persistence)
 
@@ -55,6 +56,7 @@ __all__ = [
     "BatchExistsError",
     "ProtocolMismatchError",
     "StateLostError",
+    "WorkersDiedError",
 ]
 
 
@@ -231,3 +233,8 @@ class StateLostError(BrokerError):
     def __init__(self, message: str, batches: list[str] | None = None) -> None:
         super().__init__(message)
         self.batches = list(batches or [])
+
+
+class WorkersDiedError(StreamRewardError):
+    """Every worker process of a local pipeline (``score``, ``demo``) exited before the
+    work was done; the message names the cause when a worker logged one."""

@@ -332,7 +332,12 @@ class Settings:
     def producer_config(self) -> ProducerConfig:
         conn = self.values["connection"]
         return ProducerConfig(
-            namespace=conn["namespace"], partitions=conn["partitions"], group=conn["group"], **self.values["producer"]
+            namespace=conn["namespace"],
+            partitions=conn["partitions"],
+            group=conn["group"],
+            # One limit for both ends of the stream: a producer must not push what workers refuse.
+            max_message_bytes=self.values["consumer"]["max_message_bytes"],
+            **self.values["producer"],
         )
 
     def as_dict(self, *, masked: bool = True) -> dict[str, dict[str, Any]]:
