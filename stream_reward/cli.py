@@ -206,7 +206,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
         rewards = asyncio.run(run())
     if args.out:
-        import torch
+        from stream_reward.trainer.tensors import import_torch
+
+        torch = import_torch("collect --out")
 
         torch.save(
             {

@@ -18,7 +18,8 @@ boundary where they happen, with ``raise ... from exc``::
     ├── RetryLater                  control flow: a verifier asked us to come back
     ├── BackpressureError           the stream is too far ahead of the consumers
     ├── CollectTimeoutError         a batch did not complete in time
-    └── BrokerError                 Redis is unreachable or refused a command
+    ├── BrokerError                 Redis is unreachable or refused a command
+    └── MissingExtraError           a feature needs an extra that is not installed ([trainer])
 
 ``ScoringError.reason`` is a short stable code ("unknown_data_source", "timeout",
 ...) that lands in the sample's result record, so dashboards can group failures
@@ -43,6 +44,7 @@ __all__ = [
     "BackpressureError",
     "CollectTimeoutError",
     "BrokerError",
+    "MissingExtraError",
 ]
 
 
@@ -140,3 +142,15 @@ class CollectTimeoutError(StreamRewardError, TimeoutError):
 
 class BrokerError(StreamRewardError):
     """Redis could not be reached, or refused a command. Credentials are never in the message."""
+
+
+class MissingExtraError(StreamRewardError, ImportError):
+    """A feature needs an optional dependency that is not installed. Worker hosts install
+    ``stream-reward`` without torch; the tensors of the trainer side need ``stream-reward[trainer]``."""
+
+    def __init__(self, module: str, extra: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs {module}, which is not installed: pip install 'stream-reward[{extra}]'", name=module
+        )
+        self.module = module
+        self.extra = extra

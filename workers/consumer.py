@@ -23,13 +23,18 @@ the reader's own task: a task per sample would cost more than the scoring.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import socket
+import sys
 import time
 from collections import defaultdict, deque
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
+import anyio
 import msgpack
 from redis.exceptions import RedisError, ResponseError
 
@@ -49,6 +54,9 @@ from stream_reward.wire.entries import FIELD_PAYLOAD, ensure_group, read_group, 
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -131,34 +139,36 @@ class Worker:
             self.config.concurrency,
         )
         writer_stop = asyncio.Event()
+        writer_done = asyncio.Event()
         # Background loops end on this event as well as by cancel: a cancel that lands
-        # inside a redis-py command can be swallowed on Python 3.11, and the TaskGroup
+        # inside a redis-py command can be swallowed on Python 3.11, and the task group
         # would then wait for them forever.
         closing = asyncio.Event()
         # Set once the reader is done: from then on this worker takes no new entries,
         # including reclaimed ones (it may be releasing its own to others).
         reading_done = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            writer = tg.create_task(self._writer(writer_stop))
-            housekeeper = tg.create_task(self._housekeeper(closing))
-            reclaimer = tg.create_task(self._reclaimer(reading_done))
-            try:
-                await self._reader(stop, burst)
-                reading_done.set()
-                if burst:
-                    # Pending entries of dead consumers are ours to finish too.
-                    while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
-                        pass
-                await self._drain()
-            finally:
-                reading_done.set()
-                closing.set()
-                reclaimer.cancel()
-                housekeeper.cancel()
-                writer_stop.set()
-                self._have_pending.set()
-                await writer
-                await self._farewell()
+        background = anyio.CancelScope()  # the housekeeper and the reclaimer, cancelled together
+        with _sole_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_until_done, self._writer(writer_stop), writer_done)
+                tg.start_soon(_within, background, self._housekeeper(closing), self._reclaimer(reading_done))
+                try:
+                    await self._reader(stop, burst)
+                    reading_done.set()
+                    if burst:
+                        # Pending entries of dead consumers are ours to finish too.
+                        while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
+                            pass
+                    await self._drain()
+                finally:
+                    reading_done.set()
+                    closing.set()
+                    background.cancel()
+                    writer_stop.set()
+                    self._have_pending.set()
+                    # The writer flushes what is done before the group may cancel it.
+                    await writer_done.wait()
+                    await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
 
     async def aclose(self) -> None:
@@ -179,9 +189,10 @@ class Worker:
             await self._read_loop(units[0], stop, burst, share=self.config.concurrency)
             return
         share = -(-self.config.concurrency // len(units))
-        async with asyncio.TaskGroup() as tg:
-            for unit in units:
-                tg.create_task(self._read_loop(unit, stop, burst, share=share))
+        with _sole_error():
+            async with anyio.create_task_group() as tg:
+                for unit in units:
+                    tg.start_soon(functools.partial(self._read_loop, unit, stop, burst, share=share))
 
     async def _read_loop(self, names: list[str], stop: asyncio.Event, burst: bool, *, share: int) -> None:
         """Read ``names`` while there is room. Several loops share ``concurrency``:
@@ -494,7 +505,7 @@ class Worker:
             self._writer_idle.clear()
             try:
                 await asyncio.wait_for(self._writer_idle.wait(), timeout=max(0.01, deadline - loop.time()))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 break
         unfinished = list(self._task_entries.items())
         for task, _ in unfinished:
@@ -583,11 +594,42 @@ def _iter_reply(reply: Any) -> Any:
     return [(stream, entries) for stream, entries in reply]
 
 
+async def _until_done(work: Coroutine[Any, Any, None], done: asyncio.Event) -> None:
+    try:
+        await work
+    finally:
+        done.set()
+
+
+async def _within(scope: anyio.CancelScope, *loops: Coroutine[Any, Any, None]) -> None:
+    """Run ``loops`` side by side under ``scope``, so that one ``cancel`` ends them all."""
+    with scope:
+        async with anyio.create_task_group() as tg:
+            for loop in loops:
+                tg.start_soon(_awaited, loop)
+
+
+async def _awaited(work: Coroutine[Any, Any, None]) -> None:
+    await work
+
+
+@contextlib.contextmanager
+def _sole_error() -> Iterator[None]:
+    """Raise a task group's only error as itself, as asyncio.TaskGroup did for an error of its
+    body, so that callers keep catching BrokerError & co. Several errors stay a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
     """Sleep ``seconds``, or less if ``event`` is set meanwhile."""
     try:
         await asyncio.wait_for(event.wait(), seconds)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
         pass
 
 

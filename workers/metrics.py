@@ -187,7 +187,7 @@ class WorkerMetrics:
                 except (RedisError, *TRANSIENT_ERRORS) as exc:
                     log.debug("metrics refresh skipped: %s", type(exc).__name__)
                     self._snapshot = {**self._snapshot, "failed_at": time.time()}
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # not yet TimeoutError on 3.10
                     await asyncio.wait_for(stop.wait(), interval_s)
         finally:
             await client.aclose()

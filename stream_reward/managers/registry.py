@@ -130,7 +130,7 @@ class AsyncFunctionScorer:
                 self._fn(traj.data_source, traj.response, traj.ground_truth, traj.extra_info, **self._kwargs),
                 self._timeout_s,
             )
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
             raise ScorerTimeoutError(
                 f"async scorer ran past its {self._timeout_s:g}s timeout and was cancelled"
             ) from None
@@ -242,7 +242,7 @@ def _async_batch_call(fn: Callable[..., Any], config: ManagerConfig) -> BatchCal
                 ),
                 config.timeout,
             )
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
             raise ScorerTimeoutError(
                 f"batched async scorer ran past its {config.timeout:g}s timeout and was cancelled"
             ) from None

@@ -2,7 +2,7 @@
 
 Precedence, lowest first: built-in defaults < the config file < ``STREAM_REWARD_*``
 environment variables < command-line flags. The file is TOML (``.toml``, read
-with ``tomllib``), YAML (``.yaml``/``.yml``) or JSON, with these sections::
+with ``tomllib``, ``tomli`` before 3.11), YAML (``.yaml``/``.yml``) or JSON, with these sections::
 
     [connection]   redis, namespace, group, partitions
     [reward]       ManagerConfig, by verl's key names: manager, scorer, timeout,
@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -262,7 +263,10 @@ def _read_file(path: Path) -> dict[str, Any]:
         elif suffix == ".json":
             data = json.loads(text)
         else:
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # the same parser, as a package before 3.11
+                import tomli as tomllib
 
             data = tomllib.loads(text)
     except Exception as exc:  # each parser has its own error type; all mean the same here

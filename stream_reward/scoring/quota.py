@@ -389,7 +389,7 @@ class QuotaLimiter:
             timeout = min(inflight_poll_s, max(wait_us / _US, 0.001))
             try:
                 await asyncio.wait_for(self._freed.wait(), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 pass
             inflight_poll_s = min(inflight_poll_s * 2, 0.1)
 

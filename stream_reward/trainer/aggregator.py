@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from stream_reward.config import DEFAULT_NAMESPACE, BatchPolicy
 from stream_reward.errors import BrokerError, CollectTimeoutError, ConfigError
+from stream_reward.trainer.tensors import import_torch
 from stream_reward.wire.codec import decode_result
 from stream_reward.wire.connection import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, with_reconnect
 from stream_reward.wire.entries import read_streams
@@ -99,7 +100,7 @@ def place_scores(scores: list[float], lengths: list[int | None], response_len: i
     An unknown length (None) puts the score on the last column; a length past
     ``response_len`` is clamped to it.
     """
-    import torch
+    torch = import_torch()
 
     tensor = torch.zeros((len(scores), response_len), dtype=torch.float32)
     if not scores:
@@ -129,7 +130,7 @@ class RewardAggregator:
         # torch is imported here, not at module level (workers import this package
         # and must start fast), and not at the first collect (its ~1 s import would
         # land in the reward tail of the first batch).
-        import torch  # noqa: F401
+        import_torch("the reward aggregator")
 
         self._url = redis_url
         self._namespace = namespace
@@ -355,7 +356,7 @@ class RewardAggregator:
 
 def build_rewards(batch_id: str, meta: BatchMeta, results: list[ScoreResult]) -> BatchRewards:
     """Apply the failure policy and lay the scores out as verl expects."""
-    import torch
+    torch = import_torch()
 
     policy = meta.policy
     kept = [r for r in results if not (policy.on_failure == "drop" and r.status == "failed")]
