@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from stream_reward._version import __version__
 from stream_reward.errors import StreamRewardError
 from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import LOG_FORMATS, configure_logging, progress_bar
@@ -142,11 +143,13 @@ async def _with_watcher(coro: Any, watcher: Any) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _produce(url: str, rollouts: Any, response_len: int, settings: Any) -> None:
-    """``jsonl.produce_rollouts`` with the configured failure policy and producer options."""
+async def _produce(url: str, rollouts: Any, response_len: int, settings: Any, rate: float | None = None) -> None:
+    """``rollouts.produce_rollouts`` with the configured failure policy and producer options."""
     from stream_reward.trainer.rollouts import produce_rollouts
 
-    await produce_rollouts(url, rollouts, response_len, settings.producer_config(), settings.batch_policy())
+    await produce_rollouts(
+        url, rollouts, response_len, settings.producer_config(), settings.batch_policy(), rate_per_s=rate
+    )
 
 
 # ---------------------------------------------------------------------- commands
@@ -189,7 +192,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     rollouts = read_rollouts(args.file, args.batch)
     for error in rollouts.bad_lines.values():
         print(f"{args.file}: {error}", file=sys.stderr)
-    asyncio.run(_produce(args.redis, rollouts, args.response_len, settings))
+    asyncio.run(_produce(args.redis, rollouts, args.response_len, settings, args.rate))
     print(json.dumps({"batch": args.batch, "pushed": len(rollouts.trajectories), "bad_lines": len(rollouts.bad_lines)}))
     return 0
 
@@ -430,6 +433,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="stream-reward", description="Async streaming reward pipeline for LLM RL.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="simulated rollout step scored as it streams (embedded server if no --redis)")
@@ -453,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, redis_required=True)
     p.add_argument("--batch", required=True)
     p.add_argument("--response-len", type=int, default=1024)
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="replay at a steady R trajectories per second, this process's pace (default: as fast as it can)",
+    )
     p.add_argument("file")
     p.set_defaults(func=cmd_produce)
 

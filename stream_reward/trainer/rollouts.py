@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncio_throttle import Throttler
+
 from stream_reward.config import BatchPolicy, ProducerConfig
+from stream_reward.errors import ConfigError
 from stream_reward.trainer.aggregator import BatchRewards
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.wire.trajectory import Trajectory, trajectory_from_json
@@ -21,6 +25,11 @@ from stream_reward.wire.trajectory import Trajectory, trajectory_from_json
 __all__ = ["Rollouts", "read_rollouts", "produce_rollouts", "result_rows"]
 
 log = logging.getLogger(__name__)
+
+# A paced replay pushes one chunk per tick: steady at this granularity, yet one XADD round
+# trip per chunk rather than per trajectory, so rates in the thousands per second hold.
+PACE_TICK_S = 0.05
+_CHUNK = 512
 
 
 @dataclass
@@ -54,15 +63,30 @@ async def produce_rollouts(
     response_len: int,
     config: ProducerConfig | None = None,
     policy: BatchPolicy | None = None,
+    *,
+    rate_per_s: float | None = None,
 ) -> None:
-    """Open the batch, resolve bad lines as failed, push the rest."""
+    """Open the batch, resolve bad lines as failed, push the rest: as fast as the producer's
+    backpressure lets it, or at a steady ``rate_per_s`` trajectories per second (a replay of
+    real traffic for load tests and the latency bench)."""
+    if rate_per_s is not None and not (rate_per_s > 0 and math.isfinite(rate_per_s)):
+        raise ConfigError("produce.rate", f"must be a positive number of trajectories per second, got {rate_per_s}")
+    chunk = _CHUNK if rate_per_s is None else max(1, min(_CHUNK, round(rate_per_s * PACE_TICK_S)))
+    # One chunk per chunk/rate seconds, the first at once: this process's pace, not a global limit.
+    throttler = (
+        None
+        if rate_per_s is None
+        else Throttler(rate_limit=1, period=chunk / rate_per_s, retry_interval=min(0.01, chunk / rate_per_s / 10))
+    )
     async with RolloutProducer(redis_url, config) as producer:
         await producer.open_batch(rollouts.batch_id, rollouts.size, response_len, policy=policy)
         for index, error in rollouts.bad_lines.items():
             log.warning("%s", error)
             await producer.fail(rollouts.batch_id, index, reason="bad_input", error=error)
-        for start in range(0, len(rollouts.trajectories), 512):
-            await producer.push_many(rollouts.trajectories[start : start + 512])
+        for start in range(0, len(rollouts.trajectories), chunk):
+            if throttler is not None:
+                await throttler.acquire()
+            await producer.push_many(rollouts.trajectories[start : start + chunk])
 
 
 def result_rows(rewards: BatchRewards) -> list[dict[str, Any]]:
