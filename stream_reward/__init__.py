@@ -5,7 +5,7 @@ processes score it as it arrives; the aggregator hands the trainer verl's
 ``rm_scores`` tensor for the batch.
 """
 
-from stream_reward._version import __version__
+from stream_reward._version import __version__ as __version__
 from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.errors import StreamRewardError
 from stream_reward.scoring.scorer import Scored

@@ -379,7 +379,8 @@ def _plain(value: Any) -> Any:
     """numpy / torch / OmegaConf values as the plain Python msgpack and JSON carry."""
     if value is None or type(value) in (bool, int, float, str, bytes):
         return value
-    for plain in (str, bytes, float, int):  # numpy.str_, numpy.float64 and other subclasses
+    plains: tuple[type, ...] = (str, bytes, float, int)
+    for plain in plains:  # numpy.str_, numpy.float64 and other subclasses
         if isinstance(value, plain):
             return plain(value)
     if isinstance(value, Mapping):

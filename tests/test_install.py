@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,11 +121,17 @@ def test_rate_error_is_a_config_error() -> None:
 )
 def test_a_worker_runs_from_the_base_install(redis_url: str, namespace: str, tmp_path: Path) -> None:
     """``pip install stream-reward`` (no extras) pulls no torch, and a worker scores from it."""
+    # A copy of the source: building in the checkout would leave build/ and *.egg-info behind.
+    source = tmp_path / "src"
+    for name in ("stream_reward", "workers", "benchmarks"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(ROOT)],
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(source)],
         check=True,
         timeout=600,
         capture_output=True,

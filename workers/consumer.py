@@ -125,7 +125,7 @@ class Worker:
         self._ledger = LedgerWriter(client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
         for stream in self.keys.streams():
             await with_reconnect(
-                lambda s=stream: ensure_group(client, s, self.config.group),
+                functools.partial(ensure_group, client, stream, self.config.group),
                 what="create group",
                 give_up_after_s=None,
                 stop=stop,
@@ -386,7 +386,7 @@ class Worker:
             batch, self._pending = self._pending, defaultdict(list)
             if batch:
                 settled = sum(len(items) for items in batch.values())
-                await with_reconnect(lambda: self._flush(batch), what="write results", give_up_after_s=None)
+                await with_reconnect(functools.partial(self._flush, batch), what="write results", give_up_after_s=None)
                 self.stats.in_flight -= settled
                 self._room.set()
                 self._writer_idle.set()

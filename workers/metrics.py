@@ -306,7 +306,7 @@ class _Collector:
         return self._metrics.collect()
 
 
-def _scorer_stats(scorer: Any, default_name: str, depth: int = 0) -> Iterator[tuple[str, dict[str, Any]]]:
+def _scorer_stats(scorer: Any, default_name: str, depth: int = 0) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """(verifier name, its ``stats`` mapping) for the scorer and the scorers it wraps.
 
     A scorer names itself with ``name``; otherwise the quota key or scorer spec is used.

@@ -274,8 +274,8 @@ def _consumers(streams: list[dict[str, Any]], beats: dict[str, dict[str, Any]]) 
                 row[key] = beat[key]
         row["group"] = row.get("group") or beat.get("group")
     for name, row in merged.items():
-        beat = beats.get(name)
-        row["state"] = "gone" if beat is None else ("alive" if beat["alive"] else "stale")
+        heartbeat = beats.get(name)
+        row["state"] = "gone" if heartbeat is None else ("alive" if heartbeat["alive"] else "stale")
     return sorted(merged.values(), key=lambda r: ({"alive": 0, "stale": 1, "gone": 2}[r["state"]], r["name"]))
 
 

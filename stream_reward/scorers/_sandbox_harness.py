@@ -19,7 +19,7 @@ self-contained.
 
 # Startup cost is per sample: stdlib modules only, and no json/re/traceback (the
 # job arrives as marshal, results leave as a repr() the host literal_evals).
-import _signal as signal  # the signal module would import enum: 4 ms per sample
+import _signal as signal  # type: ignore[import-not-found]  # signal would import enum: 4 ms per sample
 import builtins
 import gc
 import marshal

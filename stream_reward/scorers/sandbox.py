@@ -220,7 +220,7 @@ def _compare_src() -> str:
     functions = [
         node for node in ast.parse(_HARNESS).body if isinstance(node, ast.FunctionDef) and node.name.startswith("_sr_")
     ]
-    return "\n" + "\n\n".join(ast.get_source_segment(_HARNESS, node) for node in functions) + "\n"
+    return "\n" + "\n\n".join(ast.get_source_segment(_HARNESS, node) or "" for node in functions) + "\n"
 
 
 # ---------------------------------------------------------------- the scorer

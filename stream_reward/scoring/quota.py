@@ -191,7 +191,7 @@ class _Done:
     __slots__ = ()
 
     def __await__(self) -> Generator[Any, None, None]:
-        return iter(())
+        yield from ()
 
 
 _DONE = _Done()

@@ -17,9 +17,10 @@ still reported in ``scores``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -227,7 +228,7 @@ class RewardAggregator:
         left = end - asyncio.get_running_loop().time()
         return max(1, min(self.block_ms, int(left * 1000))) if left > 0 else None
 
-    async def _pages_together(self, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
+    async def _pages_together(self, done: list[str], end: float | None) -> AsyncGenerator[list[Any], None]:
         """Entries of every done stream, one XREAD over all of them (a single node)."""
         cursors = {name: "0-0" for name in done}
         while (block := self._block_ms(end)) is not None:
@@ -238,7 +239,7 @@ class RewardAggregator:
                 cursors[stream.decode()] = entries[-1][0]
                 yield entries
 
-    async def _pages_apart(self, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
+    async def _pages_apart(self, done: list[str], end: float | None) -> AsyncGenerator[list[Any], None]:
         """The same from a cluster, where the done streams of a batch live in
         different slots: one blocking reader per partition, merged as they land."""
         queue: asyncio.Queue[list[Any]] = asyncio.Queue()
@@ -247,7 +248,8 @@ class RewardAggregator:
             cursor = "0-0"
             while (block := self._block_ms(end)) is not None:
                 reply = await with_reconnect(
-                    lambda: read_streams(self.client, {name: cursor}, count=1000, block=block), what="read results"
+                    functools.partial(read_streams, self.client, {name: cursor}, count=1000, block=block),
+                    what="read results",
                 )
                 for _stream, entries in reply or []:
                     cursor = entries[-1][0]

@@ -44,7 +44,8 @@ T = TypeVar("T")
 # (a restarted server replaying its AOF) is a ConnectionError subclass in redis-py.
 # In a cluster, CLUSTERDOWN / TRYAGAIN and an uncovered slot are what a failover
 # or a resharding looks like from a client: transient too.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+# Unannotated on purpose: mypy then knows each member, and accepts ``except (RedisError, *TRANSIENT_ERRORS)``.
+TRANSIENT_ERRORS = (
     RedisConnectionError,
     RedisTimeoutError,
     OSError,
@@ -55,7 +56,7 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 # With every node of a cluster away, redis-py raises a plain RedisClusterException
 # (not a RedisError): told apart from a programming error (a cross-slot command)
 # by its message. Catch these together with TRANSIENT_ERRORS, then ask is_transient.
-CLUSTER_ERRORS: tuple[type[BaseException], ...] = (RedisClusterException,)
+CLUSTER_ERRORS = (RedisClusterException,)
 
 
 def is_transient(exc: BaseException) -> bool:
