@@ -16,7 +16,7 @@ from importlib.metadata import version
 from packaging.requirements import Requirement
 from packaging.version import Version
 bad = []
-for line in open(sys.argv[1]):
+for line in filter(None, map(str.strip, open(sys.argv[1]))):
     req = Requirement(line)
     if req.marker is not None and not req.marker.evaluate():
         continue
