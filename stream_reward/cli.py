@@ -52,7 +52,7 @@ def _add_common(parser: argparse.ArgumentParser, *, redis_required: bool = False
     parser.add_argument(
         "--redis",
         default=None,
-        help=f"Redis URL: redis://, rediss://, unix://, redis+cluster:// ({where} in the config / $STREAM_REWARD_REDIS)",
+        help=f"Redis URL: redis://, rediss://, unix://, redis+cluster:// ({where} in the config / $STREAM_REWARD_CONNECTION_REDIS)",
     )
     parser.add_argument("--namespace", default=None, help="key namespace (default: sr)")
     parser.add_argument(

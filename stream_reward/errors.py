@@ -45,6 +45,7 @@ __all__ = [
     "CollectTimeoutError",
     "BrokerError",
     "MissingExtraError",
+    "ConfigDeprecationWarning",
 ]
 
 
@@ -154,3 +155,8 @@ class MissingExtraError(StreamRewardError, ImportError):
         )
         self.module = module
         self.extra = extra
+
+
+class ConfigDeprecationWarning(FutureWarning):
+    """An old spelling of a config key, flag, environment variable or keyword: it still works,
+    and the message names the new one. A FutureWarning, so that command-line users see it."""

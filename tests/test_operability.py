@@ -102,7 +102,7 @@ def test_metrics_endpoint_after_a_real_run(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("STREAM_REWARD_METRICS_REFRESH_S", "0.2")  # inherited by the worker process
+    monkeypatch.setenv("STREAM_REWARD_WORKER_METRICS_REFRESH_S", "0.2")  # inherited by the worker process
     port = free_port()
     (proc,) = spawn_workers(1, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")
     keys = Keys(namespace)
@@ -409,11 +409,11 @@ def test_worker_check_both_ways(redis_url: str, namespace: str, capsys: pytest.C
     capsys.readouterr()
 
     # The interval comes from the config: with 5 s beats, 7 s old is still alive.
-    os.environ["STREAM_REWARD_HEARTBEAT_INTERVAL_S"] = "5"
+    os.environ["STREAM_REWARD_CONSUMER_HEARTBEAT_INTERVAL_S"] = "5"
     try:
         assert main([*check, "--consumer", "old"]) == 0
     finally:
-        del os.environ["STREAM_REWARD_HEARTBEAT_INTERVAL_S"]
+        del os.environ["STREAM_REWARD_CONSUMER_HEARTBEAT_INTERVAL_S"]
     assert main(["worker", "--check", "--redis", "redis://127.0.0.1:1", "--namespace", namespace]) == 1
 
 
