@@ -169,7 +169,7 @@ def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.M
             config,
             "--concurrency",
             "8",
-            "--max-inflight",
+            "--max-concurrent",
             "4",
             "--manager-kwargs",
             '{"max_resp_len": 2048, "batch_size": 16}',

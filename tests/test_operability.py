@@ -433,7 +433,7 @@ def test_produce_and_collect_with_connection_from_the_config(
     assert main(["produce", "--config", str(config), "--batch", "p1", str(rollouts)]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"batch": "p1", "pushed": 2, "bad_lines": 1}
     spawn_workers(1)
-    assert main(["collect", "--config", str(config), "--batch", "p1", "--timeout", "30", "--json"]) == 0
+    assert main(["collect", "--config", str(config), "--batch", "p1", "--timeout-s", "30", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     # The config's failure policy (drop) reached the batch: the bad line's row is gone.
     assert out["indices"] == [0, 2] and out["status"] == ["ok", "ok"] and out["scores"] == [1.0, 1.0]

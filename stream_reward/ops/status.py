@@ -484,7 +484,7 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
         state = q.get("state")
         if state:
             pause = f", paused {state['blocked_for_s']:.1f}s more" if state.get("blocked_for_s") else ""
-            limits = ", ".join(f"{k}={state[k]:g}" for k in ("max_rpm", "max_tpm", "max_inflight") if state.get(k))
+            limits = ", ".join(f"{k}={state[k]:g}" for k in ("max_rpm", "max_tpm", "max_concurrent") if state.get(k))
             console.print(
                 f"quota {q['name']}: {state.get('requests', 0):,} requests, {state.get('http_429', 0):,} x 429, "
                 f"{state.get('in_flight', 0)} in flight, rate x{state.get('rate_factor', 1.0):.2f}, "

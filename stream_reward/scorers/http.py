@@ -284,7 +284,7 @@ def build_http_scorer(spec: str, config: Any) -> HttpScorer:
     kind, urls = parse_spec(spec)
     options = HttpOptions.from_kwargs(getattr(config, "reward_kwargs", None))
     redis_url = getattr(config, "redis_url", None)
-    limits = {"max_rpm": config.max_rpm, "max_tpm": config.max_tpm, "max_inflight": config.max_concurrent}
+    limits = {"max_rpm": config.max_rpm, "max_tpm": config.max_tpm, "max_concurrent": config.max_concurrent}
     limiter = None
     if redis_url:
         limiter = QuotaLimiter(
