@@ -183,6 +183,7 @@ def test_verifier_counters_are_read_from_the_scorer_at_scrape_time() -> None:
                 "http_429": 1,
                 "quota_wait_s": 1.5,
                 "tokens": 4,
+                "ok": 7,
                 "failures_by_reason": {"timeout": 2},
                 "endpoints": ["not a number"],
             }
@@ -202,7 +203,16 @@ def test_verifier_counters_are_read_from_the_scorer_at_scrape_time() -> None:
     assert value(samples, "stream_reward_verifier_retries_total", verifier="judge") == 2
     assert value(samples, "stream_reward_verifier_http_429_total", verifier="judge") == 1
     assert value(samples, "stream_reward_verifier_quota_wait_seconds_total", verifier="judge") == 1.5
-    assert value(samples, "stream_reward_verifier_stat", verifier="judge", stat="tokens") == 4
+    assert value(samples, "stream_reward_verifier_tokens_total", verifier="judge") == 4
+    assert value(samples, "stream_reward_verifier_events_total", verifier="judge", event="ok") == 7
+    # Prometheus conventions: counters end in _total, and nothing else does; no gauge holds a count.
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        names = {s.name for s in family.samples}
+        if family.type == "counter":
+            assert all(n.endswith(("_total", "_created")) for n in names), names
+        else:
+            assert not any(n.endswith("_total") for n in names), names
+        assert not family.name.endswith(("_fraction", "_stat")), family.name
     assert value(samples, "stream_reward_verifier_failures_total", verifier="judge", reason="timeout") == 2
     assert value(samples, "stream_reward_in_flight") == 5 and value(samples, "stream_reward_reclaimed_total") == 3
     # Counted at scrape time: a later change shows in the next scrape.
@@ -238,7 +248,7 @@ def test_trainer_batch_metrics() -> None:
     assert value(samples, "stream_reward_reward_tail_seconds_count") == 1
     assert value(samples, "stream_reward_batch_samples_total", status="ok") == 6
     assert value(samples, "stream_reward_batch_samples_total", status="failed") == 2
-    assert value(samples, "stream_reward_batch_valid_fraction") == 0.75
+    assert value(samples, "stream_reward_batch_valid_ratio") == 0.75
 
 
 # ---------------------------------------------------------------------- status

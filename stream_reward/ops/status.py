@@ -523,7 +523,7 @@ def _trainer_metrics(registry: Any) -> Any:
             ),
             Counter("stream_reward_batch_samples", "collected samples by status", ["status"], registry=registry),
             Gauge(
-                "stream_reward_batch_valid_fraction", "valid fraction of the last collected batch", registry=registry
+                "stream_reward_batch_valid_ratio", "valid share (0..1) of the last collected batch", registry=registry
             ),
             Counter("stream_reward_batches", "collected batches", registry=registry),
         )
