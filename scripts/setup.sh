@@ -37,7 +37,7 @@ step "[3/4] torch (CPU build; a first install takes a minute or two)"
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" >&2 || true
 .venv/bin/python -c "import torch" 2>/dev/null || { echo "setup: torch failed to install" >&2; exit 1; }
 step "[4/4] stream-reward and its test dependencies"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-.venv/bin/python -c "import stream_reward, workers, redis, msgpack, aiohttp, hypothesis, pytest" \
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[trainer,dev]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+.venv/bin/python -c "import stream_reward, workers, redis, msgpack, aiohttp, torch, numpy, hypothesis, pytest" \
   || { echo "setup: project install failed" >&2; exit 1; }
 step "done"

@@ -23,14 +23,19 @@ the reader's own task: a task per sample would cost more than the scoring.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import random
 import socket
+import sys
 import time
 from collections import defaultdict, deque
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
+import anyio
 from redis.exceptions import ResponseError
 
 from stream_reward.config import ConsumerConfig
@@ -57,6 +62,9 @@ from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
 from workers.watchdog import SampleInfo, scoring
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -129,7 +137,7 @@ class Worker:
         self._ledger = LedgerWriter(client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
         for stream in self.keys.streams():
             await with_reconnect(
-                lambda s=stream: ensure_group(client, s, self.config.group),
+                functools.partial(ensure_group, client, stream, self.config.group),
                 what="create group",
                 give_up_after_s=None,
                 stop=stop,
@@ -148,34 +156,39 @@ class Worker:
         )
         writer_stop = asyncio.Event()
         # Background loops end on this event as well as by cancel: a cancel that lands
-        # inside a redis-py command can be swallowed on Python 3.11, and the TaskGroup
+        # inside a redis-py command can be swallowed on Python 3.11, and the task group
         # would then wait for them forever.
         closing = asyncio.Event()
         # Set once this worker takes no new entries, including reclaimed ones (it may
         # be releasing its own to others): at once on stop, or when a burst is done.
         reading_done = asyncio.Event()
-        # The writer is not in the TaskGroup: with Redis away it may retry for ever, and
+        # The writer is not in the task group: with Redis away it may retry for ever, and
         # shutdown must not wait on it past the drain deadline (see _stop_writer).
         writer = asyncio.create_task(self._writer(writer_stop))
+        # The housekeeper, the reclaimer and the stop watcher, cancelled together.
+        background = anyio.CancelScope()
         try:
-            async with asyncio.TaskGroup() as tg:
-                housekeeper = tg.create_task(self._housekeeper(closing))
-                reclaimer = tg.create_task(self._reclaimer(reading_done))
-                watcher = tg.create_task(self._watch_stop(stop, reading_done))
-                try:
-                    await self._reader(stop, burst)
-                    reading_done.set()
-                    if burst:
-                        # Pending entries of dead consumers are ours to finish too.
-                        while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
-                            pass
-                    await self._drain()
-                finally:
-                    reading_done.set()
-                    closing.set()
-                    watcher.cancel()
-                    reclaimer.cancel()
-                    housekeeper.cancel()
+            with _sole_error():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(
+                        _within,
+                        background,
+                        self._housekeeper(closing),
+                        self._reclaimer(reading_done),
+                        self._watch_stop(stop, reading_done),
+                    )
+                    try:
+                        await self._reader(stop, burst)
+                        reading_done.set()
+                        if burst:
+                            # Pending entries of dead consumers are ours to finish too.
+                            while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
+                                pass
+                        await self._drain()
+                    finally:
+                        reading_done.set()
+                        closing.set()
+                        background.cancel()
         finally:
             await self._stop_writer(writer, writer_stop)
             await self._farewell()
@@ -222,9 +235,10 @@ class Worker:
             await self._read_loop(units[0], stop, burst, share=self.config.concurrency)
             return
         share = -(-self.config.concurrency // len(units))
-        async with asyncio.TaskGroup() as tg:
-            for unit in units:
-                tg.create_task(self._read_loop(unit, stop, burst, share=share))
+        with _sole_error():
+            async with anyio.create_task_group() as tg:
+                for unit in units:
+                    tg.start_soon(functools.partial(self._read_loop, unit, stop, burst, share=share))
 
     async def _read_loop(self, names: list[str], stop: asyncio.Event, burst: bool, *, share: int) -> None:
         """Read ``names`` while there is room. Several loops share ``concurrency``:
@@ -420,7 +434,10 @@ class Worker:
                 settled = sum(len(items) for items in batch.values())
                 try:
                     await with_reconnect(
-                        lambda b=batch: self._flush(b), what="write results", give_up_after_s=None, stop=self._give_up
+                        functools.partial(self._flush, batch),
+                        what="write results",
+                        give_up_after_s=None,
+                        stop=self._give_up,
                     )
                 except BrokerError as exc:
                     # Past the drain deadline with Redis away: these entries stay pending
@@ -569,7 +586,7 @@ class Worker:
             self._writer_idle.clear()
             try:
                 await asyncio.wait_for(self._writer_idle.wait(), timeout=max(0.01, deadline - loop.time()))
-            except (TimeoutError, asyncio.TimeoutError):
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 break
         unfinished = list(self._task_entries.items())
         for task, _ in unfinished:
@@ -666,11 +683,35 @@ def _iter_reply(reply: Any) -> Any:
     return [(stream, entries) for stream, entries in reply]
 
 
+async def _within(scope: anyio.CancelScope, *loops: Coroutine[Any, Any, None]) -> None:
+    """Run ``loops`` side by side under ``scope``, so that one ``cancel`` ends them all."""
+    with scope:
+        async with anyio.create_task_group() as tg:
+            for loop in loops:
+                tg.start_soon(_awaited, loop)
+
+
+async def _awaited(work: Coroutine[Any, Any, None]) -> None:
+    await work
+
+
+@contextlib.contextmanager
+def _sole_error() -> Iterator[None]:
+    """Raise a task group's only error as itself, as asyncio.TaskGroup did for an error of its
+    body, so that callers keep catching BrokerError & co. Several errors stay a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
     """Sleep ``seconds``, or less if ``event`` is set meanwhile."""
     try:
         await asyncio.wait_for(event.wait(), seconds)
-    except asyncio.TimeoutError:
+    except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
         pass
 
 

@@ -88,7 +88,7 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
             refresher_stop.set()
             try:
                 await asyncio.wait_for(asyncio.shield(refresher), 5)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 refresher.cancel()
         if metrics is not None:
             metrics.close()

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncio_throttle import Throttler
+
 from stream_reward.config import BatchPolicy, ProducerConfig
-from stream_reward.errors import PayloadTooLargeError
+from stream_reward.errors import ConfigError, PayloadTooLargeError
 from stream_reward.trainer.aggregator import BatchRewards
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.wire.trajectory import Trajectory, trajectory_from_json
@@ -24,6 +27,11 @@ from stream_reward.wire.trajectory import Trajectory, trajectory_from_json
 __all__ = ["Rollouts", "read_rollouts", "produce_rollouts", "result_rows"]
 
 log = logging.getLogger(__name__)
+
+# A paced replay pushes one chunk per tick: steady at this granularity, yet one XADD round
+# trip per chunk rather than per trajectory, so rates in the thousands per second hold.
+PACE_TICK_S = 0.05
+_CHUNK = 512
 
 
 @dataclass
@@ -63,8 +71,23 @@ async def produce_rollouts(
     response_len: int,
     config: ProducerConfig | None = None,
     policy: BatchPolicy | None = None,
+    *,
+    rate_per_s: float | None = None,
 ) -> None:
-    """Open the batch, resolve bad lines as failed, push the rest."""
+    """Open the batch, resolve bad lines as failed, push the rest: as fast as the producer's
+    backpressure lets it, or at a steady ``rate_per_s`` trajectories per second (a replay of
+    real traffic for load tests and the latency bench)."""
+    if rate_per_s is not None and not (rate_per_s > 0 and math.isfinite(rate_per_s)):
+        raise ConfigError("produce.rate", f"must be a positive number of trajectories per second, got {rate_per_s}")
+    chunk_size = _CHUNK if rate_per_s is None else max(1, min(_CHUNK, round(rate_per_s * PACE_TICK_S)))
+    # One chunk per chunk/rate seconds, the first at once: this process's pace, not a global limit.
+    throttler = (
+        None
+        if rate_per_s is None
+        else Throttler(
+            rate_limit=1, period=chunk_size / rate_per_s, retry_interval=min(0.01, chunk_size / rate_per_s / 10)
+        )
+    )
     config = config or ProducerConfig()
     async with RolloutProducer(redis_url, config) as producer:
         await producer.open_batch(rollouts.batch_id, rollouts.size, response_len, policy=policy)
@@ -74,8 +97,10 @@ async def produce_rollouts(
                 log.warning("%s", error)
                 await producer.fail(rollouts.batch_id, index, reason="bad_input", error=error)
                 settled.add(index)
-            for start in range(0, len(rollouts.trajectories), 512):
-                chunk = rollouts.trajectories[start : start + 512]
+            for start in range(0, len(rollouts.trajectories), chunk_size):
+                chunk = rollouts.trajectories[start : start + chunk_size]
+                if throttler is not None:
+                    await throttler.acquire()
                 try:
                     await producer.push_many(chunk)
                 except PayloadTooLargeError:
@@ -107,7 +132,7 @@ async def produce_rollouts(
 
 
 # The setting that bounds a message, on both sides of the stream.
-_MAX_BYTES_ENV = "STREAM_REWARD_MAX_MESSAGE_BYTES"
+_MAX_BYTES_ENV = "STREAM_REWARD_CONSUMER_MAX_MESSAGE_BYTES"
 
 
 async def _fail_unsettled(producer: RolloutProducer, rollouts: Rollouts, settled: set[int], exc: BaseException) -> None:

@@ -61,7 +61,8 @@ T = TypeVar("T")
 # (a restarted server replaying its AOF) is a ConnectionError subclass in redis-py.
 # In a cluster, CLUSTERDOWN / TRYAGAIN and an uncovered slot are what a failover
 # or a resharding looks like from a client: transient too.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+# Unannotated on purpose: mypy then knows each member, and accepts ``except (RedisError, *TRANSIENT_ERRORS)``.
+TRANSIENT_ERRORS = (
     RedisConnectionError,
     RedisTimeoutError,
     OSError,
@@ -72,9 +73,9 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 # With every node of a cluster away, redis-py raises a plain RedisClusterException
 # (not a RedisError): told apart from a programming error (a cross-slot command)
 # by its message. Catch these together with TRANSIENT_ERRORS, then ask is_transient.
-CLUSTER_ERRORS: tuple[type[BaseException], ...] = (RedisClusterException,)
+CLUSTER_ERRORS = (RedisClusterException,)
 # Everything a Redis command can raise: what the boundary translates into BrokerError.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS)
+REDIS_ERRORS = (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS)
 
 
 # Errors no retry can fix: wrong credentials, or a user without the rights. redis-py

@@ -12,5 +12,5 @@ async def slow(data_source, solution_str, ground_truth, extra_info=None, **kwarg
 
 async def blocking(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """An async scorer that wrongly blocks the event loop for extra_info["sleep_s"] seconds."""
-    time.sleep((extra_info or {}).get("sleep_s", 5.0))
+    time.sleep((extra_info or {}).get("sleep_s", 5.0))  # noqa: ASYNC251  (the fault under test)
     return 1.0
