@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import subprocess
 import sys
 import textwrap
@@ -129,6 +130,9 @@ def test_sync_producer_score_from_many_threads(redis_url, namespace, spawn_worke
         producer.open_batch("th", 40, 4)
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda i: producer.score(traj("th", i, i % 2 == 0), timeout_s=60), range(40)))
+        closing = time.monotonic()
+    # Closing ends the listener's blocking read at once; it used to wait out its 30 s idle drop.
+    assert time.monotonic() - closing < 5
     assert [r.score for r in results] == [1.0 if i % 2 == 0 else 0.0 for i in range(40)]
 
 

@@ -115,7 +115,7 @@ class _Reader:
         listener = self.listener
         loop = asyncio.get_running_loop()
         try:
-            while True:
+            while not listener.closed:
                 self._drop_idle(loop.time())
                 if not self.streams:
                     return
@@ -204,6 +204,7 @@ class ResultListener:
         self.read_interval_s = read_interval_s
         self.namespace = namespace
         self.block_ms = block_ms
+        self.closed = False
         self.linger_s = linger_s
         self._owns_client = owns_client
         self._cluster = is_cluster(client)
@@ -302,6 +303,10 @@ class ResultListener:
         fut._sr_where = []  # type: ignore[attr-defined]
 
     async def aclose(self) -> None:
+        # A cancel that lands inside redis-py's blocking read can be lost (Python 3.11):
+        # the readers also stop on this flag, and a wake ends their read at once.
+        self.closed = True
+        await asyncio.gather(*(r._wake() for r in self._readers.values() if r.reading), return_exceptions=True)
         readers = [r.task for r in self._readers.values() if r.task is not None]
         for task in [*readers, *self._tasks]:
             task.cancel()
