@@ -18,7 +18,7 @@ else:
     import tomli as tomllib
 
 # Tools of the test run itself, not of the package: their newest versions are fine.
-UNPINNED = {"pytest", "pytest-timeout", "hypothesis", "matplotlib"}
+UNPINNED = {"pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "matplotlib"}
 
 
 def floors(extras: list[str]) -> list[str]:
