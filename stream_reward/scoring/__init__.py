@@ -1,1 +1,1 @@
-"""scoring"""
+"""Scoring machinery: the scorer protocol, killable scorer processes, retries, the global quota."""

@@ -1,1 +1,1 @@
-"""trainer"""
+"""The trainer side: declare batches, push trajectories, await results, build rm_scores."""
