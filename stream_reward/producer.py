@@ -129,6 +129,10 @@ class RolloutProducer:
     async def push_many(self, trajs: Iterable[Trajectory]) -> int:
         """Push trajectories in one pipelined round trip; returns how many."""
         entries = []
+        # The uid sets are held here, not looked up again after the awaits below: with
+        # more than _RECENT_BATCHES batches pushing concurrently, another push may
+        # evict this batch's set in between (a KeyError before).
+        seen_sets = []
         for traj in trajs:
             seen = self._uids(traj.batch_id)
             if traj.uid in seen:
@@ -136,6 +140,7 @@ class RolloutProducer:
             payload = encode_trajectory(traj, self.config.max_message_bytes)
             part = self.keys.partition_of(traj.uid, traj.group)
             entries.append((traj, part, payload))
+            seen_sets.append(seen)
         if not entries:
             return 0
         try:
@@ -146,13 +151,13 @@ class RolloutProducer:
             # Some entries of the pipeline may have landed; they will be scored and
             # counted once, and the caller may push the whole call again safely
             # because results are write-once per uid.
-            for traj, _, _ in entries:
-                self._seen[traj.batch_id].discard(traj.uid)
+            for (traj, _, _), seen in zip(entries, seen_sets):
+                seen.discard(traj.uid)
             raise BrokerError(
                 f"push of {len(entries)} trajectories failed: {type(exc).__name__}: Redis unreachable or refused"
             ) from exc
-        for traj, _, _ in entries:
-            self._seen[traj.batch_id].add(traj.uid)
+        for (traj, _, _), seen in zip(entries, seen_sets):
+            seen.add(traj.uid)
         self._backlog += len(entries)
         return len(entries)
 

@@ -55,8 +55,9 @@ from .local import LocalPipeline
 from .managers import ManagerConfig, build_scorer
 from .producer import RolloutProducer
 from .trajectory import Trajectory
+from .verl_loop import StreamRewardLoopManager
 
-__all__ = ["StreamRewardManager", "scorer_spec", "decode_batch", "FINAL_SCORES_KEY"]
+__all__ = ["StreamRewardLoopManager", "StreamRewardManager", "scorer_spec", "decode_batch", "FINAL_SCORES_KEY"]
 
 log = logging.getLogger(__name__)
 

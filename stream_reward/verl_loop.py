@@ -1,0 +1,528 @@
+"""verl 0.9.1's reward loop through stream-reward: ``StreamRewardLoopManager``.
+
+verl's trainer builds ``RewardLoopManager``, whose ``RewardLoopWorker`` actors call
+``load_reward_manager(config, tokenizer, compute_score=..., reward_router_address=...,
+reward_model_tokenizer=...)`` and then ``await manager.run_single(data[i:i+1])`` per
+sample (the agent loop calls the same worker as each rollout finishes); the class's
+``assemble_rm_scores(data, scores)`` builds rm_scores. A user switches with three
+overrides and nothing else::
+
+    reward.reward_manager.source=importlib
+    reward.reward_manager.module.path=pkg://stream_reward.verl
+    reward.reward_manager.name=StreamRewardLoopManager
+
+Options come from verl's own keys only (``reward.custom_reward_function``,
+``reward.reward_kwargs``, see ``LoopOptions``); the rest of verl's config is never
+read, so it never reaches a scorer or a worker's command line, and a ``???`` left
+elsewhere in it does no harm. verl's ``compute_score`` argument is not used either:
+the worker processes load the function themselves, from the same config keys.
+
+Where the worker processes run: see ``stream_reward.verl_server``.
+
+verl itself is never imported here: a DataProto is read through ``data.batch``,
+``data.non_tensor_batch``; the config through ``.get``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+from .aggregator import RewardAggregator
+from .config import BatchPolicy, ProducerConfig
+from .errors import ConfigError, StreamRewardError
+from .managers import ManagerConfig, build_scorer
+from .trajectory import ScoreResult, Trajectory
+
+__all__ = ["StreamRewardLoopManager", "LoopOptions"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# reward.reward_kwargs keys that are ManagerConfig fields, passed to the workers as is.
+_MANAGER_KEYS = (
+    "manager",
+    "scorer",
+    "timeout",
+    "num_processes",
+    "overlong_buffer_cfg",
+    "max_resp_len",
+    "batch_size",
+    "batch_wait_ms",
+    "max_concurrent",
+    "max_rpm",
+    "max_tpm",
+    "estimated_tokens_per_request",
+    "quota_key",
+    "retries",
+    "sandbox",
+)
+_LOOP_MANAGERS = ("naive", "dapo", "batch", "prime", "remote", "rate_limited")
+
+
+@dataclass
+class LoopOptions:
+    """What ``StreamRewardLoopManager`` takes from verl's config.
+
+    From ``reward.reward_kwargs`` (verl's DAPO keys keep their meaning):
+
+    * ``manager``: ``naive`` (default), ``dapo``, ``batch``, ``prime``, ``remote``,
+      ``rate_limited`` — the calling discipline on the workers (``stream_reward.managers``);
+    * ``overlong_buffer_cfg``, ``max_resp_len`` (default: verl's configured response
+      length, ``actor_rollout_ref.rollout.response_length``): DAPO's overlong penalty;
+    * ``scorer``: a scorer spec (``http:URL``, ``genrm:URL``, ``sandbox``, ...) instead
+      of the rules / custom function;
+    * ``max_rpm``, ``max_tpm``, ``max_concurrent``, ...: the global quota;
+    * ``redis_url``, ``namespace``: an existing deployment (workers run anywhere);
+    * ``num_workers``: local worker processes when no ``redis_url`` (default 2);
+    * ``on_failure`` (``mask`` | ``fallback``), ``fallback_score``, ``deadline_s``:
+      what a sample that could not be scored becomes;
+    * ``server_host``, ``server_lease_s``: the job's shared server (``verl_server``).
+
+    From ``reward.custom_reward_function``: ``path``, ``name`` and its ``reward_kwargs``.
+    """
+
+    manager: ManagerConfig
+    redis_url: str | None = None
+    namespace: str = "sr"
+    num_workers: int | None = None
+    policy: BatchPolicy = field(default_factory=BatchPolicy)
+    server_host: str = "127.0.0.1"
+    server_lease_s: float = 30.0
+    custom_function: bool = False
+
+    @classmethod
+    def from_verl(cls, config: Any, *, reward_router_address: str | None = None) -> LoopOptions:
+        reward = _get(config, "reward") or {}
+        kwargs = _container(_get(reward, "reward_kwargs")) or {}
+        if not isinstance(kwargs, dict):
+            raise ConfigError("reward.reward_kwargs", f"must be a mapping, got {type(kwargs).__name__}")
+        known = {*_MANAGER_KEYS, "redis_url", "namespace", "num_workers", "on_failure", "fallback_score"}
+        known |= {"deadline_s", "server_host", "server_lease_s"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(
+                f"reward.reward_kwargs.{unknown[0]}",
+                f"unknown key; StreamRewardLoopManager reads {', '.join(sorted(known))}",
+            )
+        manager_options = {key: kwargs[key] for key in _MANAGER_KEYS if kwargs.get(key) is not None}
+        manager_options.setdefault("manager", "naive")
+        if manager_options["manager"] not in _LOOP_MANAGERS and ":" not in manager_options["manager"]:
+            raise ConfigError(
+                "reward.reward_kwargs.manager",
+                f"unknown manager {manager_options['manager']!r}; known: {', '.join(_LOOP_MANAGERS)}",
+            )
+        if manager_options["manager"] == "dapo" and "max_resp_len" not in manager_options:
+            # verl's configured response length, never the sample's own padded width.
+            default = _select(config, "actor_rollout_ref.rollout.response_length")
+            if default is None:
+                default = _select(config, "data.max_response_length")
+            if default is not None:
+                manager_options["max_resp_len"] = int(default)
+
+        custom = _get(reward, "custom_reward_function") or {}
+        path = _get(custom, "path")
+        reward_kwargs: dict[str, Any] = {}
+        if path:
+            if manager_options.get("scorer"):
+                raise ConfigError(
+                    "reward.reward_kwargs.scorer", "set either it or reward.custom_reward_function.path, not both"
+                )
+            manager_options["scorer"] = _function_spec(str(path), str(_get(custom, "name") or "compute_score"))
+            reward_kwargs.update(_container(_get(custom, "reward_kwargs")) or {})
+        if reward_router_address is not None:
+            # verl passes these two to compute_score only when a reward model runs.
+            manager_options["scorer"], extra = _with_reward_model(
+                manager_options.get("scorer") or "rules", reward_router_address, config
+            )
+            reward_kwargs.update(extra)
+        if reward_kwargs:
+            manager_options["reward_kwargs"] = reward_kwargs
+        try:
+            manager = ManagerConfig(**manager_options)
+        except TypeError as exc:
+            raise ConfigError("reward.reward_kwargs", str(exc)) from None
+        try:
+            json.dumps(_manager_json(manager))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                "reward.reward_kwargs", f"must be JSON-serializable to reach the workers: {exc}"
+            ) from None
+        on_failure = kwargs.get("on_failure") or "mask"
+        if on_failure not in ("mask", "fallback"):
+            raise ConfigError(
+                "reward.reward_kwargs.on_failure",
+                f"{on_failure!r}: verl needs one reward per sample, so 'mask' or 'fallback' (not 'drop')",
+            )
+        deadline = kwargs.get("deadline_s", 600.0)
+        policy = BatchPolicy(
+            on_failure=on_failure,
+            fallback_score=float(kwargs.get("fallback_score") or 0.0),
+            deadline_s=float(deadline) if deadline else None,
+        )
+        num_workers = kwargs.get("num_workers")
+        if num_workers is not None and int(num_workers) < 0:
+            raise ConfigError("reward.reward_kwargs.num_workers", f"must be >= 0, got {num_workers}")
+        return cls(
+            manager=manager,
+            redis_url=kwargs.get("redis_url"),
+            namespace=str(kwargs.get("namespace") or "sr"),
+            num_workers=None if num_workers is None else int(num_workers),
+            policy=policy,
+            server_host=str(kwargs.get("server_host") or "127.0.0.1"),
+            server_lease_s=float(kwargs.get("server_lease_s") or 30.0),
+            custom_function=bool(path),
+        )
+
+    def worker_args(self) -> list[str]:
+        """The worker command line: a few hundred bytes, never verl's config."""
+        options = _manager_json(self.manager)
+        return [
+            "--manager",
+            options.pop("manager"),
+            "--scorer",
+            options.pop("scorer"),
+            "--manager-kwargs",
+            json.dumps(options, sort_keys=True),
+        ]
+
+
+def _manager_json(config: ManagerConfig) -> dict[str, Any]:
+    """The ManagerConfig fields that differ from their defaults."""
+    default = ManagerConfig()
+    return {
+        f.name: getattr(config, f.name)
+        for f in fields(ManagerConfig)
+        if f.name in ("manager", "scorer") or getattr(config, f.name) != getattr(default, f.name)
+    }
+
+
+def _get(node: Any, key: str) -> Any:
+    """``node[key]`` or None, for dicts and DictConfigs alike (never resolving other keys)."""
+    if node is None:
+        return None
+    getter = getattr(node, "get", None)
+    return getter(key) if callable(getter) else None
+
+
+def _select(config: Any, dotted: str) -> Any:
+    node = config
+    for part in dotted.split("."):
+        node = _get(node, part)
+    return node
+
+
+def _container(node: Any) -> Any:
+    """A DictConfig subtree as plain Python (resolved); anything else as is."""
+    if node is None:
+        return None
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:
+        return node
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def _function_spec(path: str, name: str) -> str:
+    """verl's ``custom_reward_function.path`` (``pkg://a.b``, ``file://x.py``, a path) as a scorer spec.
+
+    A file path becomes absolute here: the worker processes may run in another directory.
+    """
+    if path.startswith("pkg://"):
+        return f"{path[len('pkg://') :].replace('/', '.')}:{name}"
+    path = path.removeprefix("file://")
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise ConfigError("reward.custom_reward_function.path", f"no such file {full!r}")
+    return f"{full}:{name}"
+
+
+def _with_reward_model(spec: str, address: str, config: Any) -> tuple[str, dict[str, Any]]:
+    """The scorer spec wrapped so that compute_score receives ``reward_router_address``
+    and ``reward_model_tokenizer`` as verl passes them. A tokenizer cannot travel to a
+    worker process, so the worker loads it once from ``reward.reward_model.model_path``."""
+    from .scoring import load_function
+
+    if ":" not in spec or spec.partition(":")[0] in ("http", "disrm", "genrm", "sandbox", "sandbox-fusion"):
+        raise ConfigError(
+            "reward.custom_reward_function.path",
+            "with a reward model, verl calls a custom compute_score with reward_router_address; set one",
+        )
+    import inspect
+
+    wrapper = (
+        "acall_with_reward_model" if inspect.iscoroutinefunction(load_function(spec)) else "call_with_reward_model"
+    )
+    extra = {
+        "_sr_function": spec,
+        "_sr_tokenizer_path": _select(config, "reward.reward_model.model_path"),
+        "reward_router_address": address,
+    }
+    return f"stream_reward.verl_compute:{wrapper}", extra
+
+
+class StreamRewardLoopManager:
+    """A verl 0.9.1 reward-loop manager whose scoring runs on stream-reward workers.
+
+    Constructed by verl's ``load_reward_manager`` exactly as its own managers are;
+    ``compute_score`` (verl's resolved function) is accepted and not used: the
+    workers load the same function from the config keys it came from.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        tokenizer: Any,
+        compute_score: Any = None,
+        reward_router_address: str | None = None,
+        reward_model_tokenizer: Any = None,
+        **_unused: Any,
+    ) -> None:
+        from .verl_server import attach
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.reward_router_address = reward_router_address
+        self.options = LoopOptions.from_verl(config, reward_router_address=reward_router_address)
+        # A bad option fails here, in the trainer, with its key named; not in every worker.
+        _check_buildable(self.options.manager)
+        self._prefix = f"verl-{uuid.uuid4().hex[:12]}"
+        self._counter = 0
+        self._columns: dict[str, None] = {}  # reward_extra_info keys this manager has returned
+        # One private loop per manager owns its Redis clients: run_single may be awaited
+        # from any loop (a Ray actor's, an agent loop's, successive asyncio.run calls).
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="stream-reward-verl", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._producer: Any = None
+        self._aggregator: RewardAggregator | None = None
+        try:
+            self._placement = attach(self.options)
+        except BaseException:
+            self._stop_loop()
+            raise
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------ verl's interface
+    async def run_single(self, data: Any) -> dict[str, Any]:
+        """Score the last row of ``data``: ``{"reward_score", "reward_extra_info"}``."""
+        if self._closed:
+            raise StreamRewardError("StreamRewardLoopManager is closed")
+        future = asyncio.run_coroutine_threadsafe(self._run_single(data), self._loop)
+        return await asyncio.wrap_future(future)
+
+    @classmethod
+    def assemble_rm_scores(cls, data: Any, scores: list[float]) -> Any:
+        """rm_scores as verl 0.9.1 lays them out: each score at ``valid_response_length - 1``.
+
+        A zero-length response's score lands at index -1, the last column, as in verl:
+        ``token_level_rewards.sum(-1)`` counts it in GRPO group statistics, and a zero
+        row there would change training.
+        """
+        import torch
+
+        prompt_length = data.batch["prompts"].size(1)
+        valid = data.batch["attention_mask"][:, prompt_length:].sum(dim=1)
+        rm_scores = torch.zeros_like(data.batch["responses"], dtype=torch.float32)
+        rows = torch.arange(rm_scores.size(0), device=rm_scores.device)
+        rm_scores[rows, valid - 1] = rm_scores.new_tensor([float(s) for s in scores])
+        return rm_scores
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def redis_url(self) -> str:
+        return self._placement.url
+
+    def close(self) -> None:
+        """Close this manager's clients and release its server (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._aclose_clients(), self._loop).result(timeout=10)
+        self._stop_loop()
+        self._placement.release()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _aclose_clients(self) -> None:
+        if self._producer is not None:
+            await self._producer.aclose()
+        if self._aggregator is not None:
+            await self._aggregator.aclose()
+
+    # ------------------------------------------------------------ on the private loop
+    def _clients(self) -> tuple[Any, RewardAggregator]:
+        if self._producer is None:
+            from .producer import RolloutProducer
+
+            namespace = self.options.namespace
+            self._producer = RolloutProducer(self._placement.url, ProducerConfig(namespace=namespace))
+            self._aggregator = RewardAggregator(self._placement.url, namespace=namespace)
+        assert self._aggregator is not None
+        return self._producer, self._aggregator
+
+    async def _run_single(self, data: Any) -> dict[str, Any]:
+        self._counter += 1
+        traj = decode_row(
+            data,
+            self.tokenizer,
+            f"{self._prefix}-{self._counter}",
+            verl_manager=self.options.manager.manager,
+        )
+        try:
+            result = await _score_one(self, traj)
+        except StreamRewardError as exc:
+            # The sample could not even reach the workers (Redis down, all workers gone):
+            # a flagged failure, not a crash of verl's whole step.
+            log.warning("sample %s not scored: %s", traj.uid, exc)
+            result = ScoreResult(traj.uid, traj.batch_id, 0, 0.0, "failed", reason="unreachable", error=str(exc))
+        return self._verl_result(result)
+
+    def _verl_result(self, result: ScoreResult) -> dict[str, Any]:
+        """verl's per-sample dict. Every sample carries ``score``, ``acc``, ``reward_failed``
+        and ``reward_status``: verl's RewardLoopManager takes its columns from the first
+        sample's keys and indexes every other sample with them, and a failed sample must
+        not be the one that lacks a key."""
+        extra = dict(result.extra)
+        if result.status == "ok":
+            score = float(result.score)
+            base = set(extra) - {"overlong_reward", "overlong"}  # dapo's shaping columns
+            if not base or (base == {"acc"} and self.options.manager.manager == "dapo"):
+                task = score - float(extra.get("overlong_reward") or 0.0)
+                extra.setdefault("acc", task)  # verl's naive / DAPO log a bare-number score as acc
+            else:
+                # A dict result: verl logs its own keys, "score" (the task score) included.
+                task = score - float(extra.get("overlong_reward") or 0.0)
+                extra = {"score": task, **extra}
+            extra.setdefault("score", task)
+            extra.setdefault("acc", task)
+            self._columns.update(dict.fromkeys(extra))
+            extra["reward_failed"] = 0.0
+            extra["reward_status"] = "ok"
+        else:
+            policy = self.options.policy
+            score = policy.fallback_score if policy.on_failure == "fallback" else 0.0
+            extra = {key: None for key in self._columns}  # the columns seen so far, explicitly empty
+            extra.update(score=score, acc=score, reward_failed=1.0, reward_status=result.reason or "failed")
+            log.warning("sample %s failed (%s): %s", result.uid, result.reason, result.error)
+        return {"reward_score": score, "reward_extra_info": extra}
+
+
+async def _score_one(manager: StreamRewardLoopManager, traj: Trajectory) -> ScoreResult:
+    """Push one sample and await its result. The one place that knows how: when the
+    per-sample API lands (``await producer.score(traj)``), this is its only caller."""
+    producer, aggregator = manager._clients()
+    width = traj.max_response_length or 1
+    await producer.open_batch(traj.batch_id, 1, max(1, width), policy=manager.options.policy)
+    await producer.push(traj)
+    task = asyncio.ensure_future(aggregator.collect(traj.batch_id))
+    try:
+        while not (await asyncio.wait({task}, timeout=1.0))[0]:
+            if not manager._placement.workers_alive():
+                raise StreamRewardError("every local worker process exited; see the workers' stderr")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    result = task.result().results[0]
+    assert result is not None
+    return result
+
+
+def _check_buildable(config: ManagerConfig) -> None:
+    async def build() -> None:
+        scorer = build_scorer(config)
+        close = getattr(scorer, "aclose", None)
+        if close is not None:
+            await close()
+
+    if _loop_running():  # constructed inside a running loop (an async Ray actor): build elsewhere
+        _run_in_thread(build())
+    else:
+        asyncio.run(build())
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = asyncio.run(coro)
+        except BaseException as exc:  # re-raised in the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+# ---------------------------------------------------------------- decoding
+def decode_row(data: Any, tokenizer: Any, batch_id: str, *, verl_manager: str = "naive") -> Trajectory:
+    """The last row of a DataProto as a trajectory, decoded as verl 0.9.1's reward-loop
+    managers decode it (``naive.py`` / ``dapo.py``)."""
+    from .verl import _plain
+
+    batch = data.batch
+    nt = data.non_tensor_batch
+    responses = batch["responses"][-1]
+    width = int(responses.shape[-1])
+    valid = int(batch["attention_mask"][-1][-width:].sum())
+    response = tokenizer.decode(responses[:valid], skip_special_tokens=True)
+    reward_model = _plain(_last(nt, "reward_model")) or {}
+    extra = _plain(_last(nt, "extra_info")) or {}
+    if not isinstance(extra, dict):
+        raise ConfigError("extra_info", f"must be a dict, got {type(extra).__name__}")
+    extra = dict(extra)
+    if verl_manager != "dapo":  # verl's naive adds these; its DAPO manager does not
+        tool_fields = _plain(_last(nt, "tool_extra_fields"))
+        if isinstance(tool_fields, Mapping):
+            extra.update(tool_fields)
+        extra["num_turns"] = _plain(_last(nt, "__num_turns__"))
+        extra["rollout_reward_scores"] = _plain(_last(nt, "reward_scores")) or {}
+    group = _last(nt, "uid")
+    return Trajectory(
+        batch_id=batch_id,
+        index=0,
+        data_source=str(_plain(nt["data_source"][-1])),
+        response=response,
+        ground_truth=reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
+        valid_response_length=valid,
+        max_response_length=width,
+        extra_info=extra,
+        group=str(_plain(group)) if group is not None else None,
+    )
+
+
+def _last(nt: Mapping[str, Any], key: str) -> Any:
+    column = nt.get(key)
+    return None if column is None else column[-1]

@@ -1,0 +1,178 @@
+"""StreamRewardLoopManager inside verl's own RewardLoopWorker, in process.
+
+verl's worker builds its manager with ``load_reward_manager`` from the composed
+ppo_trainer.yaml; the only difference between the two sides of every comparison is
+the three overrides a user types (plus verl's own DAPO keys for DAPO).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from verl.experimental.reward_loop import RewardLoopWorker
+from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
+from verl_support import ROWS, STREAM_OVERRIDES, make_batch
+
+from stream_reward.verl import StreamRewardLoopManager
+
+DAPO_KEYS = (
+    "+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+    "+reward.reward_kwargs.overlong_buffer_cfg.len=4",
+    "+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+    "+reward.reward_kwargs.overlong_buffer_cfg.log=true",
+    "+reward.reward_kwargs.max_resp_len=16",
+)
+
+
+def run_worker(worker: RewardLoopWorker, data: Any) -> list[dict]:
+    # verl's managers bind the loop current at construction (get_event_loop): run there.
+    return worker.loop.run_until_complete(worker.compute_score_batch(data))
+
+
+def close(worker: RewardLoopWorker) -> None:
+    manager = worker.reward_manager
+    if isinstance(manager, StreamRewardLoopManager):
+        manager.close()
+
+
+@pytest.fixture
+def workers(compose):
+    """``workers(*overrides, stream=(...))`` -> (verl's worker, ours); ours closed after."""
+    made: list[RewardLoopWorker] = []
+
+    def build(*overrides: str, stream: tuple[str, ...] = ()) -> tuple[RewardLoopWorker, RewardLoopWorker]:
+        theirs = RewardLoopWorker(compose(*overrides))
+        ours = RewardLoopWorker(compose(*overrides, *STREAM_OVERRIDES, *stream))
+        made.append(ours)
+        return theirs, ours
+
+    yield build
+    for worker in made:
+        close(worker)
+
+
+def assert_same_rm_scores(data: Any, theirs: list[dict], ours: list[dict], verl_name: str = "naive") -> torch.Tensor:
+    expected = get_reward_manager_cls(verl_name).assemble_rm_scores(data, [o["reward_score"] for o in theirs])
+    got = StreamRewardLoopManager.assemble_rm_scores(data, [o["reward_score"] for o in ours])
+    assert got.dtype == expected.dtype == torch.float32
+    assert torch.equal(got, expected), (got, expected)
+    return got
+
+
+def test_naive_mixed_sources_truncated_and_zero_length(workers, tokenizer) -> None:
+    theirs_worker, ours_worker = workers()
+    assert isinstance(ours_worker.reward_manager, StreamRewardLoopManager)
+    data = make_batch(tokenizer, ROWS)
+    theirs, ours = run_worker(theirs_worker, data), run_worker(ours_worker, data)
+    rm = assert_same_rm_scores(data, theirs, ours)
+    # Zero-length rows: verl's score sits in the last column, and so does ours.
+    for i, row in enumerate(ROWS):
+        if row[3] == 0:
+            assert rm[i, -1] == float(theirs[i]["reward_score"])
+    assert any(rm[i, -1] != 0 for i, row in enumerate(ROWS) if row[3] == 0)  # math_dapo's -1 on an empty answer
+    for t, o in zip(theirs, ours):
+        info = o["reward_extra_info"]
+        assert info["reward_failed"] == 0.0 and info["reward_status"] == "ok"
+        for key, value in t["reward_extra_info"].items():  # verl's keys (acc, pred, score) with verl's values
+            assert key in info and info[key] == value, (key, t, o)
+
+
+def test_dapo_overlong_matches_verl(workers, tokenizer) -> None:
+    theirs_worker, ours_worker = workers(
+        "reward.reward_manager.name=dapo", *DAPO_KEYS, stream=("+reward.reward_kwargs.manager=dapo",)
+    )
+    data = make_batch(tokenizer, ROWS)
+    theirs, ours = run_worker(theirs_worker, data), run_worker(ours_worker, data)
+    assert_same_rm_scores(data, theirs, ours, "dapo")
+    assert any(t["reward_extra_info"].get("overlong") for t in theirs)  # the penalty is exercised
+    for t, o in zip(theirs, ours):
+        for key in ("acc", "overlong_reward", "overlong"):
+            if key in t["reward_extra_info"]:
+                assert o["reward_extra_info"][key] == t["reward_extra_info"][key], (key, t, o)
+
+
+def test_dapo_max_resp_len_defaults_to_verls_response_length(workers, tokenizer) -> None:
+    """Without max_resp_len, ours uses verl's configured response length (16), not the
+    padded width of the one-row sample; verl's DAPO needs it given, so verl gets 16."""
+    keys = [k for k in DAPO_KEYS if "max_resp_len" not in k]
+    theirs_worker, _ = workers("reward.reward_manager.name=dapo", *DAPO_KEYS)
+    _, ours_worker = workers(*keys, stream=("+reward.reward_kwargs.manager=dapo",))
+    assert ours_worker.reward_manager.options.manager.max_resp_len == 16
+    data = make_batch(tokenizer, ROWS, width=24)  # rows 24 wide: a per-sample default would differ
+    theirs, ours = run_worker(theirs_worker, data), run_worker(ours_worker, data)
+    assert_same_rm_scores(data, theirs, ours, "dapo")
+
+
+def test_512_concurrent_samples(workers, tokenizer) -> None:
+    theirs_worker, ours_worker = workers()
+    rows = [ROWS[i % len(ROWS)] for i in range(512)]
+    data = make_batch(tokenizer, rows)
+    theirs, ours = run_worker(theirs_worker, data), run_worker(ours_worker, data)
+    assert len(ours) == 512
+    assert_same_rm_scores(data, theirs, ours)
+    assert all(o["reward_extra_info"]["reward_failed"] == 0.0 for o in ours)
+
+
+CUSTOM = textwrap.dedent(
+    """
+    SEEN = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+        if ground_truth == "boom":
+            raise ValueError("scorer blew up")
+        # kwargs must be exactly what verl passes: custom_reward_function.reward_kwargs only
+        assert set(kwargs) == {"bonus"}, sorted(kwargs)
+        return {"score": float(len(solution_str) % 3) + kwargs["bonus"], "chars": len(solution_str)}
+    """
+)
+
+
+@pytest.fixture
+def custom_file(tmp_path) -> str:
+    path = tmp_path / "my_reward.py"
+    path.write_text(CUSTOM)
+    return str(path)
+
+
+def test_custom_reward_function_path(workers, tokenizer, custom_file) -> None:
+    custom = (
+        f"reward.custom_reward_function.path={custom_file}",
+        "reward.custom_reward_function.name=compute_score",
+        "+reward.custom_reward_function.reward_kwargs.bonus=0.5",
+    )
+    theirs_worker, ours_worker = workers(*custom)
+    data = make_batch(tokenizer, ROWS)
+    theirs, ours = run_worker(theirs_worker, data), run_worker(ours_worker, data)
+    assert_same_rm_scores(data, theirs, ours)
+    for t, o in zip(theirs, ours):
+        assert o["reward_extra_info"]["chars"] == t["reward_extra_info"]["chars"]
+        assert o["reward_extra_info"]["score"] == t["reward_extra_info"]["score"]
+
+
+def test_raising_scorer_flags_exactly_its_rows(workers, tokenizer, custom_file) -> None:
+    _, ours_worker = workers(
+        f"reward.custom_reward_function.path={custom_file}", "+reward.custom_reward_function.reward_kwargs.bonus=0.0"
+    )
+    rows = [(s, "boom" if i % 3 == 1 else gt, text, n) for i, (s, gt, text, n) in enumerate(ROWS)]
+    ours = run_worker(ours_worker, make_batch(tokenizer, rows))
+    failed = [i for i, o in enumerate(ours) if o["reward_extra_info"]["reward_failed"] == 1.0]
+    assert failed == [i for i in range(len(rows)) if i % 3 == 1]
+    for i, o in enumerate(ours):
+        info = o["reward_extra_info"]
+        if i in failed:
+            assert o["reward_score"] == 0.0 and info["reward_status"] not in ("ok", "", None)
+        else:
+            assert info["reward_status"] == "ok" and o["reward_score"] == float(len_of(rows[i], tokenizer) % 3)
+    # verl's RewardLoopManager builds its columns from the first sample's keys and
+    # indexes every sample with them: the keys a failure carries are always there.
+    for o in ours:
+        assert {"score", "acc", "reward_failed", "reward_status"} <= set(o["reward_extra_info"])
+
+
+def len_of(row: tuple, tokenizer: Any) -> int:
+    data = make_batch(tokenizer, [row])
+    valid = int(data.batch["attention_mask"][0, -16:].sum())
+    return len(tokenizer.decode(data.batch["responses"][0][:valid], skip_special_tokens=True))
