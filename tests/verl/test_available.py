@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from verl_support import SKIP_REASON
 
 

@@ -65,6 +65,7 @@ def assert_same_rm_scores(data: Any, theirs: list[dict], ours: list[dict], verl_
 def test_naive_mixed_sources_truncated_and_zero_length(workers, tokenizer) -> None:
     theirs_worker, ours_worker = workers()
     assert isinstance(ours_worker.reward_manager, StreamRewardLoopManager)
+    assert ours_worker.reward_manager._placement.kind == "private"  # no Ray: a private server
     data = make_batch(tokenizer, ROWS)
     theirs, ours = run_worker(theirs_worker, data), run_worker(ours_worker, data)
     rm = assert_same_rm_scores(data, theirs, ours)
@@ -73,7 +74,7 @@ def test_naive_mixed_sources_truncated_and_zero_length(workers, tokenizer) -> No
         if row[3] == 0:
             assert rm[i, -1] == float(theirs[i]["reward_score"])
     assert any(rm[i, -1] != 0 for i, row in enumerate(ROWS) if row[3] == 0)  # math_dapo's -1 on an empty answer
-    for t, o in zip(theirs, ours):
+    for t, o in zip(theirs, ours, strict=True):
         info = o["reward_extra_info"]
         assert info["reward_failed"] == 0.0 and info["reward_status"] == "ok"
         for key, value in t["reward_extra_info"].items():  # verl's keys (acc, pred, score) with verl's values
@@ -88,7 +89,7 @@ def test_dapo_overlong_matches_verl(workers, tokenizer) -> None:
     theirs, ours = run_worker(theirs_worker, data), run_worker(ours_worker, data)
     assert_same_rm_scores(data, theirs, ours, "dapo")
     assert any(t["reward_extra_info"].get("overlong") for t in theirs)  # the penalty is exercised
-    for t, o in zip(theirs, ours):
+    for t, o in zip(theirs, ours, strict=True):
         for key in ("acc", "overlong_reward", "overlong"):
             if key in t["reward_extra_info"]:
                 assert o["reward_extra_info"][key] == t["reward_extra_info"][key], (key, t, o)
@@ -147,7 +148,7 @@ def test_custom_reward_function_path(workers, tokenizer, custom_file) -> None:
     data = make_batch(tokenizer, ROWS)
     theirs, ours = run_worker(theirs_worker, data), run_worker(ours_worker, data)
     assert_same_rm_scores(data, theirs, ours)
-    for t, o in zip(theirs, ours):
+    for t, o in zip(theirs, ours, strict=True):
         assert o["reward_extra_info"]["chars"] == t["reward_extra_info"]["chars"]
         assert o["reward_extra_info"]["score"] == t["reward_extra_info"]["score"]
 

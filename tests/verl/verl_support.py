@@ -55,7 +55,6 @@ def make_batch(tokenizer: Any, rows: list[tuple[str, str, str, Any]], *, width: 
     right-padded responses, attention_mask over both."""
     import numpy as np
     import torch
-
     from verl import DataProto
 
     pad = tokenizer.pad_token_id
