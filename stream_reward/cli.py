@@ -415,7 +415,7 @@ def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = ("throughput", "overlap", "latency", "memory", "vs_verl", "quota", "sandbox", "faults", "scale")
+BENCHES = ("throughput", "overlap", "latency", "memory", "vs_verl", "verl_loop", "quota", "sandbox", "faults", "scale")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -41,7 +42,7 @@ from .aggregator import RewardAggregator
 from .config import BatchPolicy, ProducerConfig
 from .errors import ConfigError, StreamRewardError
 from .managers import ManagerConfig, build_scorer
-from .trajectory import ScoreResult, Trajectory
+from .trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["StreamRewardLoopManager", "LoopOptions"]
 
@@ -85,6 +86,7 @@ class LoopOptions:
     * ``max_rpm``, ``max_tpm``, ``max_concurrent``, ...: the global quota;
     * ``redis_url``, ``namespace``: an existing deployment (workers run anywhere);
     * ``num_workers``: local worker processes when no ``redis_url`` (default 2);
+      ``concurrency``: samples in flight per worker process (default 256);
     * ``on_failure`` (``mask`` | ``fallback``), ``fallback_score``, ``deadline_s``:
       what a sample that could not be scored becomes;
     * ``server_host``, ``server_lease_s``: the job's shared server (``verl_server``).
@@ -100,6 +102,7 @@ class LoopOptions:
     server_host: str = "127.0.0.1"
     server_lease_s: float = 30.0
     custom_function: bool = False
+    concurrency: int | None = None  # samples in flight per worker process (the workers' default: 256)
 
     @classmethod
     def from_verl(cls, config: Any, *, reward_router_address: str | None = None) -> LoopOptions:
@@ -108,7 +111,7 @@ class LoopOptions:
         if not isinstance(kwargs, dict):
             raise ConfigError("reward.reward_kwargs", f"must be a mapping, got {type(kwargs).__name__}")
         known = {*_MANAGER_KEYS, "redis_url", "namespace", "num_workers", "on_failure", "fallback_score"}
-        known |= {"deadline_s", "server_host", "server_lease_s"}
+        known |= {"deadline_s", "server_host", "server_lease_s", "concurrency"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(
@@ -182,12 +185,15 @@ class LoopOptions:
             server_host=str(kwargs.get("server_host") or "127.0.0.1"),
             server_lease_s=float(kwargs.get("server_lease_s") or 30.0),
             custom_function=bool(path),
+            concurrency=_positive_int(kwargs, "concurrency"),
         )
 
     def worker_args(self) -> list[str]:
         """The worker command line: a few hundred bytes, never verl's config."""
         options = _manager_json(self.manager)
+        concurrency = ["--concurrency", str(self.concurrency)] if self.concurrency else []
         return [
+            *concurrency,
             "--manager",
             options.pop("manager"),
             "--scorer",
@@ -195,6 +201,15 @@ class LoopOptions:
             "--manager-kwargs",
             json.dumps(options, sort_keys=True),
         ]
+
+
+def _positive_int(kwargs: Mapping[str, Any], key: str) -> int | None:
+    value = kwargs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"reward.reward_kwargs.{key}", f"must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _manager_json(config: ManagerConfig) -> dict[str, Any]:
@@ -300,6 +315,7 @@ class StreamRewardLoopManager:
         _check_buildable(self.options.manager)
         self._prefix = f"verl-{uuid.uuid4().hex[:12]}"
         self._counter = 0
+        self._windows = _Windows(self)
         self._columns: dict[str, None] = {}  # reward_extra_info keys this manager has returned
         # One private loop per manager owns its Redis clients: run_single may be awaited
         # from any loop (a Ray actor's, an agent loop's, successive asyncio.run calls).
@@ -379,14 +395,12 @@ class StreamRewardLoopManager:
         assert self._aggregator is not None
         return self._producer, self._aggregator
 
-    async def _run_single(self, data: Any) -> dict[str, Any]:
+    def _new_batch_id(self) -> str:
         self._counter += 1
-        traj = decode_row(
-            data,
-            self.tokenizer,
-            f"{self._prefix}-{self._counter}",
-            verl_manager=self.options.manager.manager,
-        )
+        return f"{self._prefix}-{self._counter}"
+
+    async def _run_single(self, data: Any) -> dict[str, Any]:
+        traj = decode_row(data, self.tokenizer, self._prefix, verl_manager=self.options.manager.manager)
         try:
             result = await _score_one(self, traj)
         except StreamRewardError as exc:
@@ -427,25 +441,104 @@ class StreamRewardLoopManager:
 
 
 async def _score_one(manager: StreamRewardLoopManager, traj: Trajectory) -> ScoreResult:
-    """Push one sample and await its result. The one place that knows how: when the
-    per-sample API lands (``await producer.score(traj)``), this is its only caller."""
-    producer, aggregator = manager._clients()
-    width = traj.max_response_length or 1
-    await producer.open_batch(traj.batch_id, 1, max(1, width), policy=manager.options.policy)
-    await producer.push(traj)
-    task = asyncio.ensure_future(aggregator.collect(traj.batch_id))
+    """Push one sample and await its result: the one place that knows how. When the
+    per-sample API lands (``await producer.score(traj)``), it replaces this body."""
+    return await manager._windows.score(traj)
+
+
+class _Windows:
+    """Until the per-sample API exists: the run_single calls that arrive within
+    ``window_s`` of each other go out as one batch (one open_batch, one push_many),
+    and one reader follows that batch's results, resolving each caller as its own
+    result lands. Per-sample latency stays per sample; the round trips are per window."""
+
+    def __init__(self, manager: StreamRewardLoopManager, *, window_s: float = 0.002, max_size: int = 4096) -> None:
+        self._manager = manager
+        self._window_s = window_s
+        self._max_size = max_size
+        self._pending: list[tuple[Trajectory, asyncio.Future[ScoreResult]]] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # strong references until each window ends
+
+    async def score(self, traj: Trajectory) -> ScoreResult:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[ScoreResult] = loop.create_future()
+        self._pending.append((traj, future))
+        if len(self._pending) >= self._max_size:
+            self._flush()
+        elif self._flush_handle is None:
+            self._flush_handle = loop.call_later(self._window_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        window, self._pending = self._pending, []
+        if window:
+            task = asyncio.ensure_future(self._send(window))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, window: list[tuple[Trajectory, asyncio.Future[ScoreResult]]]) -> None:
+        manager = self._manager
+        producer, aggregator = manager._clients()
+        batch_id = manager._new_batch_id()
+        trajs = [
+            dataclasses.replace(traj, batch_id=batch_id, index=i, uid=default_uid(batch_id, i))
+            for i, (traj, _) in enumerate(window)
+        ]
+        futures = [future for _, future in window]
+        width = max(traj.max_response_length or 1 for traj in trajs)
+        try:
+            await producer.open_batch(batch_id, len(trajs), width, policy=manager.options.policy)
+            await producer.push_many(trajs)
+            results = aggregator.stream(batch_id)
+            watch = asyncio.ensure_future(_watch_workers(manager))
+            try:
+                async for result in _until(results, watch):
+                    if 0 <= result.index < len(futures) and not futures[result.index].done():
+                        futures[result.index].set_result(result)
+            finally:
+                watch.cancel()
+            # Past the batch deadline the stream ends with samples missing.
+            for i, future in enumerate(futures):
+                if not future.done():
+                    future.set_result(
+                        ScoreResult(trajs[i].uid, batch_id, i, 0.0, "failed", reason="deadline", error="no result")
+                    )
+            await aggregator.collect(batch_id, timeout_s=10, on_timeout="resolve")  # expires the batch's keys
+        except Exception as exc:
+            error = exc if isinstance(exc, StreamRewardError) else StreamRewardError(f"{type(exc).__name__}: {exc}")
+            for future in futures:
+                if not future.done():
+                    future.set_exception(error)
+
+
+async def _watch_workers(manager: StreamRewardLoopManager) -> None:
+    """Returns when every local worker process has exited (a bad scorer, a crash at start)."""
+    while manager._placement.workers_alive():
+        await asyncio.sleep(1.0)
+
+
+async def _until(results: Any, watch: asyncio.Future[None]) -> Any:
+    """``results`` until they end, or raise once ``watch`` finishes first."""
+    iterator = results.__aiter__()
     try:
-        while not (await asyncio.wait({task}, timeout=1.0))[0]:
-            if not manager._placement.workers_alive():
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait({step, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await step
                 raise StreamRewardError("every local worker process exited; see the workers' stderr")
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    result = task.result().results[0]
-    assert result is not None
-    return result
+        await iterator.aclose()
 
 
 def _check_buildable(config: ManagerConfig) -> None:
