@@ -82,7 +82,8 @@ class LoopOptions:
     * ``overlong_buffer_cfg``, ``max_resp_len`` (default: verl's configured response
       length, ``actor_rollout_ref.rollout.response_length``): DAPO's overlong penalty;
     * ``scorer``: a scorer spec (``http:URL``, ``genrm:URL``, ``sandbox``, ...) instead
-      of the rules / custom function;
+      of the rules / custom function, and ``scorer_kwargs``: its options (``model``,
+      ``template``, ... see docs/remote.md);
     * ``max_rpm``, ``max_tpm``, ``max_concurrent``, ...: the global quota;
     * ``redis_url``, ``namespace``: an existing deployment (workers run anywhere);
     * ``num_workers``: local worker processes when no ``redis_url`` (default 2);
@@ -111,7 +112,7 @@ class LoopOptions:
         if not isinstance(kwargs, dict):
             raise ConfigError("reward.reward_kwargs", f"must be a mapping, got {type(kwargs).__name__}")
         known = {*_MANAGER_KEYS, "redis_url", "namespace", "num_workers", "on_failure", "fallback_score"}
-        known |= {"deadline_s", "server_host", "server_lease_s", "concurrency"}
+        known |= {"deadline_s", "server_host", "server_lease_s", "concurrency", "scorer_kwargs"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(
@@ -135,7 +136,7 @@ class LoopOptions:
 
         custom = _get(reward, "custom_reward_function") or {}
         path = _get(custom, "path")
-        reward_kwargs: dict[str, Any] = {}
+        reward_kwargs: dict[str, Any] = dict(kwargs.get("scorer_kwargs") or {})
         if path:
             if manager_options.get("scorer"):
                 raise ConfigError(
@@ -316,6 +317,7 @@ class StreamRewardLoopManager:
         self._prefix = f"verl-{uuid.uuid4().hex[:12]}"
         self._counter = 0
         self._windows = _Windows(self)
+        self._remote_scorer = self.options.manager.scorer.partition(":")[0] in ("http", "disrm", "genrm")
         self._columns: dict[str, None] = {}  # reward_extra_info keys this manager has returned
         # One private loop per manager owns its Redis clients: run_single may be awaited
         # from any loop (a Ray actor's, an agent loop's, successive asyncio.run calls).
@@ -400,7 +402,13 @@ class StreamRewardLoopManager:
         return f"{self._prefix}-{self._counter}"
 
     async def _run_single(self, data: Any) -> dict[str, Any]:
-        traj = decode_row(data, self.tokenizer, self._prefix, verl_manager=self.options.manager.manager)
+        traj = decode_row(
+            data,
+            self.tokenizer,
+            self._prefix,
+            verl_manager=self.options.manager.manager,
+            with_prompt=self._remote_scorer,
+        )
         try:
             result = await _score_one(self, traj)
         except StreamRewardError as exc:
@@ -517,7 +525,7 @@ class _Windows:
 
 async def _watch_workers(manager: StreamRewardLoopManager) -> None:
     """Returns when every local worker process has exited (a bad scorer, a crash at start)."""
-    while manager._placement.workers_alive():
+    while manager._placement.workers_alive():  # noqa: ASYNC110 - child processes set no event; poll them
         await asyncio.sleep(1.0)
 
 
@@ -543,23 +551,16 @@ async def _until(results: Any, watch: asyncio.Future[None]) -> Any:
 
 def _check_buildable(config: ManagerConfig) -> None:
     async def build() -> None:
-        scorer = build_scorer(config)
+        # The workers fill in their own Redis URL; building connects to nothing, so a
+        # placeholder lets a quota-holding scorer be checked here too.
+        scorer = build_scorer(dataclasses.replace(config, redis_url=config.redis_url or "redis://127.0.0.1:9"))
         close = getattr(scorer, "aclose", None)
         if close is not None:
             await close()
 
-    if _loop_running():  # constructed inside a running loop (an async Ray actor): build elsewhere
-        _run_in_thread(build())
-    else:
-        asyncio.run(build())
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+    # Always on a thread of its own: asyncio.run here would clear this thread's current
+    # event loop, the one verl's RewardLoopWorker takes with get_event_loop() right after.
+    _run_in_thread(build())
 
 
 def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
@@ -580,7 +581,9 @@ def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
 
 
 # ---------------------------------------------------------------- decoding
-def decode_row(data: Any, tokenizer: Any, batch_id: str, *, verl_manager: str = "naive") -> Trajectory:
+def decode_row(
+    data: Any, tokenizer: Any, batch_id: str, *, verl_manager: str = "naive", with_prompt: bool = False
+) -> Trajectory:
     """The last row of a DataProto as a trajectory, decoded as verl 0.9.1's reward-loop
     managers decode it (``naive.py`` / ``dapo.py``)."""
     from .verl import _plain
@@ -591,6 +594,11 @@ def decode_row(data: Any, tokenizer: Any, batch_id: str, *, verl_manager: str = 
     width = int(responses.shape[-1])
     valid = int(batch["attention_mask"][-1][-width:].sum())
     response = tokenizer.decode(responses[:valid], skip_special_tokens=True)
+    prompt = None
+    if with_prompt:  # remote judges see the question (verl's rule managers never decode it)
+        prompts = batch["prompts"][-1]
+        prompt_valid = int(batch["attention_mask"][-1][: prompts.shape[-1]].sum())
+        prompt = tokenizer.decode(prompts[prompts.shape[-1] - prompt_valid :], skip_special_tokens=True)
     reward_model = _plain(_last(nt, "reward_model")) or {}
     extra = _plain(_last(nt, "extra_info")) or {}
     if not isinstance(extra, dict):
@@ -609,6 +617,7 @@ def decode_row(data: Any, tokenizer: Any, batch_id: str, *, verl_manager: str = 
         data_source=str(_plain(nt["data_source"][-1])),
         response=response,
         ground_truth=reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
+        prompt=prompt,
         valid_response_length=valid,
         max_response_length=width,
         extra_info=extra,

@@ -177,3 +177,39 @@ def len_of(row: tuple, tokenizer: Any) -> int:
     data = make_batch(tokenizer, [row])
     valid = int(data.batch["attention_mask"][0, -16:].sum())
     return len(tokenizer.decode(data.batch["responses"][0][:valid], skip_special_tokens=True))
+
+
+def test_genrm_judge_under_a_global_quota(compose, tokenizer) -> None:
+    """A remote judge (the reference verifier server's OpenAI-compatible endpoint) as
+    the scorer, under the rate_limited manager's quota: configured from verl's keys only."""
+    import asyncio
+
+    from workers.verifier_server import VerifierServer
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # verl's RewardLoopWorker takes the thread's loop
+    server = VerifierServer(rpm=6000)
+    url = loop.run_until_complete(server.start())
+    worker = RewardLoopWorker(
+        compose(
+            *STREAM_OVERRIDES,
+            "+reward.reward_kwargs.manager=rate_limited",
+            f"+reward.reward_kwargs.scorer=genrm:{url}",
+            "+reward.reward_kwargs.max_rpm=6000",
+            "+reward.reward_kwargs.max_concurrent=8",
+            "+reward.reward_kwargs.scorer_kwargs.model=judge",
+        )
+    )
+    try:
+        rows = [("custom/judged", "42", "42", None), ("custom/judged", "42", "41", None)] * 4
+        out = run_worker(worker, make_batch(tokenizer, rows))
+        assert [o["reward_score"] for o in out] == [1.0, 0.0] * 4
+        assert all(o["reward_extra_info"]["reward_status"] == "ok" for o in out)
+        stats = server.stats()
+        assert stats["by_path"].get("/v1/chat/completions", 0) >= len(rows), stats
+        assert stats["max_in_flight"] <= 8, stats  # max_concurrent, held in Redis for every worker process
+    finally:
+        close(worker)
+        loop.run_until_complete(server.stop())
+        asyncio.set_event_loop(None)
+        loop.close()

@@ -11,11 +11,16 @@ REQUIRED = os.environ.get("STREAM_REWARD_REQUIRE_VERL") == "1"
 
 
 def _missing() -> str | None:
-    if importlib.util.find_spec("verl") is None or importlib.util.find_spec("torch") is None:
-        return "verl or torch is not installed"
-    from importlib.metadata import version
+    # By distribution metadata, not find_spec: this very directory is named verl, and
+    # without the real package it would be found as a namespace package.
+    from importlib.metadata import PackageNotFoundError, version
 
-    found = version("verl")
+    try:
+        found = version("verl")
+    except PackageNotFoundError:
+        return "verl is not installed"
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
     if found != VERL_VERSION:
         return f"verl {found} is installed, this suite checks {VERL_VERSION}"
     return None
