@@ -164,7 +164,7 @@ def test_raising_scorer_flags_exactly_its_rows(workers, tokenizer, custom_file) 
     for i, o in enumerate(ours):
         info = o["reward_extra_info"]
         if i in failed:
-            assert o["reward_score"] == 0.0 and info["reward_status"] not in ("ok", "", None)
+            assert o["reward_score"] == 0.0 and info["reward_status"] == "scorer_error"
         else:
             assert info["reward_status"] == "ok" and o["reward_score"] == float(len_of(rows[i], tokenizer) % 3)
     # verl's RewardLoopManager builds its columns from the first sample's keys and
@@ -213,3 +213,67 @@ def test_genrm_judge_under_a_global_quota(compose, tokenizer) -> None:
         loop.run_until_complete(server.stop())
         asyncio.set_event_loop(None)
         loop.close()
+
+
+ROUTED = textwrap.dedent(
+    """
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+        tok = kwargs.get("reward_model_tokenizer")
+        return {
+            "score": 1.0,
+            "kwargs": ",".join(sorted(kwargs)),
+            "router": kwargs.get("reward_router_address"),
+            "tokenizer_decodes": tok.decode(tok.encode("Answer: 7")) if tok is not None else None,
+        }
+    """
+)
+
+
+def test_reward_model_router_and_tokenizer_reach_compute_score(compose, tokenizer, tokenizer_dir, tmp_path) -> None:
+    """With a reward model, verl passes reward_router_address and reward_model_tokenizer
+    to a custom compute_score; through the workers it gets the same."""
+    import asyncio
+
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    path = tmp_path / "routed.py"
+    path.write_text(ROUTED)
+    custom = (f"reward.custom_reward_function.path={path}", f"reward.reward_model.model_path={tokenizer_dir}")
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    kwargs = {"reward_router_address": "127.0.0.1:8000", "reward_model_tokenizer": tokenizer}
+    theirs = load_reward_manager(compose(*custom), tokenizer, **kwargs)
+    ours = load_reward_manager(compose(*custom, *STREAM_OVERRIDES), tokenizer, **kwargs)
+    try:
+        assert isinstance(ours, StreamRewardLoopManager)
+        data = make_batch(tokenizer, ROWS[:2])
+        for i in range(2):
+            expected = loop.run_until_complete(theirs.run_single(data[i : i + 1]))
+            got = loop.run_until_complete(ours.run_single(data[i : i + 1]))
+            assert got["reward_score"] == expected["reward_score"]
+            for key in ("kwargs", "router", "tokenizer_decodes"):
+                assert got["reward_extra_info"][key] == expected["reward_extra_info"][key], key
+    finally:
+        ours.close()
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def test_options_from_verls_keys_only(compose) -> None:
+    from omegaconf import OmegaConf
+
+    from stream_reward.errors import ConfigError
+    from stream_reward.verl_loop import LoopOptions
+
+    config = compose(*STREAM_OVERRIDES, "+reward.reward_kwargs.manager=dapo", "+reward.reward_kwargs.max_rpm=60")
+    assert OmegaConf.is_missing(config.reward.reward_model.rollout, "name")  # a ??? left in verl's config: harmless
+    options = LoopOptions.from_verl(config)
+    args = options.worker_args()
+    assert len(" ".join(args)) < 500 and "actor_rollout_ref" not in " ".join(args)  # never verl's config
+    assert options.manager.manager == "dapo" and options.manager.max_rpm == 60
+    with pytest.raises(ConfigError, match="reward.reward_kwargs.overlong_bufer_cfg"):
+        LoopOptions.from_verl(compose("+reward.reward_kwargs.overlong_bufer_cfg.enable=true"))
+    with pytest.raises(ConfigError, match="on_failure"):
+        LoopOptions.from_verl(compose("+reward.reward_kwargs.on_failure=drop"))
+    with pytest.raises(ConfigError, match="custom_reward_function.path"):
+        LoopOptions.from_verl(compose("reward.custom_reward_function.path=/nonexistent/rewards.py"))
