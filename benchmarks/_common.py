@@ -140,7 +140,7 @@ class Progress:
     """The bench's progress bar: ``with Progress(args, "pushing", total=n) as bar: bar.advance(k)``.
 
     Drawn on stderr only when it is a terminal and ``--json`` is not given. It is
-    ``stream_reward.logs.progress_bar``, so under ``stream-reward bench`` it nests
+    ``stream_reward.ops.logs.progress_bar``, so under ``stream-reward bench`` it nests
     as a line under the CLI's spinner instead of starting a second live display.
     """
 
@@ -152,7 +152,7 @@ class Progress:
         self._handle: Any = None
 
     def __enter__(self) -> Progress:
-        from stream_reward.logs import progress_bar
+        from stream_reward.ops.logs import progress_bar
 
         self._cm = progress_bar(self._description, total=self._total, enabled=self._enabled)
         self._handle = self._cm.__enter__()
@@ -324,8 +324,8 @@ async def wait_for_workers(
     url: str, namespace: str, n: int, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 60.0
 ) -> None:
     """Until ``n`` workers have heartbeated into the namespace (they have joined the group)."""
-    from stream_reward.broker import connect
-    from stream_reward.keys import Keys
+    from stream_reward.wire.connection import connect
+    from stream_reward.wire.keys import Keys
 
     client = connect(url)
     try:
@@ -358,10 +358,10 @@ def stop_procs(procs: Sequence[subprocess.Popen[Any]], timeout_s: float = 15.0) 
 
 class Workers:
     """``with Workers(url, ns, n, *worker_args) as w: await w.ready()``: project worker
-    processes (``stream_reward.local.spawn_worker``), stopped on exit."""
+    processes (``stream_reward.ops.pipeline.spawn_worker``), stopped on exit."""
 
     def __init__(self, url: str, namespace: str, n: int, *worker_args: str) -> None:
-        from stream_reward.local import spawn_worker
+        from stream_reward.ops.pipeline import spawn_worker
 
         self.url, self.namespace, self.n = url, namespace, n
         self.procs = [spawn_worker(url, *worker_args, namespace=namespace) for _ in range(n)]
@@ -383,7 +383,7 @@ class Workers:
 @contextlib.contextmanager
 def quiet_server() -> Iterator[Any]:
     """A private embedded server (unix socket, no persistence), removed on exit."""
-    from stream_reward.embedded import EmbeddedServer
+    from stream_reward.ops.embedded import EmbeddedServer
 
     with EmbeddedServer() as server:
         yield server
@@ -431,8 +431,8 @@ def gsm8k_pool(rng: random.Random, size: int, target_bytes: int) -> list[dict[st
 
 def payload_bytes(sample: dict[str, Any]) -> int:
     """Encoded size of one pool sample as a trajectory (what the stream carries)."""
-    from stream_reward.codec import encode_trajectory
-    from stream_reward.trajectory import Trajectory
+    from stream_reward.wire.codec import encode_trajectory
+    from stream_reward.wire.trajectory import Trajectory
 
     return len(
         encode_trajectory(

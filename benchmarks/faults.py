@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.broker import connect
-from stream_reward.embedded import EmbeddedServer
-from stream_reward.keys import Keys
-from stream_reward.local import spawn_worker
+from stream_reward.ops.embedded import EmbeddedServer
+from stream_reward.ops.pipeline import spawn_worker
+from stream_reward.wire.connection import connect
+from stream_reward.wire.keys import Keys
 
 SCORER = "benchmarks._fault_scorer:jittery"
 

@@ -51,10 +51,10 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, 
     setup_torch(args)  # a trainer has torch loaded: keep its import out of what is measured
 
     from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
-    from stream_reward.broker import connect
-    from stream_reward.codec import encode_result, encode_trajectory
-    from stream_reward.keys import Keys
-    from stream_reward.trajectory import ScoreResult
+    from stream_reward.wire.codec import encode_result, encode_trajectory
+    from stream_reward.wire.connection import connect
+    from stream_reward.wire.keys import Keys
+    from stream_reward.wire.trajectory import ScoreResult
 
     pool = gsm8k_pool(random.Random(args.seed), 1024, args.bytes)
     n = args.n

@@ -97,8 +97,8 @@ async def measure(args: argparse.Namespace, redis_url: str, namespace: str) -> d
     import aiohttp
 
     from stream_reward import RolloutProducer, Trajectory
-    from stream_reward.config import ProducerConfig
-    from stream_reward.quota import QuotaConfig, QuotaLimiter
+    from stream_reward.config import ProducerConfig, QuotaConfig
+    from stream_reward.scoring.quota import QuotaLimiter
 
     rate = args.quota_rpm / 60
     burst = max(2.0, rate * args.server_burst_s)
@@ -199,8 +199,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def cleanup(url: str, namespace: str) -> None:
-    from stream_reward.broker import connect
-    from stream_reward.keys import Keys
+    from stream_reward.wire.connection import connect
+    from stream_reward.wire.keys import Keys
 
     client = connect(url)
     try:

@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks._common import bench_parser, emit, plot_figure
 from stream_reward.scorers.sandbox import SandboxConfig, SandboxScorer, case_script, parse_tests
-from stream_reward.trajectory import Trajectory
+from stream_reward.wire.trajectory import Trajectory
 
 # (ground truth, correct solution, broken solution)
 PROBLEMS: list[tuple[dict[str, Any], str, str]] = [

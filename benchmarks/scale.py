@@ -91,14 +91,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def redis_under_test(kind: str) -> Iterator[tuple[str, list[int]]]:
     """(url, server pids) of a fresh single node or 3-master cluster on loopback."""
     if kind == "single":
-        from stream_reward.cluster import _free_ports
-        from stream_reward.embedded import EmbeddedServer
+        from stream_reward.ops.cluster import _free_ports
+        from stream_reward.ops.embedded import EmbeddedServer
 
         (port,) = _free_ports(1, random.Random())
         with EmbeddedServer(extra_args=["--port", str(port), "--bind", "127.0.0.1"]) as server:
             yield f"redis://127.0.0.1:{port}", [server.pid or 0]
     elif kind == "cluster3":
-        from stream_reward.cluster import LocalCluster
+        from stream_reward.ops.cluster import LocalCluster
 
         with LocalCluster(masters=3) as cluster:
             yield cluster.url, cluster.pids

@@ -5,12 +5,12 @@ processes score it as it arrives; the aggregator hands the trainer verl's
 ``rm_scores`` tensor for the batch.
 """
 
-from .aggregator import BatchRewards, RewardAggregator
-from .config import BatchPolicy, ProducerConfig
-from .errors import StreamRewardError
-from .producer import RolloutProducer, SyncRolloutProducer
-from .scoring import Scored
-from .trajectory import ScoreResult, Trajectory
+from stream_reward.config import BatchPolicy, ProducerConfig
+from stream_reward.errors import StreamRewardError
+from stream_reward.scoring.scorer import Scored
+from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
+from stream_reward.trainer.producer import RolloutProducer, SyncRolloutProducer
+from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = [
     "Trajectory",

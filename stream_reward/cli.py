@@ -13,14 +13,18 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import StreamRewardError
-from .logs import LOG_FORMATS, configure_logging, progress_bar
+from stream_reward.errors import StreamRewardError
+from stream_reward.ops.health import check_health
+from stream_reward.ops.logs import LOG_FORMATS, configure_logging, progress_bar
+from stream_reward.ops.settings import Settings
+from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args, resolve_flags, worker_command
 
 __all__ = ["main", "build_parser"]
 
@@ -63,28 +67,12 @@ def _actions(sub: Any, name: str, help: str) -> Any:
     return parser.add_subparsers(dest=f"{name}_action", required=True)
 
 
-def _settings(args: argparse.Namespace) -> Any:
-    """The effective settings of a command (file < env < flags), written back into ``args``."""
-    settings = getattr(args, "settings", None)
-    if settings is not None:
-        return settings
-    from .settings import load_settings
-
-    flags = {key: getattr(args, dest) for dest, key in CLI_FLAG_KEYS.items() if getattr(args, dest, None) is not None}
-    settings = load_settings(getattr(args, "config", None), flags=flags)
+def _settings(args: argparse.Namespace) -> Settings:
+    """The effective settings of a command (config file < env < flags), written back into ``args``."""
+    settings = resolve_flags(args, CLI_FLAG_KEYS)
     if getattr(args, "redis_required", False):
         settings.require_redis()
-    for dest, key in CLI_FLAG_KEYS.items():
-        if hasattr(args, dest):
-            setattr(args, dest, settings[key])
-    args.settings = settings
     return settings
-
-
-def _worker_settings(args: argparse.Namespace) -> Any:
-    from workers.main import resolve_args
-
-    return resolve_args(args)
 
 
 def _configure_logging(args: argparse.Namespace, settings: Any) -> None:
@@ -122,8 +110,8 @@ def _pipeline_worker_args(args: argparse.Namespace) -> list[str]:
 
 async def _watch_batch(url: str, namespace: str, batch_id: str, progress: Any, poll_s: float = 0.2) -> None:
     """Advance ``progress`` as a batch's results land (HLEN of its ledgers: no re-reading results)."""
-    from .aggregator import RewardAggregator
-    from .keys import Keys
+    from stream_reward.trainer.aggregator import RewardAggregator
+    from stream_reward.wire.keys import Keys
 
     async with RewardAggregator(url, namespace=namespace) as agg:
         while True:
@@ -156,14 +144,14 @@ async def _with_watcher(coro: Any, watcher: Any) -> Any:
 
 async def _produce(url: str, rollouts: Any, response_len: int, settings: Any) -> None:
     """``jsonl.produce_rollouts`` with the configured failure policy and producer options."""
-    from .jsonl import produce_rollouts
+    from stream_reward.trainer.rollouts import produce_rollouts
 
     await produce_rollouts(url, rollouts, response_len, settings.producer_config(), settings.batch_policy())
 
 
 # ---------------------------------------------------------------------- commands
 def cmd_server(args: argparse.Namespace) -> int:
-    from .embedded import EmbeddedServer
+    from stream_reward.ops.embedded import EmbeddedServer
 
     stop = {"flag": False}
 
@@ -181,13 +169,21 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from workers.main import run_from_args
-
-    return run_from_args(args)
+    """Check the settings here (one clear line on a mistake), then become the worker program."""
+    settings = resolve_args(args)
+    if args.check:
+        healthy, message = asyncio.run(check_health(settings, consumer=args.consumer))
+        print(message, file=sys.stdout if healthy else sys.stderr)
+        return 0 if healthy else 1
+    settings.require_redis()
+    # exec, not a child: signals from the terminal or a service manager reach the
+    # worker itself, and the library never imports the runnable side.
+    os.execv(sys.executable, worker_command(*args.worker_argv))
+    return 0  # not reached
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from .jsonl import read_rollouts
+    from stream_reward.trainer.rollouts import read_rollouts
 
     settings = _settings(args)
     rollouts = read_rollouts(args.file, args.batch)
@@ -199,7 +195,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    from .aggregator import RewardAggregator
+    from stream_reward.trainer.aggregator import RewardAggregator
 
     with progress_bar(f"collecting {args.batch}", total=0, enabled=not args.json) as progress:
 
@@ -244,9 +240,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from .aggregator import RewardAggregator
-    from .jsonl import read_rollouts, result_rows
-    from .local import LocalPipeline
+    from stream_reward.ops.pipeline import LocalPipeline
+    from stream_reward.trainer.aggregator import RewardAggregator
+    from stream_reward.trainer.rollouts import read_rollouts, result_rows
 
     settings = _settings(args)
     batch_id = f"score-{int(time.time() * 1000)}"
@@ -282,8 +278,8 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-    from .local import LocalPipeline
+    from stream_reward.ops.demo import run_demo
+    from stream_reward.ops.pipeline import LocalPipeline
 
     _settings(args)
     processes = _processes(args)
@@ -318,7 +314,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import read_status, render_status
+    from stream_reward.ops.status import read_status, render_status
 
     settings = _settings(args)
     interval = settings["consumer.heartbeat_interval_s"]
@@ -354,7 +350,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from .settings import env_name
+    from stream_reward.ops.settings import env_name
 
     settings = _settings(args)
     shown = settings.as_dict(masked=True)
@@ -384,7 +380,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_dlq_list(args: argparse.Namespace) -> int:
-    from .deadletters import list_dead_letters
+    from stream_reward.ops.deadletters import list_dead_letters
 
     _settings(args)
     letters = asyncio.run(
@@ -405,7 +401,7 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
 
 
 def cmd_dlq_redrive(args: argparse.Namespace) -> int:
-    from .deadletters import redrive_dead_letters
+    from stream_reward.ops.deadletters import redrive_dead_letters
 
     _settings(args)
     moved = asyncio.run(
@@ -430,7 +426,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    from workers.main import add_worker_arguments
 
     parser = argparse.ArgumentParser(prog="stream-reward", description="Async streaming reward pipeline for LLM RL.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -512,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_worker_arguments(p)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_config_show, resolve=_worker_settings)
+    p.set_defaults(func=cmd_config_show, resolve=resolve_args)
 
     p = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES))
     p.add_argument("name", choices=BENCHES)
@@ -524,7 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.command == "worker":
+        args.worker_argv = argv[argv.index("worker") + 1 :]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         if args.command != "worker":  # the worker configures its own logging, from its settings

@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from .codec import DEFAULT_MAX_MESSAGE_BYTES
-from .errors import ConfigError
-from .keys import DEFAULT_GROUP, DEFAULT_NAMESPACE
+from stream_reward.errors import ConfigError
 
-__all__ = ["ConsumerConfig", "ProducerConfig", "BatchPolicy", "FailurePolicy", "default_consumer_name"]
+__all__ = [
+    "ConsumerConfig",
+    "ProducerConfig",
+    "BatchPolicy",
+    "FailurePolicy",
+    "default_consumer_name",
+    "check_namespace",
+    "DEFAULT_NAMESPACE",
+    "DEFAULT_GROUP",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "ManagerConfig",
+    "OverlongConfig",
+    "QuotaConfig",
+    "SandboxConfig",
+]
+
+DEFAULT_NAMESPACE = "sr"
+DEFAULT_GROUP = "scorers"
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def check_namespace(namespace: str, key: str = "namespace") -> str:
+    """The one rule for namespace names, checked wherever a namespace enters."""
+    # Braces would break the hash tag; '#' is reserved: a namespace "a#1.3" would
+    # share a tag with partition 1 of "a".
+    if not namespace or any(c in namespace for c in "{}#"):
+        raise ConfigError(key, f"must be non-empty and contain no braces or '#', got {namespace!r}")
+    return namespace
+
 
 FailurePolicy = Literal["fallback", "mask", "drop"]
 
@@ -85,3 +114,173 @@ class BatchPolicy:
             raise ConfigError("on_failure", f"must be fallback, mask or drop, got {self.on_failure!r}")
         if self.deadline_s is not None and self.deadline_s <= 0:
             raise ConfigError("deadline_s", f"must be > 0, got {self.deadline_s}")
+
+
+@dataclass(slots=True)
+class ManagerConfig:
+    """Manager options, with verl's key names where verl has them."""
+
+    manager: str = "naive"
+    scorer: str = "rules"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout: float = 30.0  # per sample, seconds (verl's key name); per call for `batch`
+    num_processes: int | None = None  # scorer processes; default: cores
+    # dapo
+    overlong_buffer_cfg: dict[str, Any] = field(default_factory=dict)
+    max_resp_len: int | None = None
+    # batch
+    batch_size: int = 128
+    batch_wait_ms: float = 20.0
+    # rate_limited (and remote verifiers)
+    max_concurrent: int | None = None
+    max_rpm: float | None = None
+    max_tpm: float | None = None
+    estimated_tokens_per_request: int = 2000
+    quota_key: str | None = None
+    retries: int = 5  # attempts after the first, for infrastructure faults
+    redis_url: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    # the `sandbox` scorer: keyword arguments of scorers.sandbox.SandboxConfig
+    sandbox: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class OverlongConfig:
+    """verl's ``overlong_buffer_cfg``: ``{enable, len, penalty_factor, log}``."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None, max_resp_len: int | None) -> OverlongConfig:
+        """Validated only when enabled, as verl does (a disabled block may hold anything)."""
+        cfg = dict(cfg or {})
+        if not cfg.get("enable"):
+            return cls()
+        unknown = sorted(set(cfg) - {"enable", "len", "penalty_factor", "log"})
+        if unknown:
+            raise ConfigError(
+                f"overlong_buffer_cfg.{unknown[0]}", "unknown key; known: enable, len, penalty_factor, log"
+            )
+        buffer_len = cfg.get("len")
+        if isinstance(buffer_len, bool) or not isinstance(buffer_len, int) or buffer_len <= 0:
+            raise ConfigError(
+                "overlong_buffer_cfg.len",
+                f"must be an integer > 0 when the overlong penalty is enabled, got {buffer_len!r}",
+            )
+        factor = cfg.get("penalty_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
+            raise ConfigError("overlong_buffer_cfg.penalty_factor", f"must be a number >= 0, got {factor!r}")
+        if max_resp_len is not None:
+            if isinstance(max_resp_len, bool) or not isinstance(max_resp_len, int):
+                raise ConfigError("max_resp_len", f"must be an integer, got {max_resp_len!r}")
+            if max_resp_len < buffer_len:
+                raise ConfigError(
+                    "max_resp_len", f"must be >= overlong_buffer_cfg.len ({buffer_len}), got {max_resp_len}"
+                )
+        return cls(True, buffer_len, float(factor), bool(cfg.get("log", False)))
+
+
+@dataclass
+class QuotaConfig:
+    """One verifier's global limits. ``None`` disables a limit.
+
+    ``name`` keys the quota in Redis: every limiter with the same name and
+    namespace shares it (use the API key's identity when the provider meters per
+    key). ``estimated_tokens_per_request`` is charged against TPM up front when
+    the caller gives no count. ``lease_ttl_s``: an in-flight lease not renewed
+    for this long (its worker died) stops counting.
+
+    Beyond the core fields: ``burst`` — requests allowed back to back after an
+    idle spell (GCRA tolerance; TPM's is ``burst`` x the token estimate);
+    ``adaptive`` — lower the rate after repeated 429s, by ``rate_decrease`` per
+    repeat down to ``min_rate_factor``, and recover to the full rate over
+    ``recovery_s``; ``repeat_window_s`` — two 429s this close are "repeated".
+    """
+
+    name: str
+    max_rpm: float | None = None
+    max_tpm: float | None = None
+    max_inflight: int | None = None
+    estimated_tokens_per_request: int = 2000
+    lease_ttl_s: float = 60.0
+    burst: float = 1.0
+    adaptive: bool = False
+    rate_decrease: float = 0.7
+    min_rate_factor: float = 0.1
+    recovery_s: float = 60.0
+    repeat_window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in "{}"):
+            raise ConfigError("quota_key", f"{self.name!r} must be non-empty and contain no braces")
+        for key in ("max_rpm", "max_tpm", "max_inflight"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(key, f"must be > 0 (or unset), got {value}")
+        if self.estimated_tokens_per_request < 0:
+            raise ConfigError("estimated_tokens_per_request", f"must be >= 0, got {self.estimated_tokens_per_request}")
+        if self.lease_ttl_s <= 0:
+            raise ConfigError("lease_ttl_s", f"must be > 0, got {self.lease_ttl_s}")
+        if self.burst < 1:
+            raise ConfigError("burst", f"must be >= 1, got {self.burst}")
+        if not 0 < self.rate_decrease < 1:
+            raise ConfigError("rate_decrease", f"must be in (0, 1), got {self.rate_decrease}")
+        if not 0 < self.min_rate_factor <= 1:
+            raise ConfigError("min_rate_factor", f"must be in (0, 1], got {self.min_rate_factor}")
+        if self.recovery_s <= 0:
+            raise ConfigError("recovery_s", f"must be > 0, got {self.recovery_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxConfig:
+    """Limits are per test case; ``concurrency`` bounds sandboxes per scorer.
+
+    ``tmp_mb`` sizes each of the sandbox's private /tmp and /dev/shm.
+    ``extra_ro_binds`` are host paths shown read-only at the same place (not
+    under /tmp, which is the sandbox's own). ``backend="none"`` or a host with no
+    usable backend is refused unless ``unsafe_no_isolation``. Case processes run
+    as uids leased from ``uid_base .. uid_base + uid_count - 1`` (when root).
+    """
+
+    timeout_s: float = 5.0
+    cpu_s: float = 5.0
+    memory_mb: int = 1024
+    max_output_bytes: int = 4 * 1024 * 1024
+    max_file_mb: int = 16
+    max_procs: int = 32
+    tmp_mb: int = 64
+    concurrency: int = os.cpu_count() or 1
+    all_or_nothing: bool = False
+    unsafe_no_isolation: bool = False
+    backend: str = "auto"  # auto | bwrap | unshare | none
+    bwrap_path: str = "bwrap"
+    unshare_path: str = "unshare"
+    # The real interpreter, not a venv's symlink to it: a venv may live under /tmp,
+    # which inside the sandbox is a fresh tmpfs. The harness needs no site-packages.
+    python: str = os.path.realpath(sys.executable)
+    site_packages: bool = True  # put the host's site-packages on sys.path (no .pth processing)
+    extra_ro_binds: tuple[str, ...] = ()
+    uid_base: int = 60000
+    uid_count: int = 1000
+
+    def __post_init__(self) -> None:
+        for key in (
+            "timeout_s",
+            "cpu_s",
+            "memory_mb",
+            "max_output_bytes",
+            "max_file_mb",
+            "max_procs",
+            "tmp_mb",
+            "concurrency",
+            "uid_count",
+        ):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, "must be > 0")
+        if self.backend not in ("auto", "bwrap", "unshare", "none"):
+            raise ConfigError("backend", f"{self.backend!r} is not auto, bwrap, unshare or none")
+        if self.uid_base < 1000:
+            raise ConfigError("uid_base", "must be >= 1000 (an unprivileged uid range)")

@@ -98,9 +98,23 @@ class ScorerCrashedError(ScoringError):
 
 
 class VerifierError(ScoringError):
-    """Infrastructure fault of a remote verifier (connect error, 5xx, 429, timeout)."""
+    """Infrastructure fault of a remote verifier (connect error, 5xx, 429, timeout).
+
+    ``retry_after_s`` is the server's ``Retry-After`` when it sent one (a 503 may).
+    """
 
     reason = "verifier_unavailable"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        attempts: int | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message, reason=reason, attempts=attempts)
+        self.retry_after_s = retry_after_s
 
 
 class BadReplyError(ScoringError):
@@ -117,11 +131,18 @@ class RetryLater(StreamRewardError):
     """
 
     def __init__(
-        self, message: str = "retry later", *, retry_after_s: float | None = None, rate_limited: bool = False
+        self,
+        message: str = "retry later",
+        *,
+        retry_after_s: float | None = None,
+        rate_limited: bool = False,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.rate_limited = rate_limited
+        # The code a spent budget reports.
+        self.reason = reason or ("http_429" if rate_limited else "retry_later")
 
 
 class BackpressureError(StreamRewardError):

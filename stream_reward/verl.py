@@ -47,15 +47,15 @@ import uuid
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
-from .aggregator import BatchRewards, RewardAggregator
-from .config import BatchPolicy, ProducerConfig
-from .errors import ConfigError, StreamRewardError
-from .keys import DEFAULT_NAMESPACE
-from .local import LocalPipeline
-from .managers import ManagerConfig, build_scorer
-from .producer import RolloutProducer
-from .trajectory import Trajectory
-from .verl_loop import StreamRewardLoopManager
+from stream_reward.config import BatchPolicy, ManagerConfig, ProducerConfig
+from stream_reward.errors import ConfigError, StreamRewardError
+from stream_reward.managers.registry import build_scorer
+from stream_reward.ops.pipeline import LocalPipeline
+from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
+from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.verl_loop import StreamRewardLoopManager
+from stream_reward.wire.keys import DEFAULT_NAMESPACE
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = ["StreamRewardLoopManager", "StreamRewardManager", "scorer_spec", "decode_batch", "FINAL_SCORES_KEY"]
 

@@ -25,7 +25,7 @@ def _tokenizer(path: str | None) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _function(spec: str) -> Any:
-    from .scoring import load_function
+    from stream_reward.scoring.scorer import load_function
 
     return load_function(spec)
 

@@ -38,11 +38,13 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from .aggregator import RewardAggregator
-from .config import BatchPolicy, ProducerConfig
-from .errors import ConfigError, StreamRewardError
-from .managers import ManagerConfig, build_scorer
-from .trajectory import ScoreResult, Trajectory, default_uid
+from stream_reward.config import BatchPolicy, ManagerConfig, ProducerConfig
+from stream_reward.errors import ConfigError, StreamRewardError
+from stream_reward.managers.registry import build_scorer
+from stream_reward.trainer.aggregator import RewardAggregator
+from stream_reward.trainer.loop_thread import LoopThread
+from stream_reward.wire.codec import to_plain
+from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["StreamRewardLoopManager", "LoopOptions"]
 
@@ -269,7 +271,7 @@ def _with_reward_model(spec: str, address: str, config: Any) -> tuple[str, dict[
     """The scorer spec wrapped so that compute_score receives ``reward_router_address``
     and ``reward_model_tokenizer`` as verl passes them. A tokenizer cannot travel to a
     worker process, so the worker loads it once from ``reward.reward_model.model_path``."""
-    from .scoring import load_function
+    from stream_reward.scoring.scorer import load_function
 
     if ":" not in spec or spec.partition(":")[0] in ("http", "disrm", "genrm", "sandbox", "sandbox-fusion"):
         raise ConfigError(
@@ -306,7 +308,7 @@ class StreamRewardLoopManager:
         reward_model_tokenizer: Any = None,
         **_unused: Any,
     ) -> None:
-        from .verl_server import attach
+        from stream_reward.verl_server import attach
 
         self.config = config
         self.tokenizer = tokenizer
@@ -321,9 +323,8 @@ class StreamRewardLoopManager:
         self._columns: dict[str, None] = {}  # reward_extra_info keys this manager has returned
         # One private loop per manager owns its Redis clients: run_single may be awaited
         # from any loop (a Ray actor's, an agent loop's, successive asyncio.run calls).
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="stream-reward-verl", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("stream-reward-verl")
+        self._loop = self._loop_thread.loop
         self._closed = False
         self._producer: Any = None
         self._aggregator: RewardAggregator | None = None
@@ -376,9 +377,7 @@ class StreamRewardLoopManager:
         self._placement.release()
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._loop_thread.stop()
 
     async def _aclose_clients(self) -> None:
         if self._producer is not None:
@@ -389,7 +388,7 @@ class StreamRewardLoopManager:
     # ------------------------------------------------------------ on the private loop
     def _clients(self) -> tuple[Any, RewardAggregator]:
         if self._producer is None:
-            from .producer import RolloutProducer
+            from stream_reward.trainer.producer import RolloutProducer
 
             namespace = self.options.namespace
             self._producer = RolloutProducer(self._placement.url, ProducerConfig(namespace=namespace))
@@ -586,8 +585,6 @@ def decode_row(
 ) -> Trajectory:
     """The last row of a DataProto as a trajectory, decoded as verl 0.9.1's reward-loop
     managers decode it (``naive.py`` / ``dapo.py``)."""
-    from .verl import _plain
-
     batch = data.batch
     nt = data.non_tensor_batch
     responses = batch["responses"][-1]
@@ -599,29 +596,29 @@ def decode_row(
         prompts = batch["prompts"][-1]
         prompt_valid = int(batch["attention_mask"][-1][: prompts.shape[-1]].sum())
         prompt = tokenizer.decode(prompts[prompts.shape[-1] - prompt_valid :], skip_special_tokens=True)
-    reward_model = _plain(_last(nt, "reward_model")) or {}
-    extra = _plain(_last(nt, "extra_info")) or {}
+    reward_model = to_plain(_last(nt, "reward_model")) or {}
+    extra = to_plain(_last(nt, "extra_info")) or {}
     if not isinstance(extra, dict):
         raise ConfigError("extra_info", f"must be a dict, got {type(extra).__name__}")
     extra = dict(extra)
     if verl_manager != "dapo":  # verl's naive adds these; its DAPO manager does not
-        tool_fields = _plain(_last(nt, "tool_extra_fields"))
+        tool_fields = to_plain(_last(nt, "tool_extra_fields"))
         if isinstance(tool_fields, Mapping):
             extra.update(tool_fields)
-        extra["num_turns"] = _plain(_last(nt, "__num_turns__"))
-        extra["rollout_reward_scores"] = _plain(_last(nt, "reward_scores")) or {}
+        extra["num_turns"] = to_plain(_last(nt, "__num_turns__"))
+        extra["rollout_reward_scores"] = to_plain(_last(nt, "reward_scores")) or {}
     group = _last(nt, "uid")
     return Trajectory(
         batch_id=batch_id,
         index=0,
-        data_source=str(_plain(nt["data_source"][-1])),
+        data_source=str(to_plain(nt["data_source"][-1])),
         response=response,
         ground_truth=reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
         prompt=prompt,
         valid_response_length=valid,
         max_response_length=width,
         extra_info=extra,
-        group=str(_plain(group)) if group is not None else None,
+        group=str(to_plain(group)) if group is not None else None,
     )
 
 

@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, StreamRewardError
-from .local import LocalPipeline
+from stream_reward.errors import ConfigError, StreamRewardError
+from stream_reward.ops.pipeline import LocalPipeline
 
 if TYPE_CHECKING:
-    from .verl_loop import LoopOptions
+    from stream_reward.verl_loop import LoopOptions
 
 __all__ = ["Placement", "attach", "SharedPipeline", "RAY_NAMESPACE"]
 
@@ -162,7 +162,7 @@ class SharedPipeline:
     def __init__(self, worker_args: list[str], processes: int, namespace: str, host: str, lease_s: float) -> None:
         import ray
 
-        from .embedded import EmbeddedServer
+        from stream_reward.ops.embedded import EmbeddedServer
 
         self._lock = threading.Lock()
         self._leases: dict[str, float] = {}

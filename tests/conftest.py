@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stream_reward.embedded import EmbeddedServer
+from stream_reward.ops.embedded import EmbeddedServer
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +70,11 @@ def spawn_workers(redis_url: str, namespace: str) -> Iterator:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No STREAM_REWARD_* setting from the outer environment leaks into a test."""
+    for name in list(os.environ):
+        if name.startswith("STREAM_REWARD_") and name not in ("STREAM_REWARD_SERVER_BIN", "STREAM_REWARD_TEST_LOG"):
+            monkeypatch.delenv(name)

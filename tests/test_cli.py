@@ -12,20 +12,15 @@ import pytest
 
 from stream_reward.cli import main
 from stream_reward.errors import ConfigError
-from stream_reward.logs import JsonFormatter, configure_logging, progress_bar
-from stream_reward.settings import env_name, load_settings, mask_secrets
+from stream_reward.ops.logs import JsonFormatter, configure_logging, progress_bar
+from stream_reward.ops.settings import env_name, load_settings, mask_secrets
 
 SECRET = "hunter2-s3cret"
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No STREAM_REWARD_* setting from the outer environment leaks into a test."""
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("STREAM_REWARD_") and name not in ("STREAM_REWARD_SERVER_BIN", "STREAM_REWARD_TEST_LOG"):
-            monkeypatch.delenv(name)
+def _clean_env(clean_env: None) -> None:
+    """Every test here reads settings: none may leak in from the outer environment."""
 
 
 @pytest.fixture(autouse=True)
@@ -157,7 +152,7 @@ policy:
 def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from workers.main import FLAG_KEYS, add_worker_arguments, child_argv, resolve_args
+    from stream_reward.ops.worker_cli import FLAG_KEYS, add_worker_arguments, resolve_args, worker_argv
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
@@ -183,7 +178,7 @@ def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.M
     assert settings.consumer_config().concurrency == 8
     assert set(FLAG_KEYS.values()) <= {f"{sec}.{k}" for sec, keys in settings.values.items() for k in keys}
 
-    argv = child_argv(args, consumer="host-1-2", slot=2)
+    argv = worker_argv(args, consumer="host-1-2", slot=2)
     # A child gets the flags as given (plus its own port and one process), the file, not the environment's password.
     assert SECRET not in " ".join(argv)
     assert argv[argv.index("--config") + 1] == config
@@ -191,14 +186,14 @@ def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.M
     assert argv[argv.index("--metrics-port") + 1] == "9102"
     assert argv[argv.index("--consumer") + 1] == "host-1-2"
     assert "--timeout-s" not in argv  # from the file: the child reads it there
-    argv = child_argv(args, consumer="worker-a", slot=1)  # a supervisor that passes the slot
+    argv = worker_argv(args, consumer="worker-a", slot=1)  # a supervisor that passes the slot
     assert argv[argv.index("--metrics-port") + 1] == "9101" and "--slot" not in argv
 
 
 def test_unknown_manager_kwarg_is_a_config_error() -> None:
     import argparse
 
-    from workers.main import add_worker_arguments, resolve_args
+    from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
@@ -400,3 +395,31 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for command in ("demo", "server", "worker", "produce", "collect", "score", "status", "config", "bench"):
         assert command in out
+
+
+def test_worker_command_becomes_the_worker_program(redis_url: str, namespace: str) -> None:
+    """`stream-reward worker` execs `python -m workers` in its own process: it scores, and exits 0 in burst mode."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from stream_reward import ProducerConfig, RolloutProducer, Trajectory
+    from stream_reward.trainer.aggregator import RewardAggregator
+
+    async def push() -> None:
+        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+            await producer.open_batch("exec", 2, 8)
+            for i, answer in enumerate(["#### 4", "#### 5"]):
+                await producer.push(
+                    Trajectory("exec", i, "openai/gsm8k", response=answer, ground_truth="4", valid_response_length=3)
+                )
+
+    async def collect() -> list[float]:
+        async with RewardAggregator(redis_url, namespace=namespace) as agg:
+            return (await agg.collect("exec", timeout_s=30)).scores
+
+    asyncio.run(push())
+    argv = [sys.executable, "-m", "stream_reward.cli", "worker", "--redis", redis_url, "--namespace", namespace]
+    proc = subprocess.run([*argv, "--burst"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert asyncio.run(collect()) == [1.0, 0.0]

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections.abc import Iterator
 
 import pytest
+from helpers import wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.broker import connect
-from stream_reward.cluster import LocalCluster
-from stream_reward.codec import decode_result, encode_trajectory
 from stream_reward.config import ConsumerConfig
-from stream_reward.deadletters import list_dead_letters, redrive_dead_letters
-from stream_reward.keys import Keys, key_slot
-from stream_reward.managers import RuleScorer
-from stream_reward.stream import entry_fields
+from stream_reward.managers.registry import RuleScorer
+from stream_reward.ops.cluster import LocalCluster
+from stream_reward.ops.deadletters import list_dead_letters, redrive_dead_letters
+from stream_reward.wire.codec import decode_result, encode_trajectory
+from stream_reward.wire.connection import connect
+from stream_reward.wire.entries import entry_fields
+from stream_reward.wire.keys import Keys, key_slot
 from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio
@@ -50,15 +50,6 @@ def echo_batch(batch_id: str, n: int, sleep_s: float = 0.0) -> tuple[list[Trajec
         )
         expected.append(score)
     return trajs, expected
-
-
-async def wait_until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 async def ledger_uids(client, keys: Keys, batch_id: str) -> list[set[str]]:
@@ -105,7 +96,8 @@ async def test_groups_stay_in_one_partition_and_the_aggregator_gathers_them_all(
     # Every partition got work, and no GRPO group is split between two of them.
     assert all(groups_by_partition)
     assert sum(len(g) for g in groups_by_partition) == n // GROUP_SIZE
-    from stream_reward.managers import ManagerConfig, build_scorer
+    from stream_reward.config import ManagerConfig
+    from stream_reward.managers.registry import build_scorer
 
     worker = Worker(
         redis_url,
@@ -131,7 +123,7 @@ async def test_groups_stay_in_one_partition_and_the_aggregator_gathers_them_all(
 
 
 def entry_fields_group(fields: dict[bytes, bytes]) -> str:
-    from stream_reward.codec import decode_trajectory
+    from stream_reward.wire.codec import decode_trajectory
 
     return decode_trajectory(fields[b"d"]).group or ""
 
@@ -187,7 +179,7 @@ async def test_cluster_workers_lose_nothing_when_one_is_killed_mid_batch(cluster
 
 
 async def test_dead_letters_status_and_redrive_on_a_cluster(cluster, namespace):
-    from stream_reward.status import read_status
+    from stream_reward.ops.status import read_status
 
     partitions = 6
     keys = Keys(namespace, partitions)

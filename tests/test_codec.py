@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_reward.codec import (
+from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
+from stream_reward.wire.codec import (
     SCHEMA_VERSION,
     decode_result,
     decode_trajectory,
@@ -14,8 +15,7 @@ from stream_reward.codec import (
     pack_ids,
     unpack_ids,
 )
-from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
-from stream_reward.trajectory import ScoreResult, Trajectory, trajectory_from_json
+from stream_reward.wire.trajectory import ScoreResult, Trajectory, trajectory_from_json
 
 
 def full_trajectory() -> Trajectory:
@@ -143,9 +143,13 @@ def test_arbitrary_bytes_decode_or_raise_codec_error(data):
     assert isinstance(traj, Trajectory)
 
 
+def _containers(children):
+    return st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    _containers,
     max_leaves=10,
 )
 

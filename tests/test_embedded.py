@@ -9,11 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from stream_reward.embedded import EmbeddedServer
+from stream_reward.ops.embedded import EmbeddedServer
 
 OWNER = """
 import sys, time
-from stream_reward.embedded import EmbeddedServer
+from stream_reward.ops.embedded import EmbeddedServer
 server = EmbeddedServer().start()
 print(server.pid, server.socket_path, flush=True)
 time.sleep(600)
@@ -79,7 +79,7 @@ def test_server_command_prints_its_url_first():
 def test_local_workers_die_with_their_owner(redis_url):
     owner_code = (
         "import sys, time\n"
-        "from stream_reward.local import spawn_worker\n"
+        "from stream_reward.ops.pipeline import spawn_worker\n"
         f"w = spawn_worker({redis_url!r}, namespace='orphans')\n"
         "print(w.pid, flush=True)\n"
         "time.sleep(600)\n"

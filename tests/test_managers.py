@@ -10,20 +10,15 @@ import time
 import types
 
 import pytest
+from helpers import score_batch
 
-from stream_reward import RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.config import ProducerConfig
+from stream_reward import Trajectory
+from stream_reward.config import ManagerConfig, OverlongConfig, QuotaConfig
 from stream_reward.errors import BadReplyError, ConfigError, ScorerTimeoutError, ScoringError
-from stream_reward.managers import (
-    ManagerConfig,
-    build_scorer,
-    function_scorer,
-    manager_names,
-    register_manager,
-)
-from stream_reward.quota import QuotaConfig, QuotaLimiter
-from stream_reward.scoring import Scored
-from stream_reward.wrappers import MicroBatchScorer, OverlongConfig, overlong_penalty
+from stream_reward.managers.layers import MicroBatchScorer, overlong_penalty
+from stream_reward.managers.registry import build_scorer, function_scorer, manager_names, register_manager
+from stream_reward.scoring.quota import QuotaLimiter
+from stream_reward.scoring.scorer import Scored
 
 pytestmark = pytest.mark.anyio
 
@@ -31,22 +26,11 @@ SCORERS = "tests/data/scorers.py"
 FAST = ["--block-ms", "50", "--log-level", "ERROR"]
 
 
-async def score_batch(redis_url: str, namespace: str, trajs: list[Trajectory], width: int = 8, timeout_s: float = 30):
-    batch_id = trajs[0].batch_id
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
-        await producer.open_batch(batch_id, len(trajs), width)
-        await producer.push_many(trajs)
-        return await agg.collect(batch_id, timeout_s=timeout_s)
-
-
 async def wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:
     """Until ``n`` worker processes have joined (heartbeated): a test about how work
     spreads over processes must not start while one of them is still importing."""
-    from stream_reward.broker import connect
-    from stream_reward.keys import Keys
+    from stream_reward.wire.connection import connect
+    from stream_reward.wire.keys import Keys
 
     client = connect(redis_url)
     try:
@@ -518,7 +502,7 @@ async def test_scoring_error_reasons_survive_wrappers():
         async def score(self, traj):
             raise ScoringError("nope", reason="custom")
 
-    from stream_reward.wrappers import OverlongShaping, PrecomputedScore
+    from stream_reward.managers.layers import OverlongShaping, PrecomputedScore
 
     scorer = OverlongShaping(PrecomputedScore(Failing()), OverlongConfig(), None)
     assert scorer.inline
@@ -528,8 +512,8 @@ async def test_scoring_error_reasons_survive_wrappers():
 
 
 def test_rate_limited_does_not_add_a_second_lease_to_verifiers_that_take_their_own(redis_url):
+    from stream_reward.managers.layers import RateLimitedScorer
     from stream_reward.scorers.http import HttpScorer
-    from stream_reward.wrappers import RateLimitedScorer
 
     scorer = build_scorer(
         ManagerConfig(manager="rate_limited", scorer="http:http://127.0.0.1:9/score", redis_url=redis_url, max_rpm=60)

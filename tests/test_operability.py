@@ -17,25 +17,23 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stream_reward.aggregator import BatchMeta, RewardAggregator, build_rewards
-from stream_reward.broker import connect
 from stream_reward.cli import main
 from stream_reward.config import BatchPolicy, ProducerConfig
-from stream_reward.keys import Keys
-from stream_reward.producer import RolloutProducer
-from stream_reward.status import read_status, record_batch
-from stream_reward.stream import entry_fields, entry_header
-from stream_reward.trajectory import ScoreResult, Trajectory
+from stream_reward.ops.status import read_status, record_batch
+from stream_reward.trainer.aggregator import BatchMeta, RewardAggregator, build_rewards
+from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.wire.connection import connect
+from stream_reward.wire.entries import entry_fields, entry_header
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.trajectory import ScoreResult, Trajectory
 from workers.metrics import WorkerMetrics
 
 GOOD = "First 2 * 3 = 6.\n#### 6"
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("STREAM_REWARD_") and name not in ("STREAM_REWARD_SERVER_BIN", "STREAM_REWARD_TEST_LOG"):
-            monkeypatch.delenv(name)
+def _clean_env(clean_env: None) -> None:
+    """Every test here reads settings: none may leak in from the outer environment."""
 
 
 def free_port() -> int:
@@ -250,7 +248,8 @@ def known_state(redis_url: str, namespace: str) -> Iterator[float]:
     now = time.time()
 
     async def setup() -> None:
-        from stream_reward.quota import QuotaConfig, QuotaLimiter
+        from stream_reward.config import QuotaConfig
+        from stream_reward.scoring.quota import QuotaLimiter
 
         client = connect(redis_url)
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:

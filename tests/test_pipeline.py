@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
-from stream_reward.aggregator import merge_extra_info, place_scores
 from stream_reward.errors import CollectTimeoutError, ConfigError
-from stream_reward.keys import Keys
+from stream_reward.trainer.aggregator import merge_extra_info, place_scores
+from stream_reward.wire.keys import Keys
 
 pytestmark = pytest.mark.anyio
 
@@ -156,7 +156,7 @@ def test_sync_producer_for_non_async_trainers(redis_url, namespace):
         assert producer.push_many(Trajectory("sync", i, "x", response="r") for i in range(3)) == 3
 
     async def length() -> int:
-        from stream_reward.broker import connect
+        from stream_reward.wire.connection import connect
 
         client = connect(redis_url)
         try:

@@ -1,4 +1,5 @@
-"""The batch failure policy, end to end: producer -> Redis -> worker -> aggregator.
+"""The batch failure policy: ``build_rewards`` (a pure function) directly, and end to end
+(producer -> Redis -> worker -> aggregator) once per path that needs the pipeline.
 
 A sample whose verifier kept failing is recorded ``failed`` with its reason (never
 a silent 0); the batch's policy decides what the trainer sees: ``fallback`` (a
@@ -18,8 +19,10 @@ import pytest
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig, ProducerConfig
+from stream_reward.trainer.aggregator import BatchMeta, build_rewards
+from stream_reward.wire.trajectory import ScoreResult
 from stream_reward.errors import CollectTimeoutError, VerifierError
-from stream_reward.scoring import Scored
+from stream_reward.scoring.scorer import Scored
 from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio
@@ -100,10 +103,33 @@ async def test_mask_zeroes_and_invalidates_failed_samples(redis_url: str, namesp
     assert rewards.reward_extra_info["acc"] == [True, None, True, False, None, True]
 
 
-async def test_fallback_scores_failed_samples_at_their_last_token(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(
-        redis_url, namespace, BatchPolicy(on_failure="fallback", fallback_score=-0.5), timeout_s=20
-    )
+def pure_batch(policy: BatchPolicy, responses: list[str] = RESPONSES, lengths: list[int] = LENGTHS):
+    """What the pipeline's results for ``responses`` are, laid out by ``build_rewards`` alone."""
+    results = []
+    for i, (response, length) in enumerate(zip(responses, lengths)):
+        if response == "fail":
+            results.append(
+                ScoreResult.failed(
+                    f"u{i}", "pure", i, reason="http_503", error="gave up", attempts=6, valid_response_length=length
+                )
+            )
+        else:
+            ok = response != "wrong"
+            results.append(ScoreResult(f"u{i}", "pure", i, float(ok), extra={"acc": ok}, valid_response_length=length))
+    meta = BatchMeta(size=len(results), response_len=RESPONSE_LEN, policy=policy, created=0.0, deadline=0.0)
+    return build_rewards("pure", meta, results)
+
+
+def test_mask_is_the_same_without_the_pipeline() -> None:
+    rewards = pure_batch(BatchPolicy(on_failure="mask"))
+    assert rewards.status == ["ok", "failed", "ok", "ok", "failed", "ok"]
+    assert rewards.scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert rewards.valid.tolist() == [True, False, True, True, False, True]
+    assert rewards.reward_extra_info["acc"] == [True, None, True, False, None, True]
+
+
+def test_fallback_scores_failed_samples_at_their_last_token() -> None:
+    rewards = pure_batch(BatchPolicy(on_failure="fallback", fallback_score=-0.5))
     assert rewards.status.count("failed") == 2
     assert rewards.scores == [1.0, -0.5, 1.0, 0.0, -0.5, 1.0]
     assert rewards.valid.tolist() == [True] * 6
@@ -111,8 +137,8 @@ async def test_fallback_scores_failed_samples_at_their_last_token(redis_url: str
     assert row_of(rewards, 4)[LENGTHS[4] - 1] == -0.5
 
 
-async def test_drop_removes_failed_rows(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="drop"), timeout_s=20)
+def test_drop_removes_failed_rows() -> None:
+    rewards = pure_batch(BatchPolicy(on_failure="drop"))
     assert rewards.indices == [0, 2, 3, 5]
     assert tuple(rewards.rm_scores.shape) == (4, RESPONSE_LEN)
     assert rewards.status == ["ok"] * 4
@@ -121,15 +147,8 @@ async def test_drop_removes_failed_rows(redis_url: str, namespace: str) -> None:
     assert row_of(rewards, 3) == [0.0] * RESPONSE_LEN
 
 
-async def test_zero_length_response_never_writes_to_the_last_column(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(
-        redis_url,
-        namespace,
-        BatchPolicy(on_failure="fallback", fallback_score=-1.0),
-        responses=["a", "fail"],
-        lengths=[0, 0],
-        timeout_s=20,
-    )
+def test_zero_length_response_never_writes_to_the_last_column() -> None:
+    rewards = pure_batch(BatchPolicy(on_failure="fallback", fallback_score=-1.0), ["a", "fail"], [0, 0])
     assert rewards.rm_scores.abs().sum().item() == 0.0
     assert rewards.valid.tolist() == [False, False]
 

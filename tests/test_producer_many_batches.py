@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from stream_reward.config import ProducerConfig
-from stream_reward.producer import _RECENT_BATCHES, RolloutProducer
-from stream_reward.trajectory import Trajectory
+from stream_reward.trainer.producer import _RECENT_BATCHES, RolloutProducer
+from stream_reward.wire.trajectory import Trajectory
 
 
 @pytest.mark.anyio

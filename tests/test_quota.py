@@ -17,9 +17,10 @@ import time
 
 import pytest
 
+from stream_reward.config import QuotaConfig
 from stream_reward.errors import ConfigError
-from stream_reward.keys import Keys
-from stream_reward.quota import QuotaConfig, QuotaLimiter
+from stream_reward.scoring.quota import QuotaLimiter
+from stream_reward.wire.keys import Keys
 
 pytestmark = pytest.mark.anyio
 
@@ -247,7 +248,7 @@ def test_config_is_validated() -> None:
 
 _CHILD = textwrap.dedent("""
     import asyncio, json, sys
-    from stream_reward.quota import QuotaConfig, QuotaLimiter
+    from stream_reward.scoring.quota import QuotaConfig, QuotaLimiter
 
     async def main(url, ns, n):
         limiter = QuotaLimiter(url, QuotaConfig("shared", max_rpm=1200), namespace=ns)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stream_reward.cli import build_parser, main
-from stream_reward.embedded import EmbeddedServer
+from stream_reward.ops.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]

@@ -11,16 +11,17 @@ import time
 
 import msgpack
 import pytest
+from helpers import wait_until
 
 from stream_reward import BatchPolicy, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.broker import connect
 from stream_reward.config import ConsumerConfig
-from stream_reward.deadletters import list_dead_letters, redrive_dead_letters
-from stream_reward.embedded import EmbeddedServer
 from stream_reward.errors import BackpressureError, BrokerError
-from stream_reward.keys import Keys
-from stream_reward.managers import RuleScorer
-from stream_reward.stream import entry_fields
+from stream_reward.managers.registry import RuleScorer
+from stream_reward.ops.deadletters import list_dead_letters, redrive_dead_letters
+from stream_reward.ops.embedded import EmbeddedServer
+from stream_reward.wire.connection import connect
+from stream_reward.wire.entries import entry_fields
+from stream_reward.wire.keys import Keys
 from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio
@@ -49,15 +50,6 @@ async def pending_count(url: str, namespace: str) -> int:
         return int(summary["pending"])
     finally:
         await client.aclose()
-
-
-async def wait_until(predicate, timeout_s: float = 20.0, every_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(every_s)
-    raise AssertionError("condition not reached in time")
 
 
 async def ledger_sizes(url: str, namespace: str, batch_id: str) -> tuple[int, int]:
@@ -134,7 +126,7 @@ async def test_malformed_entries_go_to_the_dead_letter_stream_at_once(redis_url,
     keys = Keys(namespace)
     client = connect(redis_url)
     good = Trajectory("m", 4, "openai/gsm8k", response="#### 3", ground_truth="3", valid_response_length=2)
-    from stream_reward.codec import encode_trajectory
+    from stream_reward.wire.codec import encode_trajectory
 
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:

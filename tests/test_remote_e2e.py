@@ -7,16 +7,17 @@ from __future__ import annotations
 import time
 
 import pytest
+from helpers import score_batch
 
-from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.config import ProducerConfig
-from stream_reward.quota import QuotaConfig, QuotaLimiter
+from stream_reward import BatchPolicy, Trajectory
+from stream_reward.config import QuotaConfig
+from stream_reward.scoring.quota import QuotaLimiter
 from workers.verifier_server import VerifierServer
 
 pytestmark = pytest.mark.anyio
 
 
-async def score_batch(
+async def score_numbers(
     redis_url: str,
     namespace: str,
     n: int,
@@ -26,25 +27,20 @@ async def score_batch(
     **fields: object,
 ):
     batch = f"e2e-{time.monotonic_ns()}"
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
-        await producer.open_batch(batch, n, 16, policy=policy)
-        await producer.push_many(
-            Trajectory(
-                batch,
-                i,
-                "test",
-                response=str(i),
-                ground_truth=str(i) if i % 3 else "x",
-                prompt=f"GOOD question {i}",
-                valid_response_length=4,
-                **fields,
-            )
-            for i in range(n)
+    trajs = [
+        Trajectory(
+            batch,
+            i,
+            "test",
+            response=str(i),
+            ground_truth=str(i) if i % 3 else "x",
+            prompt=f"GOOD question {i}",
+            valid_response_length=4,
+            **fields,
         )
-        return await agg.collect(batch, timeout_s=timeout_s)
+        for i in range(n)
+    ]
+    return await score_batch(redis_url, namespace, trajs, width=16, policy=policy, timeout_s=timeout_s)
 
 
 async def quota_state(redis_url: str, namespace: str, name: str) -> dict:
@@ -59,7 +55,7 @@ async def quota_state(redis_url: str, namespace: str, name: str) -> dict:
 async def test_each_protocol_through_a_worker(redis_url: str, namespace: str, spawn_workers, kind: str) -> None:
     async with VerifierServer() as srv:
         spawn_workers(1, "--scorer", f"{kind}:{srv.url}")
-        rewards = await score_batch(redis_url, namespace, 6)
+        rewards = await score_numbers(redis_url, namespace, 6)
     assert rewards.status == ["ok"] * 6
     if kind == "disrm":
         assert rewards.scores == pytest.approx([0.9] * 6)  # the prompt holds the RM's keyword
@@ -84,7 +80,7 @@ async def test_two_workers_share_one_rpm_quota(redis_url: str, namespace: str, s
             "--concurrency",
             "4",
         )
-        rewards = await score_batch(redis_url, namespace, 30)
+        rewards = await score_numbers(redis_url, namespace, 30)
         stats = srv.stats(with_log=True)
     assert rewards.status == ["ok"] * 30
     assert stats["http_429"] == 0 and stats["ok"] == 30
@@ -110,7 +106,7 @@ async def test_429_pauses_every_worker(redis_url: str, namespace: str, spawn_wor
             "--concurrency",
             "3",
         )
-        rewards = await score_batch(redis_url, namespace, 6, timeout_s=50)
+        rewards = await score_numbers(redis_url, namespace, 6, timeout_s=50)
         stats = srv.stats(with_log=True)
     assert rewards.status == ["ok"] * 6
     rejected = [t for t, _, status in stats["log"] if status == 429]
@@ -128,8 +124,8 @@ async def test_failing_verifier_marks_samples_failed_and_the_policy_applies(
 ) -> None:
     async with VerifierServer(fail_5xx_rate=1.0) as srv:
         spawn_workers(1, "--scorer", f"http:{srv.url}", "--retries", "1", "--reward-kwargs", '{"backoff_base_s": 0.01}')
-        masked = await score_batch(redis_url, namespace, 4, policy=BatchPolicy(on_failure="mask"))
-        fallback = await score_batch(
+        masked = await score_numbers(redis_url, namespace, 4, policy=BatchPolicy(on_failure="mask"))
+        fallback = await score_numbers(
             redis_url, namespace, 2, policy=BatchPolicy(on_failure="fallback", fallback_score=0.25)
         )
         assert srv.stats()["http_5xx"] == 12
@@ -147,6 +143,6 @@ async def test_router_with_a_dead_server_in_a_worker(redis_url: str, namespace: 
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
     async with VerifierServer() as srv:
         spawn_workers(1, "--scorer", f"http:{dead},{srv.url}", "--retries", "3")
-        rewards = await score_batch(redis_url, namespace, 20)
+        rewards = await score_numbers(redis_url, namespace, 20)
         served = srv.stats()["ok"]
     assert rewards.status == ["ok"] * 20 and served == 20

@@ -19,7 +19,7 @@ import pytest
 from stream_reward.errors import ConfigError, ScoringError, VerifierError
 from stream_reward.scorers.sandbox import SandboxConfig, SandboxScorer, case_script, extract_code, parse_tests
 from stream_reward.scorers.sandbox_isolation import MARKER, OWNER_ENV
-from stream_reward.trajectory import Trajectory
+from stream_reward.wire.trajectory import Trajectory
 
 # A uid range of our own, so that sandboxes of other test runs or benchmarks on the
 # same host never look like ours (nor ours like theirs).

@@ -377,7 +377,7 @@ def _load(path, name):
 
 def test_compute_score_functions_travel_by_name():
     from stream_reward.scorers import rules
-    from stream_reward.scoring import load_function
+    from stream_reward.scoring.scorer import load_function
 
     assert scorer_spec(None) == ("rules", {})
     assert scorer_spec(rules.compute_score) == ("stream_reward.scorers.rules:compute_score", {})

@@ -10,13 +10,13 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stream_reward.broker import connect
-from stream_reward.codec import decode_result, decode_trajectory, encode_trajectory
 from stream_reward.config import ConsumerConfig
-from stream_reward.keys import Keys
-from stream_reward.managers import RuleScorer
-from stream_reward.stream import entry_fields
-from stream_reward.trajectory import Trajectory
+from stream_reward.managers.registry import RuleScorer
+from stream_reward.wire.codec import decode_result, decode_trajectory, encode_trajectory
+from stream_reward.wire.connection import connect
+from stream_reward.wire.entries import entry_fields
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.trajectory import Trajectory
 from workers.consumer import Worker
 
 scalars = (
@@ -27,9 +27,13 @@ scalars = (
     | st.text(max_size=30)
     | st.binary(max_size=30)
 )
-values = st.recursive(
-    scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8
-)
+
+
+def _containers(children):
+    return st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+
+
+values = st.recursive(scalars, _containers, max_leaves=8)
 
 record = st.fixed_dictionaries(
     {"v": st.sampled_from([1, 1, 1, 2, "1"])},

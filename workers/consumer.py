@@ -30,18 +30,27 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
-import msgpack
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
-from stream_reward.broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, is_transient, with_reconnect
-from stream_reward.codec import decode_trajectory, encode_result
 from stream_reward.config import ConsumerConfig
 from stream_reward.errors import CodecError, ScoringError
-from stream_reward.keys import Keys
-from stream_reward.ledger import LedgerItem, LedgerWriter
-from stream_reward.scoring import Scorer
-from stream_reward.stream import FIELD_PAYLOAD, ensure_group, read_group, read_header
-from stream_reward.trajectory import ScoreResult, Trajectory
+from stream_reward.scoring.scorer import Scorer
+from stream_reward.wire.codec import decode_trajectory, encode_result
+from stream_reward.wire.connection import (
+    CLUSTER_ERRORS,
+    REDIS_ERRORS,
+    TRANSIENT_ERRORS,
+    connect,
+    is_cluster,
+    is_transient,
+    with_reconnect,
+)
+from stream_reward.wire.deadletter import encode_dead_letter
+from stream_reward.wire.entries import FIELD_PAYLOAD, ensure_group, read_group, read_header
+from stream_reward.wire.heartbeat import encode_heartbeat
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import LedgerItem, LedgerWriter
+from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -295,18 +304,14 @@ class Worker:
                 reason, error, attempts = exc.reason, str(exc), exc.attempts or 1
             else:
                 reason, error, attempts = "scorer_error", f"{type(exc).__name__}: {exc}", 1
-            result = ScoreResult(
+            result = ScoreResult.failed(
                 traj.uid,
                 traj.batch_id,
                 traj.index,
-                0.0,
-                "failed",
                 reason=reason,
                 error=error,
                 attempts=attempts,
-                valid_response_length=traj.response_length,
-                data_source=traj.data_source,
-                group=traj.group,
+                traj=traj,
                 scored_at=time.time(),
             )
             self.stats.failed += 1
@@ -321,32 +326,21 @@ class Worker:
         batch is known from the entry's plain fields, record a `failed` result so
         the batch still completes."""
         batch, index, uid = read_header(fields)
-        dead = msgpack.packb(
-            {
-                "reason": reason,
-                "error": error,
-                "entry_id": entry_id,
-                "partition": partition,
-                "consumer": self.config.consumer,
-                "deliveries": deliveries,
-                "at": time.time(),
-                "fields": {k.decode(errors="replace"): v for k, v in fields.items()},
-            },
-            use_bin_type=True,
+        dead = encode_dead_letter(
+            reason=reason,
+            error=error,
+            entry_id=entry_id,
+            partition=partition,
+            consumer=self.config.consumer,
+            deliveries=deliveries,
+            at=time.time(),
+            fields=fields,
         )
         result = None
         if batch is not None and uid is not None and index >= 0:
             result = encode_result(
-                ScoreResult(
-                    uid,
-                    batch,
-                    index,
-                    0.0,
-                    "failed",
-                    reason=reason,
-                    error=error,
-                    attempts=deliveries,
-                    scored_at=time.time(),
+                ScoreResult.failed(
+                    uid, batch, index, reason=reason, error=error, attempts=deliveries, scored_at=time.time()
                 )
             )
         self.stats.dead_letters += 1
@@ -393,7 +387,7 @@ class Worker:
             await _sleep_unless(stop, interval)
             try:
                 await self._reclaim_once(self.config.reclaim_idle_ms)
-            except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("reclaim sweep failed: %s", type(exc).__name__)
 
     async def _reclaim_once(self, min_idle_ms: int) -> int:
@@ -508,7 +502,7 @@ class Worker:
     async def _farewell(self) -> None:
         try:
             await self._client.hdel(self.keys.workers(), self.config.consumer)
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS):
+        except REDIS_ERRORS:
             pass
 
     # ------------------------------------------------------------------ housekeeping
@@ -521,7 +515,7 @@ class Worker:
                 if loop.time() >= next_trim:
                     await self._trim()
                     next_trim = loop.time() + self.config.trim_interval_s
-            except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+            except REDIS_ERRORS as exc:
                 log.debug("housekeeping skipped: %s", type(exc).__name__)
             except Exception:  # housekeeping must never take the worker down
                 log.exception("housekeeping failed")
@@ -546,7 +540,7 @@ class Worker:
             "settled_per_s_1m": (settled - first_settled) / (now - first_at) if now > first_at else 0.0,
             **self.stats.as_dict(),
         }
-        await self._client.hset(self.keys.workers(), self.config.consumer, msgpack.packb(beat))
+        await self._client.hset(self.keys.workers(), self.config.consumer, encode_heartbeat(beat))
 
     async def _trim(self) -> None:
         """Drop entries that every group has acknowledged: bounded memory for the stream."""

@@ -5,7 +5,7 @@ supervisor of that many worker processes (see ``workers.supervisor``).
 
 Every setting can come from a config file (``--config``), the environment
 (``STREAM_REWARD_*``) or a flag, in that order of precedence (see
-``stream_reward.settings``). Flags therefore default to None here, meaning "not
+``stream_reward.ops.settings``). Flags therefore default to None here, meaning "not
 given"; ``resolve_args`` fills the effective values back into the namespace.
 """
 
@@ -13,174 +13,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
-from typing import Any
 
-from redis.exceptions import RedisError
-
-from stream_reward.config import ConsumerConfig
 from stream_reward.errors import ConfigError, StreamRewardError
-from stream_reward.logs import LOG_FORMATS
-from stream_reward.logs import configure_logging as _configure_logging
-from stream_reward.managers import ManagerConfig, build_scorer
-from stream_reward.settings import Settings, load_settings, schema
+from stream_reward.managers.registry import build_scorer
+from stream_reward.ops.health import check_health
+from stream_reward.ops.logs import configure_logging as _configure_logging
+from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
 
-__all__ = ["add_worker_arguments", "main", "run_worker", "resolve_args", "check_health", "FLAG_KEYS"]
+__all__ = ["main", "run_worker", "run_from_args"]
 
 log = logging.getLogger(__name__)
-
-# Worker flag (argparse dest) -> settings key. Flags not listed here are not
-# config-file settings (--consumer, --burst, --check, ...).
-FLAG_KEYS: dict[str, str] = {
-    "redis": "connection.redis",
-    "namespace": "connection.namespace",
-    "group": "connection.group",
-    "partitions": "connection.partitions",
-    "scorer": "reward.scorer",
-    "manager": "reward.manager",
-    "timeout_s": "reward.timeout",
-    "num_processes": "reward.num_processes",
-    "reward_kwargs": "reward.reward_kwargs",
-    "retries": "reward.retries",
-    "max_rpm": "quota.max_rpm",
-    "max_tpm": "quota.max_tpm",
-    "max_inflight": "quota.max_concurrent",
-    "quota_key": "quota.quota_key",
-    "processes": "worker.processes",
-    "concurrency": "consumer.concurrency",
-    "read_count": "consumer.read_count",
-    "block_ms": "consumer.block_ms",
-    "reclaim_idle_ms": "consumer.reclaim_idle_ms",
-    "max_deliveries": "consumer.max_deliveries",
-    "drain_timeout_s": "consumer.drain_timeout_s",
-    "metrics_port": "worker.metrics_port",
-    "metrics_addr": "worker.metrics_addr",
-    "log_level": "worker.log_level",
-    "log_format": "worker.log_format",
-}
-# --manager-kwargs keys that are not reward/quota keys of the config file.
-_MANAGER_KWARG_KEYS = {"redis_url": "connection.redis", "namespace": "connection.namespace"}
-
-
-def _default(dotted: str) -> Any:
-    section, _, key = dotted.partition(".")
-    return schema()[section][key].default
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    def d(dotted: str) -> str:
-        return f" (default: {_default(dotted)})"
-
-    parser.add_argument(
-        "--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG"
-    )
-    parser.add_argument(
-        "--redis", default=None, help="Redis URL (redis://, rediss://, unix://); required here or in the config"
-    )
-    parser.add_argument("--namespace", default=None, help="key namespace" + d("connection.namespace"))
-    parser.add_argument("--group", default=None, help="consumer group, one per scorer pool" + d("connection.group"))
-    parser.add_argument("--partitions", type=int, default=None, help=d("connection.partitions").strip())
-    parser.add_argument(
-        "--scorer", default=None, help="rules | python:FILE.py:FUNC | module.path:FUNC" + d("reward.scorer")
-    )
-    parser.add_argument(
-        "--manager",
-        default=None,
-        help="naive, dapo, batch, prime, remote, rate_limited, or module.path:builder" + d("reward.manager"),
-    )
-    parser.add_argument(
-        "--processes", type=int, default=None, help="worker processes on this host" + d("worker.processes")
-    )
-    parser.add_argument(
-        "--concurrency", type=int, default=None, help="samples in flight per process" + d("consumer.concurrency")
-    )
-    parser.add_argument("--read-count", type=int, default=None, help=d("consumer.read_count").strip())
-    parser.add_argument("--block-ms", type=int, default=None, help=d("consumer.block_ms").strip())
-    parser.add_argument("--reclaim-idle-ms", type=int, default=None, help=d("consumer.reclaim_idle_ms").strip())
-    parser.add_argument("--max-deliveries", type=int, default=None, help=d("consumer.max_deliveries").strip())
-    parser.add_argument("--drain-timeout-s", type=float, default=None, help=d("consumer.drain_timeout_s").strip())
-    parser.add_argument("--timeout-s", type=float, default=None, help="per-sample scorer timeout" + d("reward.timeout"))
-    parser.add_argument("--num-processes", type=int, default=None, help="scorer processes per worker for sync scorers")
-    parser.add_argument("--reward-kwargs", type=json.loads, default=None, help="JSON object passed to compute_score")
-    parser.add_argument(
-        "--manager-kwargs",
-        type=json.loads,
-        default={},
-        help='JSON object of manager options by verl key, e.g. {"overlong_buffer_cfg": {...}, "max_resp_len": 4096}',
-    )
-    parser.add_argument("--max-rpm", type=float, default=None, help="global requests/minute for the verifier")
-    parser.add_argument("--max-tpm", type=float, default=None, help="global tokens/minute for the verifier")
-    parser.add_argument("--max-inflight", type=int, default=None, help="global max requests in flight for the verifier")
-    parser.add_argument(
-        "--retries",
-        type=int,
-        default=None,
-        help="attempts after the first, for infrastructure faults" + d("reward.retries"),
-    )
-    parser.add_argument("--quota-key", default=None, help="name of the shared quota (default: the scorer spec)")
-    parser.add_argument("--consumer", default=None, help="consumer name (default host-pid)")
-    parser.add_argument("--burst", action="store_true", help="exit once the stream holds nothing more")
-    parser.add_argument("--log-level", default=None, help=d("worker.log_level").strip())
-    parser.add_argument(
-        "--log-format", choices=LOG_FORMATS, default=None, help="text or json lines" + d("worker.log_format")
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (0: any free port; with --processes N, process i uses port+i)",
-    )
-    parser.add_argument(
-        "--metrics-addr", default=None, help="address of the metrics endpoint" + d("worker.metrics_addr")
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="health check: exit 0 if a worker of the namespace (or --consumer) has a fresh heartbeat, else 1",
-    )
-
-
-def resolve_args(args: argparse.Namespace) -> Settings:
-    """The effective settings for ``args`` (file < env < flags), written back into ``args``.
-
-    Idempotent. The flags as given are kept in ``args.given_flags``, so that
-    child processes get the same command line and resolve the same way.
-    """
-    settings: Settings | None = getattr(args, "settings", None)
-    if settings is not None:
-        return settings
-    given = {dest: getattr(args, dest) for dest in FLAG_KEYS if getattr(args, dest, None) is not None}
-    flags = {FLAG_KEYS[dest]: value for dest, value in given.items()}
-    sections = schema()
-    for key, value in (getattr(args, "manager_kwargs", None) or {}).items():
-        if key in sections["reward"]:
-            flags[f"reward.{key}"] = value
-        elif key in sections["quota"]:
-            flags[f"quota.{key}"] = value
-        elif key in _MANAGER_KWARG_KEYS:
-            flags[_MANAGER_KWARG_KEYS[key]] = value
-        else:
-            raise ConfigError(
-                key, f"unknown manager option; known: {', '.join(sorted(ManagerConfig.__dataclass_fields__))}"
-            )
-    settings = load_settings(getattr(args, "config", None), flags=flags)
-    for dest, dotted in FLAG_KEYS.items():
-        setattr(args, dest, settings[dotted])
-    args.given_flags = given
-    args.settings = settings
-    return settings
-
-
-def consumer_config(args: argparse.Namespace) -> ConsumerConfig:
-    return resolve_args(args).consumer_config(args.consumer)
-
-
-def manager_config(args: argparse.Namespace) -> ManagerConfig:
-    return resolve_args(args).manager_config()
 
 
 async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -> None:
@@ -260,47 +106,6 @@ def configure_logging(level: str, fmt: str = "text") -> None:
     _configure_logging(level, fmt)
 
 
-# ---------------------------------------------------------------------- health
-async def check_health(settings: Settings, *, consumer: str | None = None) -> tuple[bool, str]:
-    """(healthy, one-line reason): a worker of the namespace (this ``consumer``, this
-    group when one was configured) heartbeat within 3 heartbeat intervals."""
-    from stream_reward.broker import TRANSIENT_ERRORS, connect, mask_url
-    from stream_reward.keys import Keys
-    from stream_reward.status import ALIVE_FACTOR, read_heartbeats
-
-    url = settings.require_redis()
-    interval = settings["consumer.heartbeat_interval_s"]
-    group = settings["connection.group"] if settings.is_set("connection.group") else None
-    client = connect(url, socket_timeout=5)
-    try:
-        beats = await read_heartbeats(client, Keys(settings.namespace), interval_s=interval)
-    except (RedisError, *TRANSIENT_ERRORS) as exc:
-        return False, f"cannot read heartbeats from {mask_url(url)}: {type(exc).__name__}"
-    finally:
-        await client.aclose()
-    matching = {
-        name: b
-        for name, b in beats.items()
-        if (consumer is None or name == consumer) and (group is None or b.get("group") == group)
-    }
-    alive = {name: b for name, b in matching.items() if b["alive"]}
-    what = (
-        f"consumer {consumer!r}"
-        if consumer
-        else f"namespace {settings.namespace!r}" + (f" group {group!r}" if group else "")
-    )
-    if alive:
-        freshest = min(b["age_s"] for b in alive.values())
-        return True, f"ok: {len(alive)} live worker(s) in {what}; freshest heartbeat {freshest:.1f}s ago"
-    if matching:
-        freshest = min(b["age_s"] for b in matching.values())
-        return False, (
-            f"unhealthy: no live worker in {what}; freshest heartbeat {freshest:.1f}s ago "
-            f"(limit {ALIVE_FACTOR * interval:g}s)"
-        )
-    return False, f"unhealthy: no worker heartbeat in {what}"
-
-
 # ---------------------------------------------------------------------- entry points
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stream-reward worker", description="Run a pool of reward workers.")
@@ -332,38 +137,3 @@ def run_from_args(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     return 0
-
-
-def child_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:
-    """The command line of one worker process with the same settings as ``args``.
-
-    Config-backed flags are passed as the operator gave them (with ``--config``
-    and the inherited environment the child resolves the same settings), so a
-    password from the environment never lands on a command line.
-    """
-    slot = overrides.pop("slot", None)
-    values = {**vars(args), **overrides}
-    given = getattr(args, "given_flags", None)
-    if given is not None:
-        values.update({dest: given.get(dest) for dest in FLAG_KEYS})
-        values.update({k: v for k, v in overrides.items() if k in FLAG_KEYS})
-        settings: Settings = args.settings
-        port = settings["worker.metrics_port"]
-        if port and slot is not None and "metrics_port" not in overrides:
-            values["metrics_port"] = port + int(slot)
-    template = argparse.ArgumentParser(add_help=False)
-    add_worker_arguments(template)
-    argv = [sys.executable, "-m", "workers"]
-    if given is not None:
-        # The config file or environment may ask for several processes: a child is one.
-        argv += ["--processes", "1"]
-    for action in template._actions:
-        value = values.get(action.dest)
-        if action.dest == "processes" or value is None or value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        else:
-            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
-    return argv

@@ -26,14 +26,14 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import msgpack
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from redis.exceptions import RedisError
 
-from stream_reward.broker import TRANSIENT_ERRORS, connect, mask_url
-from stream_reward.keys import Keys
-from stream_reward.trajectory import ScoreResult
+from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url
+from stream_reward.wire.entries import group_state
+from stream_reward.wire.heartbeat import parse_heartbeats
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.trajectory import ScoreResult
 
 __all__ = ["WorkerMetrics", "LATENCY_BUCKETS"]
 
@@ -150,28 +150,15 @@ class WorkerMetrics:
             length = int(await client.xlen(stream))
             groups = []
             if length or await client.exists(stream):  # XINFO on a missing key is an error
-                for g in await client.xinfo_groups(stream):
-                    lag = g.get("lag")
-                    groups.append(
-                        (
-                            _s(g["name"]),
-                            int(g.get("pending", 0)),
-                            int(lag) if lag is not None else None,
-                            int(g.get("consumers", 0)),
-                        )
-                    )
+                for g in map(group_state, await client.xinfo_groups(stream)):
+                    groups.append((g["name"], g["pending"], g["lag"], g["consumers"]))
             snap["streams"].append((stream, length, groups))
         for p in range(keys.partitions):
             snap["dlq"].append((keys.dead_letters(p), int(await client.xlen(keys.dead_letters(p)))))
-        now = time.time()
-        alive = 0
-        for packed in (await client.hgetall(keys.workers())).values():
-            try:
-                seen = float(msgpack.unpackb(packed, raw=False).get("seen", 0))
-            except (ValueError, AttributeError, msgpack.UnpackException):
-                continue
-            alive += now - seen <= 3 * self.heartbeat_interval_s
-        snap["workers_alive"] = alive
+        beats = parse_heartbeats(
+            await client.hgetall(keys.workers()), interval_s=self.heartbeat_interval_s, now=time.time()
+        )
+        snap["workers_alive"] = sum(beat["alive"] for beat in beats.values())
         snap["open_batches"] = int(await client.zcard(keys.batches()))
         self._snapshot = snap  # one assignment: the scrape thread sees the old or the new reading
 
@@ -184,7 +171,7 @@ class WorkerMetrics:
             while not stop.is_set():
                 try:
                     await self.refresh(client, keys)
-                except (RedisError, *TRANSIENT_ERRORS) as exc:
+                except REDIS_ERRORS as exc:
                     log.debug("metrics refresh skipped: %s", type(exc).__name__)
                     self._snapshot = {**self._snapshot, "failed_at": time.time()}
                 with contextlib.suppress(TimeoutError):

@@ -14,7 +14,7 @@ import subprocess
 import time
 from types import FrameType
 
-from workers.main import child_argv
+from stream_reward.ops.worker_cli import worker_argv
 
 __all__ = ["supervise"]
 
@@ -31,7 +31,7 @@ def supervise(args: argparse.Namespace) -> int:
 
     def spawn(slot: int) -> None:
         consumer = f"{args.consumer}-{slot}" if args.consumer else None
-        children[slot] = subprocess.Popen(child_argv(args, consumer=consumer, slot=slot))
+        children[slot] = subprocess.Popen(worker_argv(args, consumer=consumer, slot=slot))
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         state["signals"] += 1

@@ -353,7 +353,7 @@ class VerifierServer:
         if rule == "contains":
             return float(str(ground_truth).strip() in solution)
         from stream_reward.scorers.rules import compute_score
-        from stream_reward.scoring import normalize
+        from stream_reward.scoring.scorer import normalize
 
         return normalize(compute_score(data_source, solution, ground_truth, extra_info or {})).score
 

@@ -27,15 +27,16 @@ from typing import Any
 
 from yarl import URL
 
-from ..broker import mask_url
-from ..errors import BadReplyError, ConfigError
-from ..quota import QuotaConfig, QuotaLimiter
-from ..retry import RetryPolicy
-from ..scoring import Scored, load_function, normalize
-from ..trajectory import Trajectory
-from .http_options import DEFAULT_GENRM_TEMPLATE, HttpOptions
-from .http_transport import HttpScorer, masked_spec
-from .router import CircuitBreaker, Router
+from stream_reward.config import ManagerConfig, QuotaConfig
+from stream_reward.errors import BadReplyError, ConfigError
+from stream_reward.scorers.http_options import DEFAULT_GENRM_TEMPLATE, HttpOptions
+from stream_reward.scorers.http_transport import HttpScorer, masked_spec
+from stream_reward.scorers.router import CircuitBreaker, Router
+from stream_reward.scoring.quota import QuotaLimiter
+from stream_reward.scoring.retry import RetryPolicy
+from stream_reward.scoring.scorer import Scored, load_function, normalize
+from stream_reward.wire.connection import mask_url
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = [
     "HttpOptions",
@@ -271,7 +272,7 @@ def quota_name(kind: str, urls: list[str], options: HttpOptions, quota_key: str 
     return name.replace("{", "(").replace("}", ")")
 
 
-def build_http_scorer(spec: str, config: Any) -> HttpScorer:
+def build_http_scorer(spec: str, config: ManagerConfig) -> HttpScorer:
     """The scorer for an ``http:`` / ``disrm:`` / ``genrm:`` spec under a ManagerConfig.
 
     ``config.timeout`` bounds each HTTP request (time spent waiting for quota is
@@ -281,8 +282,8 @@ def build_http_scorer(spec: str, config: Any) -> HttpScorer:
     always on; without one, limits are a configuration error.
     """
     kind, urls = parse_spec(spec)
-    options = HttpOptions.from_kwargs(getattr(config, "reward_kwargs", None))
-    redis_url = getattr(config, "redis_url", None)
+    options = HttpOptions.from_kwargs(config.reward_kwargs)
+    redis_url = config.redis_url
     limits = {"max_rpm": config.max_rpm, "max_tpm": config.max_tpm, "max_inflight": config.max_concurrent}
     limiter = None
     if redis_url:

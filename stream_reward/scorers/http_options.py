@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import ConfigError
+from stream_reward.errors import ConfigError
 
 __all__ = ["HttpOptions", "DEFAULT_GENRM_TEMPLATE", "DEFAULT_SCORE_PATTERN"]
 

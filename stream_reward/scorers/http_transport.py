@@ -4,12 +4,12 @@ A protocol (``stream_reward.scorers.http``) says what to send (``request``), whe
 (``endpoint_url``) and how to read the reply (``parse``). Everything else is here.
 Each request:
 
-1. takes a lease of the verifier's global quota (``stream_reward.quota``) — RPM,
+1. takes a lease of the verifier's global quota (``stream_reward.scoring.quota``) — RPM,
    TPM (charged with an estimate, settled with the reply's ``usage``), in flight,
    and the shared pause after a 429;
 2. goes to the base URL the ``Router`` picks (``stream_reward.scorers.router``):
    the fewest requests in flight whose circuit breaker is closed;
-3. is retried on infrastructure faults (``stream_reward.retry``); a 429 pauses
+3. is retried on infrastructure faults (``stream_reward.scoring.retry``); a 429 pauses
    every worker for its ``Retry-After``; data faults fail the sample at once.
 
 The aiohttp session is created on first use inside the running loop (never in
@@ -23,23 +23,30 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar
 
 import aiohttp
 
-from ..broker import mask_url
-from ..errors import BadReplyError, ScoringError, VerifierError
-from ..quota import QuotaLimiter
-from ..retry import RetryPolicy, call_with_retry, status_error, transport_error
-from ..scoring import Scored
-from ..trajectory import Trajectory
-from .http_options import HttpOptions
-from .router import CircuitBreaker, Endpoint, Router
+from stream_reward.errors import BadReplyError, ScoringError, VerifierError
+from stream_reward.scorers.http_options import HttpOptions
+from stream_reward.scorers.router import CircuitBreaker, Endpoint, Router
+from stream_reward.scoring.quota import QuotaLimiter
+from stream_reward.scoring.retry import RetryPolicy, call_with_retry, status_error, transport_error
+from stream_reward.scoring.scorer import Scored
+from stream_reward.wire.codec import to_plain
+from stream_reward.wire.connection import mask_url
+from stream_reward.wire.trajectory import Trajectory
 
-__all__ = ["HttpScorer", "masked_spec"]
+__all__ = ["HttpScorer", "Transport", "masked_spec"]
 
 log = logging.getLogger(__name__)
+
+
+# ``transport(url, body, headers) -> (status, headers, body)`` replaces the aiohttp
+# session: unit tests of a protocol hand in a plain async function (as httpx's
+# MockTransport takes a handler) and may raise aiohttp's errors to act a fault.
+Transport = Callable[[str, bytes, Mapping[str, str]], Awaitable[tuple[int, Mapping[str, str], bytes]]]
 
 
 def masked_spec(kind: str, urls: list[str]) -> str:
@@ -70,15 +77,9 @@ def _json_default(value: Any) -> Any:
     # them as the JSON they mean rather than failing the sample.
     if isinstance(value, (bytes, bytearray)):
         return value.decode("utf-8", errors="replace")
-    if isinstance(value, (set, frozenset, tuple)):
+    if isinstance(value, (set, frozenset)):
         return list(value)
-    item = getattr(value, "item", None)
-    if callable(item):
-        return item()
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    return str(value)
+    return to_plain(value, unknown=str)
 
 
 class HttpScorer:
@@ -100,8 +101,10 @@ class HttpScorer:
         estimated_tokens: int | None = None,
         max_connections: int = 256,
         clock: Callable[[], float] = time.monotonic,
+        transport: Transport | None = None,
     ) -> None:
         self.options = options or HttpOptions()
+        self._transport = transport
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy(
             backoff_base_s=self.options.backoff_base_s, backoff_max_s=self.options.backoff_max_s
@@ -155,16 +158,19 @@ class HttpScorer:
         return body
 
     # -------------------------------------------------------------- plumbing
-    def _session_now(self) -> aiohttp.ClientSession:
+    def _session_now(self) -> aiohttp.ClientSession | None:
+        if self._slots is None:
+            # Waiting for a pooled connection would count against the request's
+            # timeout inside aiohttp; waiting here does not.
+            self._slots = asyncio.Semaphore(self.max_connections)
+        if self._transport is not None:
+            return None  # an injected transport needs no session
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(
                 total=self.timeout_s, connect=min(self.timeout_s, self.options.connect_timeout_s)
             )
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers)
-            # Waiting for a pooled connection would count against the request's
-            # timeout inside aiohttp; waiting here does not.
-            self._slots = asyncio.Semaphore(self.max_connections)
         return self._session
 
     async def aclose(self) -> None:
@@ -269,11 +275,16 @@ class HttpScorer:
                 self.stats["tokens"] += self.estimated_tokens
             return scored
 
-    async def _post(self, session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes) -> tuple[int, Any, bytes]:
+    async def _post(
+        self, session: aiohttp.ClientSession | None, endpoint: Endpoint, body: bytes
+    ) -> tuple[int, Any, bytes]:
         endpoint.in_flight += 1
         endpoint.requests += 1
         self.stats["requests"] += 1
         try:
+            if session is None:
+                assert self._transport is not None
+                return await self._transport(endpoint.url, body, self._headers)
             async with session.post(endpoint.url, data=body) as resp:
                 return resp.status, resp.headers, await resp.read()
         finally:

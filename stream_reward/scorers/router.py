@@ -14,8 +14,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..broker import mask_url
-from ..errors import ConfigError
+from stream_reward.errors import ConfigError
+from stream_reward.wire.connection import mask_url
 
 __all__ = ["CircuitBreaker", "Endpoint", "Router"]
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any
 
-from ..errors import ScoringError, UnknownDataSourceError
+from stream_reward.errors import ScoringError, UnknownDataSourceError
 
 __all__ = [
     "GSM8K_SOURCES",

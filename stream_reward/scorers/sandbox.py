@@ -37,13 +37,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, ScoringError, VerifierError
-from ..scoring import Scored
-from ..trajectory import Trajectory
-from .sandbox_isolation import (
+from stream_reward.config import SandboxConfig
+from stream_reward.errors import ScoringError, VerifierError
+from stream_reward.scorers.sandbox_isolation import (
     MARKER,
     OUT_OF_RESOURCES,
     UIDS,
@@ -53,64 +51,14 @@ from .sandbox_isolation import (
     sandbox_env,
     wrap_command,
 )
+from stream_reward.scoring.scorer import Scored
+from stream_reward.wire.trajectory import Trajectory
 
-__all__ = ["SandboxConfig", "SandboxScorer", "CASE_STATUSES", "extract_code", "parse_tests", "case_script"]
+__all__ = ["SandboxScorer", "CASE_STATUSES", "extract_code", "parse_tests", "case_script"]
 
 logger = logging.getLogger(__name__)
 
 CASE_STATUSES = ("passed", "failed", "runtime_error", "timeout", "memory", "output_limit")
-
-
-@dataclass(frozen=True, slots=True)
-class SandboxConfig:
-    """Limits are per test case; ``concurrency`` bounds sandboxes per scorer.
-
-    ``tmp_mb`` sizes each of the sandbox's private /tmp and /dev/shm.
-    ``extra_ro_binds`` are host paths shown read-only at the same place (not
-    under /tmp, which is the sandbox's own). ``backend="none"`` or a host with no
-    usable backend is refused unless ``unsafe_no_isolation``. Case processes run
-    as uids leased from ``uid_base .. uid_base + uid_count - 1`` (when root).
-    """
-
-    timeout_s: float = 5.0
-    cpu_s: float = 5.0
-    memory_mb: int = 1024
-    max_output_bytes: int = 4 * 1024 * 1024
-    max_file_mb: int = 16
-    max_procs: int = 32
-    tmp_mb: int = 64
-    concurrency: int = os.cpu_count() or 1
-    all_or_nothing: bool = False
-    unsafe_no_isolation: bool = False
-    backend: str = "auto"  # auto | bwrap | unshare | none
-    bwrap_path: str = "bwrap"
-    unshare_path: str = "unshare"
-    # The real interpreter, not a venv's symlink to it: a venv may live under /tmp,
-    # which inside the sandbox is a fresh tmpfs. The harness needs no site-packages.
-    python: str = os.path.realpath(sys.executable)
-    site_packages: bool = True  # put the host's site-packages on sys.path (no .pth processing)
-    extra_ro_binds: tuple[str, ...] = ()
-    uid_base: int = 60000
-    uid_count: int = 1000
-
-    def __post_init__(self) -> None:
-        for key in (
-            "timeout_s",
-            "cpu_s",
-            "memory_mb",
-            "max_output_bytes",
-            "max_file_mb",
-            "max_procs",
-            "tmp_mb",
-            "concurrency",
-            "uid_count",
-        ):
-            if not getattr(self, key) > 0:
-                raise ConfigError(key, "must be > 0")
-        if self.backend not in ("auto", "bwrap", "unshare", "none"):
-            raise ConfigError("backend", f"{self.backend!r} is not auto, bwrap, unshare or none")
-        if self.uid_base < 1000:
-            raise ConfigError("uid_base", "must be >= 1000 (an unprivileged uid range)")
 
 
 # ---------------------------------------------------------------- tests and code

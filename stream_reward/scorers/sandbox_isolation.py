@@ -47,12 +47,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import ConfigError, VerifierError
-
-if TYPE_CHECKING:  # sandbox imports this module; the config is only read here
-    from .sandbox import SandboxConfig
+from stream_reward.config import SandboxConfig
+from stream_reward.errors import ConfigError, VerifierError
 
 __all__ = [
     "MARKER",

@@ -89,7 +89,7 @@ async def rate_limited_then_ok(data_source, solution_str, ground_truth, extra_in
 
 def exact_manager(config):
     """A user manager loaded by import path: ManagerConfig -> Scorer (inline exact match)."""
-    from stream_reward.scoring import Scored
+    from stream_reward.scoring.scorer import Scored
 
     class Exact:
         inline = True

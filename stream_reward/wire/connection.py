@@ -8,22 +8,23 @@ here, so retry and masking rules live in one place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import re
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError, TryAgainError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from .errors import BrokerError
+from stream_reward.errors import BrokerError
 
 __all__ = [
     "connect",
@@ -34,6 +35,8 @@ __all__ = [
     "with_reconnect",
     "TRANSIENT_ERRORS",
     "CLUSTER_ERRORS",
+    "REDIS_ERRORS",
+    "redis_errors",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 # (not a RedisError): told apart from a programming error (a cross-slot command)
 # by its message. Catch these together with TRANSIENT_ERRORS, then ask is_transient.
 CLUSTER_ERRORS: tuple[type[BaseException], ...] = (RedisClusterException,)
+# Everything a Redis command can raise: what the boundary translates into BrokerError.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -166,3 +171,16 @@ async def with_reconnect(
                 log.warning("%s: Redis unreachable (%s), retrying", what, type(exc).__name__)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 2.0)
+
+
+@contextlib.contextmanager
+def redis_errors(what: str) -> Iterator[None]:
+    """Translate a Redis failure inside the block into a ``BrokerError`` naming ``what``.
+
+    The one place redis-py's errors become ours (as httpx maps httpcore's): callers
+    say what they were doing; the message never holds credentials.
+    """
+    try:
+        yield
+    except REDIS_ERRORS as exc:
+        raise BrokerError(f"{what}: {type(exc).__name__}: Redis unreachable or refused") from exc

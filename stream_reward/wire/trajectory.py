@@ -79,6 +79,29 @@ class ScoreResult:
     group: str | None = None
     scored_at: float = 0.0  # server-side wall clock, seconds; set by the worker
 
+    @classmethod
+    def failed(
+        cls,
+        uid: str,
+        batch_id: str,
+        index: int,
+        *,
+        reason: str,
+        error: str,
+        attempts: int = 1,
+        traj: Trajectory | None = None,
+        **fields: Any,
+    ) -> ScoreResult:
+        """A `failed` result: no score (0.0 is a placeholder the policy replaces), a reason code and a message.
+
+        With ``traj`` its length, data source and group are carried along.
+        """
+        if traj is not None:
+            fields.setdefault("valid_response_length", traj.response_length)
+            fields.setdefault("data_source", traj.data_source)
+            fields.setdefault("group", traj.group)
+        return cls(uid, batch_id, index, 0.0, "failed", reason=reason, error=error, attempts=attempts, **fields)
+
 
 _JSON_FIELDS: dict[str, tuple[type, ...]] = {
     "response": (str,),

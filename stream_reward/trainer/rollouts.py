@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .aggregator import BatchRewards
-from .config import BatchPolicy, ProducerConfig
-from .producer import RolloutProducer
-from .trajectory import Trajectory, trajectory_from_json
+from stream_reward.config import BatchPolicy, ProducerConfig
+from stream_reward.trainer.aggregator import BatchRewards
+from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.wire.trajectory import Trajectory, trajectory_from_json
 
 __all__ = ["Rollouts", "read_rollouts", "produce_rollouts", "result_rows"]
 

@@ -14,63 +14,18 @@ keys share the partition's slot, so this works on a Redis Cluster too).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
-from .broker import connect
-from .keys import Keys
-from .stream import read_header
+from stream_reward.config import DEFAULT_NAMESPACE
+from stream_reward.wire.connection import connect
+from stream_reward.wire.deadletter import DeadLetter, decode_dead_letter
+from stream_reward.wire.keys import Keys
 
 __all__ = ["DeadLetter", "list_dead_letters", "redrive_dead_letters"]
 
 
-@dataclass(slots=True)
-class DeadLetter:
-    partition: int
-    id: str
-    reason: str
-    error: str
-    consumer: str
-    deliveries: int
-    at: float
-    fields: dict[str, bytes]
-
-    def summary(self) -> dict[str, Any]:
-        """A JSON-able view; the payload is shown by size only."""
-        batch, index, uid = read_header(self.fields)
-        return {
-            "partition": self.partition,
-            "id": self.id,
-            "reason": self.reason,
-            "error": self.error,
-            "consumer": self.consumer,
-            "deliveries": self.deliveries,
-            "at": self.at,
-            "batch": batch,
-            "index": index if index >= 0 else None,
-            "uid": uid,
-            "payload_bytes": len(self.fields.get("d") or b""),
-        }
-
-
-def _parse(partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
-    record = msgpack.unpackb(fields[b"e"], raw=False, strict_map_key=False)
-    return DeadLetter(
-        partition=partition,
-        id=entry_id.decode(),
-        reason=record.get("reason", "?"),
-        error=record.get("error", ""),
-        consumer=record.get("consumer", ""),
-        deliveries=int(record.get("deliveries", 0)),
-        at=float(record.get("at", 0)),
-        fields=record.get("fields", {}),
-    )
-
-
 async def list_dead_letters(
-    redis_url: str, *, namespace: str = "sr", partitions: int = 1, count: int = 100, client: Any = None
+    redis_url: str, *, namespace: str = DEFAULT_NAMESPACE, partitions: int = 1, count: int = 100, client: Any = None
 ) -> list[DeadLetter]:
     owned = client is None
     client = client or connect(redis_url)
@@ -79,7 +34,7 @@ async def list_dead_letters(
         out: list[DeadLetter] = []
         for p in range(partitions):
             for entry_id, fields in await client.xrange(keys.dead_letters(p), count=count):
-                out.append(_parse(p, entry_id, fields))
+                out.append(decode_dead_letter(p, entry_id, fields))
         return out
     finally:
         if owned:
@@ -87,7 +42,12 @@ async def list_dead_letters(
 
 
 async def redrive_dead_letters(
-    redis_url: str, *, namespace: str = "sr", partitions: int = 1, ids: list[str] | None = None, client: Any = None
+    redis_url: str,
+    *,
+    namespace: str = DEFAULT_NAMESPACE,
+    partitions: int = 1,
+    ids: list[str] | None = None,
+    client: Any = None,
 ) -> int:
     """Push dead letters (all, or those with ``ids``) back onto their stream and delete them
     from the dead-letter stream, in one transaction per entry. Returns how many."""

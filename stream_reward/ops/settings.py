@@ -43,10 +43,17 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from .broker import mask_url
-from .config import BatchPolicy, ConsumerConfig, ProducerConfig
-from .errors import ConfigError
-from .keys import DEFAULT_GROUP, DEFAULT_NAMESPACE
+from stream_reward.config import (
+    BatchPolicy,
+    ConsumerConfig,
+    ManagerConfig,
+    OverlongConfig,
+    ProducerConfig,
+    check_namespace,
+)
+from stream_reward.errors import ConfigError
+from stream_reward.wire.connection import mask_url
+from stream_reward.wire.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE
 
 __all__ = ["Settings", "load_settings", "env_name", "mask_secrets", "schema", "CONFIG_ENV", "ENV_PREFIX"]
 
@@ -123,8 +130,6 @@ def _keys_of(cls: type, *, only: tuple[str, ...] | None = None, skip: tuple[str,
 @cache
 def schema() -> dict[str, dict[str, _Key]]:
     """Section -> key -> (type, default). Built from the library's dataclasses."""
-    from .managers import ManagerConfig
-
     return {
         "connection": _keys_of(_ConnectionSection),
         "reward": _keys_of(ManagerConfig, skip=("redis_url", "namespace", *_QUOTA_KEYS)),
@@ -304,9 +309,7 @@ class Settings:
             )
         return self.redis
 
-    def manager_config(self) -> Any:
-        from .managers import ManagerConfig
-
+    def manager_config(self) -> ManagerConfig:
         return ManagerConfig(
             **copy.deepcopy(self.values["reward"]),
             **copy.deepcopy(self.values["quota"]),
@@ -404,8 +407,7 @@ def _validate(settings: Settings) -> None:
             "connection.redis",
             f"{mask_url(url)!r} is not a URL with one of the schemes {', '.join(s[:-3] for s in _URL_SCHEMES)}",
         )
-    if not conn["namespace"] or any(c in conn["namespace"] for c in "{}"):
-        raise ConfigError("connection.namespace", f"must be non-empty and contain no braces, got {conn['namespace']!r}")
+    check_namespace(conn["namespace"], "connection.namespace")
     _at_least(v, "connection.partitions", 1)
     reward = v["reward"]
     _positive(v, "reward.timeout")
@@ -449,13 +451,10 @@ def _validate(settings: Settings) -> None:
 
 def _validate_overlong(reward: dict[str, Any]) -> None:
     """The dapo manager's own check (only when enabled, as verl does), run at load time."""
-    from . import managers
-
-    overlong = getattr(managers, "OverlongConfig", None)
-    if overlong is None or "overlong_buffer_cfg" not in reward:
+    if "overlong_buffer_cfg" not in reward:
         return
     try:
-        overlong.from_config(reward["overlong_buffer_cfg"], reward.get("max_resp_len"))
+        OverlongConfig.from_config(reward["overlong_buffer_cfg"], reward.get("max_resp_len"))
     except ConfigError as exc:
         raise ConfigError(f"reward.{exc.key}", exc.reason) from None
 

@@ -14,18 +14,15 @@ builds the named stacks):
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .errors import BadReplyError, ConfigError, ScoringError
-from .retry import RetryPolicy, call_with_retry
-from .scoring import Scored, Scorer
-from .trajectory import Trajectory
-
-if TYPE_CHECKING:  # managers imports this module; the config is only read here
-    from .managers import ManagerConfig
+from stream_reward.config import ManagerConfig, OverlongConfig, QuotaConfig
+from stream_reward.errors import BadReplyError, ConfigError, ScoringError
+from stream_reward.scoring.quota import QuotaLimiter
+from stream_reward.scoring.retry import RetryPolicy, call_with_retry
+from stream_reward.scoring.scorer import Scored, Scorer
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = [
     "PrecomputedScore",
@@ -58,45 +55,6 @@ class PrecomputedScore(_Wrapper):
         if traj.rm_score is not None:
             return Scored(float(traj.rm_score))
         return await self.inner.score(traj)
-
-
-@dataclass(frozen=True, slots=True)
-class OverlongConfig:
-    """verl's ``overlong_buffer_cfg``: ``{enable, len, penalty_factor, log}``."""
-
-    enable: bool = False
-    len: int = 0
-    penalty_factor: float = 1.0
-    log: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | None, max_resp_len: int | None) -> OverlongConfig:
-        """Validated only when enabled, as verl does (a disabled block may hold anything)."""
-        cfg = dict(cfg or {})
-        if not cfg.get("enable"):
-            return cls()
-        unknown = sorted(set(cfg) - {"enable", "len", "penalty_factor", "log"})
-        if unknown:
-            raise ConfigError(
-                f"overlong_buffer_cfg.{unknown[0]}", "unknown key; known: enable, len, penalty_factor, log"
-            )
-        buffer_len = cfg.get("len")
-        if isinstance(buffer_len, bool) or not isinstance(buffer_len, int) or buffer_len <= 0:
-            raise ConfigError(
-                "overlong_buffer_cfg.len",
-                f"must be an integer > 0 when the overlong penalty is enabled, got {buffer_len!r}",
-            )
-        factor = cfg.get("penalty_factor", 1.0)
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
-            raise ConfigError("overlong_buffer_cfg.penalty_factor", f"must be a number >= 0, got {factor!r}")
-        if max_resp_len is not None:
-            if isinstance(max_resp_len, bool) or not isinstance(max_resp_len, int):
-                raise ConfigError("max_resp_len", f"must be an integer, got {max_resp_len!r}")
-            if max_resp_len < buffer_len:
-                raise ConfigError(
-                    "max_resp_len", f"must be >= overlong_buffer_cfg.len ({buffer_len}), got {max_resp_len}"
-                )
-        return cls(True, buffer_len, float(factor), bool(cfg.get("log", False)))
 
 
 def overlong_penalty(valid_response_length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
@@ -251,8 +209,6 @@ class RateLimitedScorer(_Wrapper):
 
     def _get_limiter(self) -> Any:
         if self.limiter is None:
-            from .quota import QuotaConfig, QuotaLimiter
-
             c = self.config
             if not c.redis_url:
                 raise ConfigError("redis_url", "rate_limited keeps its quota in Redis and needs the worker's Redis URL")

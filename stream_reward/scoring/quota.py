@@ -41,13 +41,11 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
+from stream_reward.config import QuotaConfig
+from stream_reward.wire.connection import REDIS_ERRORS, connect, with_reconnect
+from stream_reward.wire.keys import DEFAULT_NAMESPACE, Keys
 
-from .broker import TRANSIENT_ERRORS, connect, with_reconnect
-from .errors import ConfigError
-from .keys import DEFAULT_NAMESPACE, Keys
-
-__all__ = ["QuotaConfig", "QuotaLimiter", "Lease"]
+__all__ = ["QuotaLimiter", "Lease"]
 
 log = logging.getLogger(__name__)
 
@@ -182,57 +180,6 @@ end
 return {now, tonumber(st[1]) or 0, tonumber(st[2]) or 0, tonumber(st[3]) or 0, math.floor(f * 1000000),
         tonumber(st[6]) or 0, tonumber(st[7]) or 0, tonumber(st[8]) or 0, redis.call('ZCOUNT', KEYS[2], now + 1, '+inf')}
 """
-
-
-@dataclass
-class QuotaConfig:
-    """One verifier's global limits. ``None`` disables a limit.
-
-    ``name`` keys the quota in Redis: every limiter with the same name and
-    namespace shares it (use the API key's identity when the provider meters per
-    key). ``estimated_tokens_per_request`` is charged against TPM up front when
-    the caller gives no count. ``lease_ttl_s``: an in-flight lease not renewed
-    for this long (its worker died) stops counting.
-
-    Beyond the core fields: ``burst`` — requests allowed back to back after an
-    idle spell (GCRA tolerance; TPM's is ``burst`` x the token estimate);
-    ``adaptive`` — lower the rate after repeated 429s, by ``rate_decrease`` per
-    repeat down to ``min_rate_factor``, and recover to the full rate over
-    ``recovery_s``; ``repeat_window_s`` — two 429s this close are "repeated".
-    """
-
-    name: str
-    max_rpm: float | None = None
-    max_tpm: float | None = None
-    max_inflight: int | None = None
-    estimated_tokens_per_request: int = 2000
-    lease_ttl_s: float = 60.0
-    burst: float = 1.0
-    adaptive: bool = False
-    rate_decrease: float = 0.7
-    min_rate_factor: float = 0.1
-    recovery_s: float = 60.0
-    repeat_window_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not self.name or any(c in self.name for c in "{}"):
-            raise ConfigError("quota_key", f"{self.name!r} must be non-empty and contain no braces")
-        for key in ("max_rpm", "max_tpm", "max_inflight"):
-            value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise ConfigError(key, f"must be > 0 (or unset), got {value}")
-        if self.estimated_tokens_per_request < 0:
-            raise ConfigError("estimated_tokens_per_request", f"must be >= 0, got {self.estimated_tokens_per_request}")
-        if self.lease_ttl_s <= 0:
-            raise ConfigError("lease_ttl_s", f"must be > 0, got {self.lease_ttl_s}")
-        if self.burst < 1:
-            raise ConfigError("burst", f"must be >= 1, got {self.burst}")
-        if not 0 < self.rate_decrease < 1:
-            raise ConfigError("rate_decrease", f"must be in (0, 1), got {self.rate_decrease}")
-        if not 0 < self.min_rate_factor <= 1:
-            raise ConfigError("min_rate_factor", f"must be in (0, 1], got {self.min_rate_factor}")
-        if self.recovery_s <= 0:
-            raise ConfigError("recovery_s", f"must be > 0, got {self.recovery_s}")
 
 
 class _Done:
@@ -478,7 +425,7 @@ class QuotaLimiter:
             await asyncio.sleep(interval)
             try:
                 await self._script("renew")(keys=self.keys, args=[lease.id, ttl_us])
-            except (RedisError, *TRANSIENT_ERRORS) as exc:
+            except REDIS_ERRORS as exc:
                 log.debug("quota %r: lease renewal failed: %s", self.config.name, type(exc).__name__)
 
     # ------------------------------------------------------------------ 429s

@@ -17,13 +17,13 @@ theirs with ``@register_manager("name")`` or ``--manager module.path:builder``
                ``timeout`` per sample; hung processes are killed and replaced
 ``remote``     the same mechanism as ``prime`` (verl runs it as Ray actors)
 ``rate_limited`` ``max_rpm`` / ``max_tpm`` / ``max_concurrent`` held in Redis,
-               shared by every worker process (``stream_reward.quota``)
+               shared by every worker process (``stream_reward.scoring.quota``)
 =============  ===============================================================
 
 Every built-in manager takes a sample's precomputed ``rm_score`` (verl's
 rm_scores path) as its task score instead of calling the scorer; shaping
 (``dapo``) still applies. The layers the managers stack (precomputed scores,
-overlong shaping, micro-batching, the quota) live in ``stream_reward.wrappers``.
+overlong shaping, micro-batching, the quota) live in ``stream_reward.managers.layers``.
 
 Scorer specs:
 
@@ -42,18 +42,22 @@ import asyncio
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError, ScorerTimeoutError, ScoringError
-from .procpool import ProcessPool
-from .scoring import Scored, Scorer, load_function, normalize
-from .trajectory import Trajectory
-from .wrappers import BatchCall, MicroBatchScorer, OverlongConfig, OverlongShaping, PrecomputedScore, RateLimitedScorer
+from stream_reward.config import ManagerConfig, OverlongConfig
+from stream_reward.errors import ConfigError, ScorerTimeoutError, ScoringError
+from stream_reward.managers.layers import (
+    BatchCall,
+    MicroBatchScorer,
+    OverlongShaping,
+    PrecomputedScore,
+    RateLimitedScorer,
+)
+from stream_reward.scoring.procpool import ProcessPool
+from stream_reward.scoring.scorer import Scored, Scorer, load_function, normalize
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = [
-    "ManagerConfig",
-    "OverlongConfig",  # re-exported: settings validates dapo's options through this module
     "register_manager",
     "build_scorer",
     "manager_names",
@@ -61,34 +65,6 @@ __all__ = [
     "RuleScorer",
     "AsyncFunctionScorer",
 ]
-
-
-@dataclass(slots=True)
-class ManagerConfig:
-    """Manager options, with verl's key names where verl has them."""
-
-    manager: str = "naive"
-    scorer: str = "rules"
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout: float = 30.0  # per sample, seconds (verl's key name); per call for `batch`
-    num_processes: int | None = None  # scorer processes; default: cores
-    # dapo
-    overlong_buffer_cfg: dict[str, Any] = field(default_factory=dict)
-    max_resp_len: int | None = None
-    # batch
-    batch_size: int = 128
-    batch_wait_ms: float = 20.0
-    # rate_limited (and remote verifiers)
-    max_concurrent: int | None = None
-    max_rpm: float | None = None
-    max_tpm: float | None = None
-    estimated_tokens_per_request: int = 2000
-    quota_key: str | None = None
-    retries: int = 5  # attempts after the first, for infrastructure faults
-    redis_url: str | None = None
-    namespace: str = "sr"
-    # the `sandbox` scorer: keyword arguments of scorers.sandbox.SandboxConfig
-    sandbox: dict[str, Any] = field(default_factory=dict)
 
 
 Builder = Callable[[ManagerConfig], Scorer]
@@ -127,7 +103,7 @@ class RuleScorer:
     inline = True
 
     def __init__(self, reward_kwargs: dict[str, Any] | None = None) -> None:
-        from .scorers.rules import compute_score
+        from stream_reward.scorers.rules import compute_score
 
         self._compute = compute_score
         self._kwargs = reward_kwargs or {}

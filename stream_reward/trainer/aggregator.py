@@ -23,15 +23,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
-
-from .broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, is_cluster, with_reconnect
-from .codec import decode_result
-from .config import BatchPolicy
-from .errors import BrokerError, CollectTimeoutError, ConfigError
-from .keys import Keys
-from .stream import read_streams
-from .trajectory import ScoreResult
+from stream_reward.config import DEFAULT_NAMESPACE, BatchPolicy
+from stream_reward.errors import CollectTimeoutError, ConfigError
+from stream_reward.wire.codec import decode_result
+from stream_reward.wire.connection import (
+    connect,
+    is_cluster,
+    redis_errors,
+    with_reconnect,
+)
+from stream_reward.wire.entries import read_streams
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.trajectory import ScoreResult
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +123,7 @@ class RewardAggregator:
         self,
         redis_url: str,
         *,
-        namespace: str = "sr",
+        namespace: str = DEFAULT_NAMESPACE,
         partitions: int | None = None,
         collected_ttl_s: int = 3600,
         client: Any = None,
@@ -316,12 +319,10 @@ class RewardAggregator:
             missing = [index for index in range(meta.size) if index not in by_index]
             lengths = await self._pushed_lengths(batch_id, missing)
             for index, length in zip(missing, lengths):
-                by_index[index] = ScoreResult(
+                by_index[index] = ScoreResult.failed(
                     "",
                     batch_id,
                     index,
-                    0.0,
-                    "failed",
                     reason=reason,
                     error=f"no result before the batch {reason}",
                     valid_response_length=length,
@@ -340,7 +341,7 @@ class RewardAggregator:
 
     async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
         keys = Keys(self._namespace, self._partitions or meta.partitions)
-        try:
+        with redis_errors(f"expiring batch {batch_id!r}"):
             async with self.client.pipeline(transaction=False) as pipe:
                 for p in range(keys.partitions):
                     pipe.expire(keys.results(batch_id, p), self.collected_ttl_s)
@@ -349,8 +350,6 @@ class RewardAggregator:
                 pipe.expire(keys.lengths(batch_id), self.collected_ttl_s)
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
-            raise BrokerError(f"expiring batch {batch_id!r}: {type(exc).__name__}") from exc
 
 
 def build_rewards(batch_id: str, meta: BatchMeta, results: list[ScoreResult]) -> BatchRewards:

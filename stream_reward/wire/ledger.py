@@ -22,8 +22,8 @@ from typing import Any
 
 import msgpack
 
-from .broker import is_cluster
-from .keys import Keys
+from stream_reward.wire.connection import is_cluster
+from stream_reward.wire.keys import Keys
 
 __all__ = ["LedgerItem", "LedgerWriter", "DLQ_MAXLEN"]
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import BadReplyError, ConfigError
-from .trajectory import Trajectory
+from stream_reward.errors import BadReplyError, ConfigError
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = ["Scored", "Scorer", "normalize", "load_function"]
 

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import BadReplyError, RetryLater, ScoringError, VerifierError
+from stream_reward.errors import BadReplyError, RetryLater, ScoringError, VerifierError
 
 __all__ = [
     "RetryPolicy",
@@ -115,13 +115,9 @@ def status_error(
     detail = f"{what} replied HTTP {status}" + (f": {snippet}" if snippet else "")
     retry_after = parse_retry_after(headers)
     if status == 429:
-        exc: Exception = RetryLater(detail, retry_after_s=retry_after, rate_limited=True)
-        exc.reason = "http_429"  # type: ignore[attr-defined]
-        return exc
+        return RetryLater(detail, retry_after_s=retry_after, rate_limited=True, reason="http_429")
     if status == 408 or status >= 500:
-        err = VerifierError(detail, reason=f"http_{status}")
-        err.retry_after_s = retry_after  # type: ignore[attr-defined]
-        return err
+        return VerifierError(detail, reason=f"http_{status}", retry_after_s=retry_after)
     return BadReplyError(detail, reason=f"http_{status}")
 
 
@@ -201,8 +197,7 @@ async def call_with_retry(
             if exc.rate_limited and on_rate_limited is not None:
                 await on_rate_limited(retry_after)
             if n > policy.retries:
-                reason = getattr(exc, "reason", "http_429" if exc.rate_limited else "retry_later")
-                raise VerifierError(f"{exc} (gave up after {n} attempts)", reason=reason, attempts=n) from exc
+                raise VerifierError(f"{exc} (gave up after {n} attempts)", reason=exc.reason, attempts=n) from exc
             # The shared pause (if any) already holds every worker back until
             # retry_after; a little jitter keeps the restart from being a stampede.
             delay = (
@@ -217,7 +212,7 @@ async def call_with_retry(
                 exc.args = (f"{exc.args[0] if exc.args else exc} (gave up after {n} attempts)",)
                 raise
             delay = policy.backoff_s(n, rng)
-            retry_after = getattr(exc, "retry_after_s", None)
+            retry_after = exc.retry_after_s
             if retry_after is not None:
                 delay = max(delay, retry_after)
         except ScoringError as exc:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-from .errors import BrokerError
+from stream_reward.errors import BrokerError
 
 __all__ = ["EmbeddedServer", "find_server_binary", "die_with_parent"]
 

@@ -22,25 +22,15 @@ from typing import Any
 import msgpack
 from redis.exceptions import ResponseError
 
-from .broker import connect, mask_url
-from .keys import Keys
-from .stream import read_header
+from stream_reward.config import DEFAULT_NAMESPACE
+from stream_reward.wire.connection import connect, mask_url
+from stream_reward.wire.deadletter import decode_dead_letter
+from stream_reward.wire.entries import group_state
+from stream_reward.wire.heartbeat import parse_heartbeats
+from stream_reward.wire.heartbeat import text as _s
+from stream_reward.wire.keys import Keys
 
-__all__ = ["read_status", "read_heartbeats", "render_status", "record_batch", "ALIVE_FACTOR"]
-
-ALIVE_FACTOR = 3  # a heartbeat older than this many intervals means the worker is not alive
-
-
-def _s(value: Any) -> Any:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-def _decode_map(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {_s(k): _decode_map(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_decode_map(v) for v in value]
-    return _s(value)
+__all__ = ["read_status", "read_heartbeats", "render_status", "record_batch"]
 
 
 async def read_heartbeats(
@@ -48,20 +38,7 @@ async def read_heartbeats(
 ) -> dict[str, dict[str, Any]]:
     """Consumer name -> its heartbeat record, with ``age_s`` and ``alive`` added."""
     now = time.time() if now is None else now
-    raw = await client.hgetall(keys.workers())
-    beats = {}
-    for name, packed in raw.items():
-        try:
-            beat = _decode_map(msgpack.unpackb(packed, raw=False))
-        except (ValueError, msgpack.UnpackException):
-            continue  # not a heartbeat record; never let one bad value hide the others
-        if not isinstance(beat, dict):
-            continue
-        seen = float(beat.get("seen", 0) or 0)
-        beat["age_s"] = round(max(0.0, now - seen), 3)
-        beat["alive"] = now - seen <= ALIVE_FACTOR * interval_s
-        beats[_s(name)] = beat
-    return beats
+    return parse_heartbeats(await client.hgetall(keys.workers()), interval_s=interval_s, now=now)
 
 
 async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any]:
@@ -85,11 +62,9 @@ async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any
         entries_added=int(info.get("entries-added", 0) or 0),
         last_id=_s(info.get("last-generated-id")),
     )
-    for group in await client.xinfo_groups(name):
-        gname = _s(group["name"])
-        lag = group.get("lag")
+    for group in map(group_state, await client.xinfo_groups(name)):
         consumers = []
-        for consumer in await client.xinfo_consumers(name, gname):
+        for consumer in await client.xinfo_consumers(name, group["name"]):
             consumers.append(
                 {
                     "name": _s(consumer["name"]),
@@ -100,13 +75,12 @@ async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any
             )
         out["groups"].append(
             {
-                "group": gname,
-                "consumers": int(group.get("consumers", 0)),
-                "pending": int(group.get("pending", 0)),
-                # lag is nil when Redis cannot tell (entries deleted mid-range); report unknown, not 0
-                "lag": int(lag) if lag is not None else None,
-                "entries_read": int(group["entries-read"]) if group.get("entries-read") is not None else None,
-                "last_delivered_id": _s(group.get("last-delivered-id")),
+                "group": group["name"],
+                "consumers": group["consumers"],
+                "pending": group["pending"],
+                "lag": group["lag"],
+                "entries_read": group["entries_read"],
+                "last_delivered_id": group["last_delivered_id"],
                 "consumer_list": consumers,
             }
         )
@@ -153,25 +127,13 @@ async def _dead_letters(client: Any, keys: Keys, recent: int) -> dict[str, Any]:
             continue
         for entry_id, fields in await client.xrevrange(keys.dead_letters(p), count=recent):
             try:
-                record = msgpack.unpackb(fields[b"e"], raw=False)
-            except (KeyError, ValueError, msgpack.UnpackException):
-                record = {}
-            batch, index, uid = read_header(record.get("fields") or {})
-            error = str(record.get("error", ""))
-            latest.append(
-                {
-                    "id": _s(entry_id),
-                    "partition": p,
-                    "reason": record.get("reason"),
-                    "error": error[:200] + ("..." if len(error) > 200 else ""),
-                    "batch": batch,
-                    "index": index if index >= 0 else None,
-                    "uid": uid,
-                    "consumer": _s(record.get("consumer")),
-                    "deliveries": record.get("deliveries"),
-                    "at": record.get("at"),
-                }
-            )
+                letter = decode_dead_letter(p, entry_id, fields).summary()
+            except (KeyError, ValueError, TypeError, msgpack.UnpackException):
+                letter = dict.fromkeys(("reason", "batch", "index", "uid", "consumer", "deliveries", "at"))
+            error = str(letter.get("error") or "")
+            letter.pop("payload_bytes", None)
+            letter.update(id=_s(entry_id), partition=p, error=error[:200] + ("..." if len(error) > 200 else ""))
+            latest.append(letter)
     latest.sort(key=lambda d: d.get("at") or 0, reverse=True)
     return {"total": sum(per_partition), "partitions": per_partition, "recent": latest[:recent]}
 
@@ -207,9 +169,10 @@ async def _quota(client: Any, namespace: str, limits: dict[str, dict[str, Any]] 
 
 
 async def _quota_state(client: Any, namespace: str, name: str, limits: dict[str, Any]) -> dict[str, Any] | None:
-    if importlib.util.find_spec("stream_reward.quota") is None:
+    if importlib.util.find_spec("stream_reward.scoring.quota") is None:
         return None
-    from .quota import QuotaConfig, QuotaLimiter
+    from stream_reward.config import QuotaConfig
+    from stream_reward.scoring.quota import QuotaLimiter
 
     fields = QuotaConfig.__dataclass_fields__
     limiter = QuotaLimiter(
@@ -279,7 +242,7 @@ def _consumers(streams: list[dict[str, Any]], beats: dict[str, dict[str, Any]]) 
 
 async def read_status(
     redis_url: str,
-    namespace: str = "sr",
+    namespace: str = DEFAULT_NAMESPACE,
     *,
     partitions: int | None = None,
     heartbeat_interval_s: float = 2.0,
@@ -535,16 +498,11 @@ def record_batch(
     """Record a collected batch in Prometheus metrics (the trainer's process exposes them).
 
     ``completion_s``: from opening the batch (or starting generation) to rewards
-    ready; ``reward_tail_s``: from the last push to rewards ready. Either may be
-    omitted; when ``rewards`` carries ``timings`` (seconds, keys of the same
-    names) those are used.
+    ready; ``reward_tail_s``: from the last push to rewards ready. Either may be omitted.
     """
     from prometheus_client import REGISTRY
 
     completion, tail, samples, valid, batches = _trainer_metrics(registry or REGISTRY)
-    timings = getattr(rewards, "timings", None) or {}
-    completion_s = completion_s if completion_s is not None else timings.get("completion_s")
-    reward_tail_s = reward_tail_s if reward_tail_s is not None else timings.get("reward_tail_s")
     if completion_s is not None:
         completion.observe(max(0.0, completion_s))
     if reward_tail_s is not None:

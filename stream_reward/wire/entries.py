@@ -21,9 +21,10 @@ from typing import Any
 import msgpack
 from redis.exceptions import ResponseError
 
-from .broker import is_cluster
+from stream_reward.wire.connection import is_cluster
 
 __all__ = [
+    "group_state",
     "ensure_group",
     "entry_fields",
     "xadd_many_args",
@@ -125,3 +126,28 @@ async def _routed(client: Any, command: str, args: list[Any], streams: dict[str,
     return await client.execute_command(
         command, *args, "STREAMS", *streams.keys(), *streams.values(), target_nodes=node
     )
+
+
+def group_state(group: dict[Any, Any]) -> dict[str, Any]:
+    """One XINFO GROUPS row with text keys and typed values.
+
+    ``lag`` is None when Redis cannot tell (entries deleted mid-range, or after
+    an AOF reload): callers report it unknown, never 0.
+    """
+    row = {(k.decode() if isinstance(k, bytes) else k): v for k, v in group.items()}
+
+    def text(value: Any) -> Any:
+        return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+    def number(key: str) -> int | None:
+        value = row.get(key)
+        return int(value) if value is not None else None
+
+    return {
+        "name": text(row["name"]),
+        "consumers": int(row.get("consumers", 0)),
+        "pending": int(row.get("pending", 0)),
+        "lag": number("lag"),
+        "entries_read": number("entries-read"),
+        "last_delivered_id": text(row.get("last-delivered-id")),
+    }

@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .embedded import die_with_parent, find_server_binary
-from .errors import BrokerError
+from stream_reward.errors import BrokerError
+from stream_reward.ops.embedded import die_with_parent, find_server_binary
 
 __all__ = ["LocalCluster", "HASH_SLOTS"]
 

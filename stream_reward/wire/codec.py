@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
 
-from .errors import CodecError, PayloadTooLargeError, SchemaVersionError
-from .trajectory import ScoreResult, Trajectory
+from stream_reward.config import DEFAULT_MAX_MESSAGE_BYTES
+from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
+from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = [
+    "to_plain",
     "SCHEMA_VERSION",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "encode_trajectory",
@@ -31,7 +34,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 _LITTLE = sys.byteorder == "little"
 
@@ -195,24 +197,31 @@ def encode_result(result: ScoreResult) -> bytes:
     except (TypeError, ValueError, OverflowError):
         # A scorer returned extra info msgpack cannot carry (a tensor, a set...):
         # keep the score, stringify the extras rather than lose the sample.
-        extra = {str(k): _plain(v) for k, v in result.extra.items()}
+        extra = {str(k): to_plain(v) for k, v in result.extra.items()}
         return msgpack.packb(row[:8] + (extra,) + row[9:], use_bin_type=True)
 
 
-def _plain(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+def to_plain(value: Any, unknown: Callable[[Any], Any] = repr) -> Any:
+    """``value`` as the plain Python msgpack and JSON carry: the one converter for
+    numpy / torch scalars and arrays, tuples, and mappings of any kind.
+    What has no plain form becomes ``unknown(value)``."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
         return value
-    item = getattr(value, "item", None)  # numpy / torch scalars
-    if callable(item):
-        try:
-            return _plain(item())
-        except (TypeError, ValueError, RuntimeError):
-            pass
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v, unknown) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return repr(value)
+        return [to_plain(v, unknown) for v in value]
+    for convert in ("item", "tolist"):  # numpy / torch scalars, then arrays and tensors
+        method = getattr(value, convert, None)
+        if callable(method):
+            try:
+                return to_plain(method(), unknown)
+            except (TypeError, ValueError, RuntimeError):
+                continue
+    for plain in (bool, str, bytes, float, int):  # subclasses (numpy.str_, enum values, ...)
+        if isinstance(value, plain):
+            return plain(value)
+    return unknown(value)
 
 
 def decode_result(data: bytes) -> ScoreResult:

@@ -7,7 +7,7 @@ holding its slot forever. Here each call goes to a child process over a pipe
 SIGKILLed and a fresh child takes its place on the next call. A child that dies
 mid-call fails that one sample (``scorer_crashed``), nothing else.
 
-Children are plain ``python -m stream_reward._scorer_child SPEC`` processes, so
+Children are plain ``python -m stream_reward.scoring.procpool_child SPEC`` processes, so
 they import the user's function themselves (no pickling of functions loaded
 from a file path) and start without copying the parent's memory.
 """
@@ -25,9 +25,9 @@ from typing import Any
 
 import msgpack
 
-from .errors import ScorerCrashedError, ScorerTimeoutError, ScoringError
-from .scoring import Scored
-from .trajectory import Trajectory
+from stream_reward.errors import ScorerCrashedError, ScorerTimeoutError, ScoringError
+from stream_reward.scoring.scorer import Scored
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = ["ProcessPool"]
 
@@ -91,7 +91,7 @@ class ProcessPool:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "stream_reward._scorer_child",
+            "stream_reward.scoring.procpool_child",
             self.spec,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
-
-from .broker import CLUSTER_ERRORS, TRANSIENT_ERRORS, connect, mask_url
-from .codec import encode_result, encode_trajectory
-from .config import BatchPolicy, ProducerConfig
-from .errors import BackpressureError, BrokerError, ConfigError
-from .keys import Keys
-from .ledger import LedgerItem, LedgerWriter
-from .stream import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
-from .trajectory import ScoreResult, Trajectory, default_uid
+from stream_reward.config import BatchPolicy, ProducerConfig
+from stream_reward.errors import BackpressureError, BrokerError, ConfigError
+from stream_reward.trainer.loop_thread import LoopThread
+from stream_reward.wire.codec import encode_result, encode_trajectory
+from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url, redis_errors
+from stream_reward.wire.entries import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import LedgerItem, LedgerWriter
+from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["RolloutProducer", "SyncRolloutProducer"]
 
@@ -107,7 +105,7 @@ class RolloutProducer:
             "deadline": now + policy.deadline_s if policy.deadline_s else 0,
             "partitions": self.keys.partitions,
         }
-        try:
+        with redis_errors(f"open_batch {batch_id!r} on {mask_url(self._url)}"):
             await self._ensure_groups()
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.hset(self.keys.batch_meta(batch_id), mapping=meta)
@@ -119,8 +117,6 @@ class RolloutProducer:
                 for key in (self.keys.batch_meta(batch_id), self.keys.lengths(batch_id)):
                     pipe.expire(key, self.config.result_ttl_s)
                 await pipe.execute()
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
-            raise BrokerError(f"open_batch {batch_id!r} on {mask_url(self._url)}: {type(exc).__name__}") from exc
         self._uids(batch_id).clear()
 
     async def push(self, traj: Trajectory) -> None:
@@ -147,7 +143,7 @@ class RolloutProducer:
             await self._wait_for_room(len(entries))
             await self._ensure_groups()
             await self._xadd(entries)
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+        except REDIS_ERRORS as exc:
             # Some entries of the pipeline may have landed; they will be scored and
             # counted once, and the caller may push the whole call again safely
             # because results are write-once per uid.
@@ -210,16 +206,14 @@ class RolloutProducer:
         GRPO ``group`` if it has one: the result then lands in the partition its
         trajectory would have gone to, where a late push of it would find it."""
         uid = uid or default_uid(batch_id, index)
-        result = ScoreResult(
-            uid, batch_id, index, 0.0, "failed", reason=reason, error=error, group=group, scored_at=time.time()
+        result = ScoreResult.failed(
+            uid, batch_id, index, reason=reason, error=error, group=group, scored_at=time.time()
         )
         ledger = LedgerWriter(self.client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
-        try:
+        with redis_errors(f"recording failed sample {uid!r}"):
             await ledger.write(
                 self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))]
             )
-        except (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
-            raise BrokerError(f"recording failed sample {uid!r}: {type(exc).__name__}") from exc
 
     async def backlog(self) -> int:
         """Entries in the streams not yet delivered to the consumer group (the group's lag)."""
@@ -259,13 +253,11 @@ class SyncRolloutProducer:
     """Blocking wrapper for trainers that are not async: one private loop in a thread."""
 
     def __init__(self, redis_url: str, config: ProducerConfig | None = None) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="stream-reward-producer", daemon=True)
-        self._thread.start()
+        self._thread = LoopThread("stream-reward-producer")
         self._producer = RolloutProducer(redis_url, config)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._thread.run(coro)
 
     def open_batch(self, batch_id: str, size: int, response_len: int, *, policy: BatchPolicy | None = None) -> None:
         self._run(self._producer.open_batch(batch_id, size, response_len, policy=policy))
@@ -277,11 +269,9 @@ class SyncRolloutProducer:
         return self._run(self._producer.push_many(list(trajs)))
 
     def close(self) -> None:
-        if self._loop.is_running():
+        if self._thread.running:
             self._run(self._producer.aclose())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._thread.stop()
 
     def __enter__(self) -> SyncRolloutProducer:
         return self

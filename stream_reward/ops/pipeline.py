@@ -8,12 +8,12 @@ import contextlib
 import logging
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
-from .embedded import EmbeddedServer, die_with_parent
-from .keys import DEFAULT_NAMESPACE
+from stream_reward.config import DEFAULT_NAMESPACE
+from stream_reward.ops.embedded import EmbeddedServer, die_with_parent
+from stream_reward.ops.worker_cli import worker_command
 
 __all__ = ["LocalPipeline", "spawn_worker"]
 
@@ -24,7 +24,7 @@ def spawn_worker(
     redis_url: str, *args: str, namespace: str = DEFAULT_NAMESPACE, quiet: bool = True
 ) -> subprocess.Popen[bytes]:
     """Start one worker process (``python -m workers``) with extra CLI ``args``."""
-    argv = [sys.executable, "-m", "workers", "--redis", redis_url, "--namespace", namespace, *args]
+    argv = worker_command("--redis", redis_url, "--namespace", namespace, *args)
     if quiet and "--log-level" not in args:
         argv += ["--log-level", "WARNING"]
     # A local worker belongs to this process: if we die without stopping it (a

@@ -16,9 +16,9 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from .codec import _plain
-from .errors import ScoringError
-from .scoring import load_function, normalize
+from stream_reward.errors import ScoringError
+from stream_reward.scoring.scorer import load_function, normalize
+from stream_reward.wire.codec import to_plain
 
 _HEADER = struct.Struct(">I")
 
@@ -50,7 +50,7 @@ async def _await(value: Any) -> Any:
 def _one(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
     data_source, solution_str, ground_truth, extra_info = args
     scored = normalize(_resolve(fn(data_source, solution_str, ground_truth, extra_info, **kwargs)))
-    return [True, [scored.score, {k: _plain(v) for k, v in scored.extra.items()}]]
+    return [True, [scored.score, {k: to_plain(v) for k, v in scored.extra.items()}]]
 
 
 def _batch(fn: Any, rows: list[list[Any]], kwargs: dict[str, Any]) -> list[Any]:
@@ -70,7 +70,7 @@ def _batch(fn: Any, rows: list[list[Any]], kwargs: dict[str, Any]) -> list[Any]:
     for value in values:
         try:
             scored = normalize(value)
-            out.append([True, scored.score, {k: _plain(v) for k, v in scored.extra.items()}])
+            out.append([True, scored.score, {k: to_plain(v) for k, v in scored.extra.items()}])
         except ScoringError as exc:
             out.append([False, str(exc), exc.reason])
     return out

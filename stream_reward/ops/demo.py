@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .aggregator import RewardAggregator
-from .config import ProducerConfig
-from .producer import RolloutProducer
-from .trajectory import Trajectory
+from stream_reward.config import DEFAULT_NAMESPACE, ProducerConfig
+from stream_reward.trainer.aggregator import RewardAggregator
+from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.wire.trajectory import Trajectory
 
 __all__ = ["DemoReport", "run_demo", "make_gsm8k_sample"]
 
@@ -68,7 +68,7 @@ async def run_demo(
     redis_url: str,
     n: int = 2000,
     *,
-    namespace: str = "sr",
+    namespace: str = DEFAULT_NAMESPACE,
     generation_s: float = 3.0,
     seed: int = 0,
     progress: Any = None,

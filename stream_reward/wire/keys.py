@@ -27,10 +27,10 @@ from binascii import crc_hqx
 from dataclasses import dataclass
 from functools import lru_cache
 
+from stream_reward.config import DEFAULT_GROUP, DEFAULT_NAMESPACE, check_namespace
+
 __all__ = ["Keys", "DEFAULT_NAMESPACE", "DEFAULT_GROUP", "HASH_SLOTS", "MAX_PARTITIONS", "key_slot"]
 
-DEFAULT_NAMESPACE = "sr"
-DEFAULT_GROUP = "scorers"
 HASH_SLOTS = 16384
 MAX_PARTITIONS = 1024  # far more than masters a cluster has; keeps the tag search (O(P^2) CRCs, once) short
 
@@ -70,9 +70,7 @@ class Keys:
     partitions: int = 1
 
     def __post_init__(self) -> None:
-        # '#' is reserved: a namespace "a#1.3" would share a tag with partition 1 of "a".
-        if not self.namespace or any(c in self.namespace for c in "{}#"):
-            raise ValueError(f"namespace {self.namespace!r} must be non-empty and contain no braces or '#'")
+        check_namespace(self.namespace)
         if not 1 <= self.partitions <= MAX_PARTITIONS:
             raise ValueError(f"partitions must be between 1 and {MAX_PARTITIONS}, got {self.partitions}")
 

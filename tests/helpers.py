@@ -1,0 +1,41 @@
+"""Helpers the test files share: polling for a condition, and scoring one batch end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from stream_reward import BatchPolicy, BatchRewards, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[object]], timeout_s: float = 30.0, every_s: float = 0.05
+) -> None:
+    """Poll ``predicate`` until it is true; fail the test if it is not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(every_s)
+    raise AssertionError("condition not reached in time")
+
+
+async def score_batch(
+    redis_url: str,
+    namespace: str,
+    trajs: list[Trajectory],
+    *,
+    width: int = 8,
+    policy: BatchPolicy | None = None,
+    timeout_s: float = 30,
+) -> BatchRewards:
+    """Open the trajectories' batch, push them all, collect: what a trainer does with running workers."""
+    batch_id = trajs[0].batch_id
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
+        await producer.open_batch(batch_id, len(trajs), width, policy=policy)
+        await producer.push_many(trajs)
+        return await agg.collect(batch_id, timeout_s=timeout_s)
