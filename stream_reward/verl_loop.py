@@ -500,7 +500,8 @@ class _Windows:
         try:
             await producer.open_batch(batch_id, len(trajs), width, policy=manager.options.policy)
             await producer.push_many(trajs)
-            results = aggregator.stream(batch_id)
+            meta = await aggregator.meta(batch_id)
+            results = aggregator._results(batch_id, meta, None)
             watch = asyncio.ensure_future(_watch_workers(manager))
             try:
                 async for result in _until(results, watch):
@@ -514,7 +515,9 @@ class _Windows:
                     future.set_result(
                         ScoreResult(trajs[i].uid, batch_id, i, 0.0, "failed", reason="deadline", error="no result")
                     )
-            await aggregator.collect(batch_id, timeout_s=10, on_timeout="resolve")  # expires the batch's keys
+            # The batch's keys expire now rather than after result_ttl_s. Private, like the
+            # reads above: this whole window goes when the per-sample API lands.
+            await aggregator._expire(batch_id, meta)
         except Exception as exc:
             error = exc if isinstance(exc, StreamRewardError) else StreamRewardError(f"{type(exc).__name__}: {exc}")
             for future in futures:
