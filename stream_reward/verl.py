@@ -118,6 +118,14 @@ class StreamRewardManager:
         self.collect_timeout_s = collect_timeout_s
         self.last_rewards: BatchRewards | None = None
 
+        if "config" in manager_kwargs or "reward_router_address" in manager_kwargs:
+            # verl 0.9.1's load_reward_manager(config, tokenizer, ...) built this class:
+            # its reward loop calls run_single, which the batch drop-in does not have.
+            raise ConfigError(
+                "reward.reward_manager.name",
+                "StreamRewardManager is the batch-call drop-in; verl's reward loop needs "
+                "reward.reward_manager.name=StreamRewardLoopManager",
+            )
         spec, fn_kwargs = scorer_spec(compute_score)
         options = _manager_options(manager_kwargs, fn_kwargs)
         self.config = ManagerConfig(manager=manager, scorer=spec, **options)

@@ -277,3 +277,13 @@ def test_options_from_verls_keys_only(compose) -> None:
         LoopOptions.from_verl(compose("+reward.reward_kwargs.on_failure=drop"))
     with pytest.raises(ConfigError, match="custom_reward_function.path"):
         LoopOptions.from_verl(compose("reward.custom_reward_function.path=/nonexistent/rewards.py"))
+
+
+def test_the_batch_drop_in_named_in_the_reward_loop_says_which_class(compose, tokenizer) -> None:
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    from stream_reward.errors import ConfigError
+
+    config = compose(*STREAM_OVERRIDES[:2], "reward.reward_manager.name=StreamRewardManager")
+    with pytest.raises(ConfigError, match="StreamRewardLoopManager"):
+        load_reward_manager(config, tokenizer)
