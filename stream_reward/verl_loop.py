@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextlib
 import dataclasses
 import json
@@ -319,6 +320,8 @@ class StreamRewardLoopManager:
         self._prefix = f"verl-{uuid.uuid4().hex[:12]}"
         self._counter = 0
         self._windows = _Windows(self)
+        self._inbox: collections.deque[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future[Any]]] = collections.deque()
+        self._drain_scheduled = False
         self._remote_scorer = self.options.manager.scorer.partition(":")[0] in ("http", "disrm", "genrm")
         self._columns: dict[str, None] = {}  # reward_extra_info keys this manager has returned
         # One private loop per manager owns its Redis clients: run_single may be awaited
@@ -340,8 +343,16 @@ class StreamRewardLoopManager:
         """Score the last row of ``data``: ``{"reward_score", "reward_extra_info"}``."""
         if self._closed:
             raise StreamRewardError("StreamRewardLoopManager is closed")
-        future = asyncio.run_coroutine_threadsafe(self._run_single(data), self._loop)
-        return await asyncio.wrap_future(future)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._inbox.append((data, loop, future))
+        # One wake-up of the manager's loop per burst of calls, not one per call: the
+        # flag is cleared by the drain before it takes the inbox, so a call appended
+        # after that take always schedules another drain.
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon_threadsafe(self._drain)
+        return await future
 
     @classmethod
     def assemble_rm_scores(cls, data: Any, scores: list[float]) -> Any:
@@ -400,22 +411,42 @@ class StreamRewardLoopManager:
         self._counter += 1
         return f"{self._prefix}-{self._counter}"
 
-    async def _run_single(self, data: Any) -> dict[str, Any]:
-        traj = decode_row(
-            data,
-            self.tokenizer,
-            self._prefix,
-            verl_manager=self.options.manager.manager,
-            with_prompt=self._remote_scorer,
-        )
-        try:
-            result = await _score_one(self, traj)
-        except StreamRewardError as exc:
-            # The sample could not even reach the workers (Redis down, all workers gone):
-            # a flagged failure, not a crash of verl's whole step.
-            log.warning("sample %s not scored: %s", traj.uid, exc)
-            result = ScoreResult(traj.uid, traj.batch_id, 0, 0.0, "failed", reason="unreachable", error=str(exc))
-        return self._verl_result(result)
+    def _drain(self) -> None:
+        """On the manager's loop: decode every call that arrived and hand it to the adapter."""
+        self._drain_scheduled = False
+        inbox = self._inbox
+        while inbox:
+            data, caller_loop, future = inbox.popleft()
+            try:
+                traj = decode_row(
+                    data,
+                    self.tokenizer,
+                    self._prefix,
+                    verl_manager=self.options.manager.manager,
+                    with_prompt=self._remote_scorer,
+                )
+            except Exception as exc:  # bad input: the caller gets the precise error
+                caller_loop.call_soon_threadsafe(_settle, [(future, None, exc)])
+                continue
+            _submit(self, traj, _Reply(caller_loop, future))
+
+    def _deliver(self, replies: list[tuple[_Reply, ScoreResult | BaseException]]) -> None:
+        """Results to their callers, one hop per caller loop for the whole list."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
+        for reply, outcome in replies:
+            if isinstance(outcome, StreamRewardError):
+                # The sample could not reach the workers (Redis down, every worker gone):
+                # a flagged failure, not a crash of verl's whole step.
+                log.warning("sample not scored: %s", outcome)
+                outcome = ScoreResult("", "", 0, 0.0, "failed", reason="unreachable", error=str(outcome))
+            if isinstance(outcome, BaseException):
+                item = (reply.future, None, outcome)
+            else:
+                item = (reply.future, self._verl_result(outcome), None)
+            by_loop.setdefault(reply.loop, []).append(item)
+        for caller_loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a caller loop already closed: nobody waits
+                caller_loop.call_soon_threadsafe(_settle, items)
 
     def _verl_result(self, result: ScoreResult) -> dict[str, Any]:
         """verl's per-sample dict. Every sample carries ``score``, ``acc``, ``reward_failed``
@@ -447,35 +478,52 @@ class StreamRewardLoopManager:
         return {"reward_score": score, "reward_extra_info": extra}
 
 
-async def _score_one(manager: StreamRewardLoopManager, traj: Trajectory) -> ScoreResult:
-    """Push one sample and await its result: the one place that knows how. When the
-    per-sample API lands (``await producer.score(traj)``), it replaces this body."""
-    return await manager._windows.score(traj)
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """Where one sample's result goes: a future on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[dict[str, Any]]
+
+
+def _settle(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    """On a caller's loop: resolve its futures (skipping callers that gave up)."""
+    for future, value, error in items:
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+
+def _submit(manager: StreamRewardLoopManager, traj: Trajectory, reply: _Reply) -> None:
+    """Push one sample; its result (or a StreamRewardError) goes to ``reply``. The one
+    place that knows how: when the per-sample API lands, this becomes a task awaiting
+    ``producer.score(traj)`` and delivering its result."""
+    manager._windows.submit(traj, reply)
 
 
 class _Windows:
-    """Until the per-sample API exists: the run_single calls that arrive within
-    ``window_s`` of each other go out as one batch (one open_batch, one push_many),
-    and one reader follows that batch's results, resolving each caller as its own
-    result lands. Per-sample latency stays per sample; the round trips are per window."""
+    """Until the per-sample API exists: the samples that arrive within ``window_s`` of
+    each other go out as one batch (one open_batch, one push_many), and one reader
+    follows that batch's results, delivering each page of results as it lands.
+    Per-sample latency stays per sample; the round trips are per window."""
 
     def __init__(self, manager: StreamRewardLoopManager, *, window_s: float = 0.002, max_size: int = 4096) -> None:
         self._manager = manager
         self._window_s = window_s
         self._max_size = max_size
-        self._pending: list[tuple[Trajectory, asyncio.Future[ScoreResult]]] = []
+        self._pending: list[tuple[Trajectory, _Reply]] = []
         self._flush_handle: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # strong references until each window ends
 
-    async def score(self, traj: Trajectory) -> ScoreResult:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[ScoreResult] = loop.create_future()
-        self._pending.append((traj, future))
+    def submit(self, traj: Trajectory, reply: _Reply) -> None:
+        self._pending.append((traj, reply))
         if len(self._pending) >= self._max_size:
             self._flush()
         elif self._flush_handle is None:
-            self._flush_handle = loop.call_later(self._window_s, self._flush)
-        return await future
+            self._flush_handle = asyncio.get_running_loop().call_later(self._window_s, self._flush)
 
     def _flush(self) -> None:
         if self._flush_handle is not None:
@@ -487,7 +535,7 @@ class _Windows:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, window: list[tuple[Trajectory, asyncio.Future[ScoreResult]]]) -> None:
+    async def _send(self, window: list[tuple[Trajectory, _Reply]]) -> None:
         manager = self._manager
         producer, aggregator = manager._clients()
         batch_id = manager._new_batch_id()
@@ -495,60 +543,64 @@ class _Windows:
             dataclasses.replace(traj, batch_id=batch_id, index=i, uid=default_uid(batch_id, i))
             for i, (traj, _) in enumerate(window)
         ]
-        futures = [future for _, future in window]
+        replies: list[_Reply | None] = [reply for _, reply in window]
         width = max(traj.max_response_length or 1 for traj in trajs)
         try:
             await producer.open_batch(batch_id, len(trajs), width, policy=manager.options.policy)
             await producer.push_many(trajs)
             meta = await aggregator.meta(batch_id)
-            results = aggregator._results(batch_id, meta, None)
+            follow = asyncio.ensure_future(self._follow(aggregator, batch_id, meta, replies))
             watch = asyncio.ensure_future(_watch_workers(manager))
             try:
-                async for result in _until(results, watch):
-                    if 0 <= result.index < len(futures) and not futures[result.index].done():
-                        futures[result.index].set_result(result)
+                await asyncio.wait({follow, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not follow.done():
+                    raise StreamRewardError("every local worker process exited; see the workers' stderr")
+                follow.result()
             finally:
-                watch.cancel()
+                for task in (follow, watch):
+                    task.cancel()
+                await asyncio.gather(follow, watch, return_exceptions=True)
             # Past the batch deadline the stream ends with samples missing.
-            for i, future in enumerate(futures):
-                if not future.done():
-                    future.set_result(
-                        ScoreResult(trajs[i].uid, batch_id, i, 0.0, "failed", reason="deadline", error="no result")
-                    )
+            missing = [
+                (reply, ScoreResult(trajs[i].uid, batch_id, i, 0.0, "failed", reason="deadline", error="no result"))
+                for i, reply in enumerate(replies)
+                if reply is not None
+            ]
+            replies = [None] * len(replies)
+            manager._deliver(missing)
             # The batch's keys expire now rather than after result_ttl_s. Private, like the
             # reads above: this whole window goes when the per-sample API lands.
             await aggregator._expire(batch_id, meta)
         except Exception as exc:
             error = exc if isinstance(exc, StreamRewardError) else StreamRewardError(f"{type(exc).__name__}: {exc}")
-            for future in futures:
-                if not future.done():
-                    future.set_exception(error)
+            manager._deliver([(reply, error) for reply in replies if reply is not None])
+
+    async def _follow(self, aggregator: RewardAggregator, batch_id: str, meta: Any, replies: list[Any]) -> None:
+        """Deliver results as they land. The reader yields a whole XREAD page without
+        suspending, so the results gathered until the next suspension go out in one hop."""
+        loop = asyncio.get_running_loop()
+        ready: list[tuple[_Reply, ScoreResult]] = []
+
+        def flush() -> None:
+            if ready:
+                self._manager._deliver(list(ready))
+                ready.clear()
+
+        try:
+            async for result in aggregator._results(batch_id, meta, None):
+                if 0 <= result.index < len(replies) and (reply := replies[result.index]) is not None:
+                    replies[result.index] = None
+                    if not ready:
+                        loop.call_soon(flush)
+                    ready.append((reply, result))
+        finally:
+            flush()
 
 
 async def _watch_workers(manager: StreamRewardLoopManager) -> None:
     """Returns when every local worker process has exited (a bad scorer, a crash at start)."""
     while manager._placement.workers_alive():  # noqa: ASYNC110 - child processes set no event; poll them
         await asyncio.sleep(1.0)
-
-
-async def _until(results: Any, watch: asyncio.Future[None]) -> Any:
-    """``results`` until they end, or raise once ``watch`` finishes first."""
-    iterator = results.__aiter__()
-    try:
-        while True:
-            step = asyncio.ensure_future(iterator.__anext__())
-            await asyncio.wait({step, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await step
-                raise StreamRewardError("every local worker process exited; see the workers' stderr")
-            try:
-                yield step.result()
-            except StopAsyncIteration:
-                return
-    finally:
-        await iterator.aclose()
 
 
 def _check_buildable(config: ManagerConfig) -> None:
