@@ -2,14 +2,15 @@
 
 Scores a set of small real problems (a correct and a broken solution each, all
 four ground-truth forms) through ``SandboxScorer``, and in the same run executes
-the same programs as plain unsandboxed subprocesses (``python -I -S -c`` per test
-case, the way a naive reward function runs them) with the same parallelism.
-Rounds alternate between the two so background load hits both alike.
+the same programs as fresh unsandboxed ``python3`` subprocesses (``python -I -S
+-c`` per test case, the way a naive reward function runs them) with the same
+parallelism. Rounds alternate between the two so background load hits both alike.
 
-A "run" is one execution of a program against one test case, so both sides count
-the same runs. ``ratio`` = runs_per_s / baseline_runs_per_s (goal >= 0.6). The
-``one_case_*`` figures repeat the measurement with only each problem's first case:
-the worst case for the sandbox, which pays one sandbox start per sample.
+``multi_case_ratio`` = sandboxed samples/s / baseline samples/s with every case
+of every problem (goal >= 1.5); ``single_case_ratio`` the same with only each
+problem's first case (goal >= 1.0): the worst case for the sandbox, where a
+sample is a single program run. The sandbox's slots are started by a warm-up
+round, as in a long-running worker.
 
     stream-reward bench sandbox --json      (or: python -m benchmarks.sandbox --json)
 """
@@ -258,12 +259,15 @@ def run(n_problems: int = 20, concurrency: int | None = None, rounds: int = 5, b
     async def go() -> tuple[
         tuple[float, float, list[float], list[float]], tuple[float, float, list[float], list[float]]
     ]:
-        await _sandboxed(scorer, samples[:4])  # warm-up: page cache, first-use costs
+        await _sandboxed(scorer, samples[: 2 * concurrency])  # warm-up: starts every slot, page cache
         await _baseline(samples[:4], concurrency, config.timeout_s)
         return await timed(samples), await timed(one_case)
 
-    (sandbox_s, baseline_s, sandbox_scores, baseline_scores), (one_s, one_base_s, _, _) = asyncio.run(go())
-    expected_ok = all((s == 1.0) if e == 1.0 else (s < 1.0) for s, (_, e) in zip(sandbox_scores, samples))
+    try:
+        (sandbox_s, baseline_s, sandbox_scores, baseline_scores), (one_s, one_base_s, _, _) = asyncio.run(go())
+    finally:
+        scorer.close()
+    expected_ok = all((s == 1.0) if e == 1.0 else (s < 1.0) for s, (_, e) in zip(sandbox_scores, samples, strict=True))
     runs_per_s = runs * rounds / sandbox_s
     baseline_runs_per_s = runs * rounds / baseline_s
     return {
@@ -282,6 +286,9 @@ def run(n_problems: int = 20, concurrency: int | None = None, rounds: int = 5, b
         "one_case_runs_per_s": round(len(samples) * rounds / one_s, 2),
         "one_case_baseline_runs_per_s": round(len(samples) * rounds / one_base_s, 2),
         "one_case_ratio": round(one_base_s / one_s, 3),
+        "single_case_ratio": round(one_base_s / one_s, 3),
+        "multi_case_ratio": round(baseline_s / sandbox_s, 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "scores_as_expected": expected_ok,
         "scores_agree_with_baseline": sandbox_scores == baseline_scores,
     }
@@ -330,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         "sandbox: sandboxed vs plain subprocess runs",
         result,
         goals={
-            "ratio >= 0.6": result["ratio"] >= 0.6,
+            "single_case_ratio >= 1.0": result["single_case_ratio"] >= 1.0,
+            "multi_case_ratio >= 1.5": result["multi_case_ratio"] >= 1.5,
             "scores as expected": result["scores_as_expected"] and result["scores_agree_with_baseline"],
         },
     )

@@ -125,7 +125,7 @@ async def _watch_batch(url: str, namespace: str, batch_id: str, progress: Any, p
         while True:
             done = 0
             for p in range(keys.partitions):
-                done += int(await agg.client.hlen(keys.results(batch_id, p)))
+                done += int(await agg.client.hlen(keys.results(batch_id, p, meta.group)))
             progress.update(done)
             if done >= meta.size:
                 return

@@ -236,7 +236,13 @@ class QuotaConfig:
 
 @dataclass(frozen=True, slots=True)
 class SandboxConfig:
-    """Limits are per test case; ``concurrency`` bounds sandboxes per scorer.
+    """Limits are per test case unless named otherwise; ``concurrency`` is the
+    number of sandbox slots (each a persistent sandbox running one sample at a
+    time). ``memory_mb`` and ``max_procs`` bound a slot's cgroups (all processes
+    of a case together) when ``cgroups`` allows, and each process's RLIMIT_AS.
+    ``sample_timeout_s`` bounds a sample's cases together; ``stop_on_timeout``
+    ends a sample at its first timed-out case. ``cgroups``: "auto" (use them
+    when this host lets us), "required" (refuse to start without), "off".
 
     ``tmp_mb`` sizes each of the sandbox's private /tmp and /dev/shm.
     ``extra_ro_binds`` are host paths shown read-only at the same place (not
@@ -265,6 +271,10 @@ class SandboxConfig:
     extra_ro_binds: tuple[str, ...] = ()
     uid_base: int = 60000
     uid_count: int = 1000
+    sample_timeout_s: float = 60.0
+    stop_on_timeout: bool = True
+    cgroups: str = "auto"  # auto | required | off
+    seccomp: bool = True
 
     def __post_init__(self) -> None:
         for key in (
@@ -277,10 +287,13 @@ class SandboxConfig:
             "tmp_mb",
             "concurrency",
             "uid_count",
+            "sample_timeout_s",
         ):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, "must be > 0")
         if self.backend not in ("auto", "bwrap", "unshare", "none"):
             raise ConfigError("backend", f"{self.backend!r} is not auto, bwrap, unshare or none")
+        if self.cgroups not in ("auto", "required", "off"):
+            raise ConfigError("cgroups", f"{self.cgroups!r} is not auto, required or off")
         if self.uid_base < 1000:
             raise ConfigError("uid_base", "must be >= 1000 (an unprivileged uid range)")

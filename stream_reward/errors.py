@@ -7,7 +7,8 @@ boundary where they happen, with ``raise ... from exc``::
     StreamRewardError
     ├── ConfigError                 invalid configuration, names the key
     ├── CodecError                  a payload that cannot be decoded
-    │   ├── SchemaVersionError      written by an incompatible schema version
+    │   ├── SchemaVersionError      written by another protocol version
+    │   ├── BadInputError           decodes, but a field cannot be scored (e.g. a null response)
     │   └── PayloadTooLargeError    over the configured maximum message size
     ├── ScoringError                one sample could not be scored (status `failed`)
     │   ├── UnknownDataSourceError  no scorer for the sample's data_source
@@ -18,7 +19,10 @@ boundary where they happen, with ``raise ... from exc``::
     ├── RetryLater                  control flow: a verifier asked us to come back
     ├── BackpressureError           the stream is too far ahead of the consumers
     ├── CollectTimeoutError         a batch did not complete in time
+    ├── BatchExistsError            a batch id reused while its results live
+    ├── ProtocolMismatchError       the namespace speaks another protocol version
     └── BrokerError                 Redis is unreachable or refused a command
+        └── StateLostError          the namespace's state vanished (restart without persistence)
 
 ``ScoringError.reason`` is a short stable code ("unknown_data_source", "timeout",
 ...) that lands in the sample's result record, so dashboards can group failures
@@ -32,6 +36,7 @@ __all__ = [
     "ConfigError",
     "CodecError",
     "SchemaVersionError",
+    "BadInputError",
     "PayloadTooLargeError",
     "ScoringError",
     "UnknownDataSourceError",
@@ -43,6 +48,9 @@ __all__ = [
     "BackpressureError",
     "CollectTimeoutError",
     "BrokerError",
+    "BatchExistsError",
+    "ProtocolMismatchError",
+    "StateLostError",
 ]
 
 
@@ -67,6 +75,13 @@ class CodecError(StreamRewardError, ValueError):
 
 class SchemaVersionError(CodecError):
     reason = "schema_version"
+
+
+class BadInputError(CodecError):
+    """The record decodes, but a field the scorer needs is missing or of the wrong
+    type (a null ``response``): the sample fails with reason ``bad_input``."""
+
+    reason = "bad_input"
 
 
 class PayloadTooLargeError(CodecError):
@@ -161,3 +176,31 @@ class CollectTimeoutError(StreamRewardError, TimeoutError):
 
 class BrokerError(StreamRewardError):
     """Redis could not be reached, or refused a command. Credentials are never in the message."""
+
+
+class BatchExistsError(StreamRewardError, ValueError):
+    """``open_batch`` of an id whose batch still lives in the namespace.
+
+    A batch id is unique while its results live: reopening it would hand the
+    trainer the previous batch's rewards. ``resume=True`` continues a batch
+    opened with the same size, width and policy (a restarted producer).
+    """
+
+    def __init__(self, batch_id: str, message: str) -> None:
+        super().__init__(message)
+        self.batch_id = batch_id
+
+
+class ProtocolMismatchError(StreamRewardError):
+    """The namespace was set up by a build speaking another protocol version;
+    joining it would poison its batches with records the others cannot read."""
+
+
+class StateLostError(BrokerError):
+    """The namespace's epoch vanished: Redis restarted without persistence, was
+    flushed, or failed over to an empty replica. Queued trajectories and stored
+    results of the batches named in ``batches`` are gone; rerun them."""
+
+    def __init__(self, message: str, batches: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.batches = list(batches or [])

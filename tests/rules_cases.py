@@ -170,3 +170,13 @@ CASES: list[Case] = [
     Case("dapo-no-answer", D, "I do not know.", "34", {"score": -1.0, "acc": False, "pred": "[INVALID]"}),
     Case("dapo-empty-response", "aime", "", "34", {"score": -1.0, "acc": False, "pred": "[INVALID]"}),
 ]
+
+# Where ``compute_score`` deliberately differs from verl (issue 13: never a silent 0
+# because of a type): a numeric ground truth compares as its string form, and one
+# that is neither a string nor a number fails its sample with this reason. The rule
+# functions themselves (``rule_for``) keep verl's output above.
+OURS: dict[str, Any] = {
+    "gsm8k-int-ground-truth": 1.0,
+    "math-int-ground-truth": 1.0,
+    "math-none-ground-truth": "bad_ground_truth",
+}

@@ -19,10 +19,10 @@ import pytest
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig, ProducerConfig
-from stream_reward.trainer.aggregator import BatchMeta, build_rewards
-from stream_reward.wire.trajectory import ScoreResult
 from stream_reward.errors import CollectTimeoutError, VerifierError
 from stream_reward.scoring.scorer import Scored
+from stream_reward.trainer.aggregator import BatchMeta, build_rewards
+from stream_reward.wire.trajectory import ScoreResult
 from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio

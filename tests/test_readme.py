@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stream_reward.cli import build_parser, main
+from stream_reward.errors import BatchExistsError
 from stream_reward.ops.embedded import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +66,9 @@ def test_readme_trainer_example_runs(spawn_workers):
     ]
     with EmbeddedServer() as server:
         spawn_workers(1, url=server.url, ns="sr")
-        rewards = asyncio.run(scope["rollout_step"](server.url, samples))
+        rewards = asyncio.run(scope["rollout_step"](server.url, "run-a", 17, samples))
+        with pytest.raises(BatchExistsError):  # the same step again: refused, never the old rewards
+            asyncio.run(scope["rollout_step"](server.url, "run-a", 17, samples))
     assert rewards.scores == [0.0, 1.0] * 4
     assert rewards.rm_scores.shape == (8, 1024)
     assert [rewards.rm_scores[i, 4 + i].item() for i in range(8)] == rewards.scores

@@ -19,6 +19,7 @@ from stream_reward.errors import BackpressureError, BrokerError
 from stream_reward.managers.registry import RuleScorer
 from stream_reward.ops.deadletters import list_dead_letters, redrive_dead_letters
 from stream_reward.ops.embedded import EmbeddedServer
+from stream_reward.wire.codec import PROTOCOL_VERSION
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_fields
 from stream_reward.wire.keys import Keys
@@ -132,7 +133,7 @@ async def test_malformed_entries_go_to_the_dead_letter_stream_at_once(redis_url,
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("m", 5, 4)
         wrong_version = msgpack.packb({"v": 99, "u": "m/1", "b": "m", "i": 1, "ds": "x"})
-        missing = msgpack.packb({"v": 1, "u": "m/2", "b": "m", "i": 2})
+        missing = msgpack.packb({"v": PROTOCOL_VERSION, "u": "m/2", "b": "m", "i": 2})
         await client.xadd(keys.stream(), entry_fields(b"\xc1garbage", "m", 0, "m/0"))
         await client.xadd(keys.stream(), entry_fields(wrong_version, "m", 1, "m/1"))
         await client.xadd(keys.stream(), entry_fields(missing, "m", 2, "m/2"))

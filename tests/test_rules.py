@@ -36,16 +36,17 @@ from stream_reward.scorers.rules import (
 )
 
 
-def _load_cases() -> list[Any]:
+def _load_cases() -> Any:
     # By path, so this works whatever pytest's import mode and tests/ packaging.
     spec = importlib.util.spec_from_file_location("_rules_cases", Path(__file__).with_name("rules_cases.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return list(module.CASES)
+    return module
 
 
-CASES = _load_cases()
+_cases = _load_cases()
+CASES = list(_cases.CASES)
 
 
 def same(a: Any, b: Any) -> bool:
@@ -69,8 +70,15 @@ def test_case_table_covers_every_family() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_scores_match_verl(case: Any) -> None:
-    got = compute_score(case.data_source, case.solution_str, case.ground_truth)
+    got = rule_for(case.data_source)(case.solution_str, case.ground_truth)
     assert same(got, case.expected), f"ours {got!r} != verl {case.expected!r}"
+    ours = _cases.OURS.get(case.id, case.expected)
+    if ours == "bad_ground_truth":
+        with pytest.raises(ScoringError) as info:
+            compute_score(case.data_source, case.solution_str, case.ground_truth)
+        assert info.value.reason == ours
+    else:
+        assert same(compute_score(case.data_source, case.solution_str, case.ground_truth), ours)
 
 
 # ---------------------------------------------------------------- dispatching
@@ -189,9 +197,14 @@ def test_math_dapo_options_match_verl(response: str, kwargs: dict[str, Any], exp
 
 
 def test_math_dapo_non_string_truth_is_a_clear_error() -> None:
-    # verl dies with AttributeError: 'int' object has no attribute 'split'.
+    # verl dies with AttributeError: 'int' object has no attribute 'split'. compute_score
+    # takes a number as its string form (issue 13) and refuses other types with a reason.
+    assert compute_score("math_dapo", "Answer: 5", 5)["score"] == 1.0
+    with pytest.raises(ScoringError, match="ground_truth") as info:
+        compute_score("math_dapo", "Answer: 5", [5])
+    assert info.value.reason == "bad_ground_truth"
     with pytest.raises(ScoringError, match="str ground_truth") as info:
-        compute_score("math_dapo", "Answer: 5", 5)
+        math_dapo_score("Answer: 5", 5)
     assert info.value.reason == "bad_ground_truth"
     # The strict box path never normalizes the truth, in verl either.
     assert math_dapo_score("\\boxed{5}", 5, strict_box_verify=True)["score"] == -1.0

@@ -35,7 +35,7 @@ from redis.exceptions import ResponseError
 from stream_reward.config import ConsumerConfig
 from stream_reward.errors import CodecError, ScoringError
 from stream_reward.scoring.scorer import Scorer
-from stream_reward.wire.codec import decode_trajectory, encode_result
+from stream_reward.wire.codec import PROTOCOL_VERSION, decode_trajectory, encode_result
 from stream_reward.wire.connection import (
     CLUSTER_ERRORS,
     REDIS_ERRORS,
@@ -50,6 +50,7 @@ from stream_reward.wire.entries import FIELD_PAYLOAD, ensure_group, read_group, 
 from stream_reward.wire.heartbeat import encode_heartbeat
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
+from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = ["Worker", "WorkerStats"]
@@ -108,6 +109,7 @@ class Worker:
         self._reading.set()
         self._started = time.time()
         self._beats: deque[tuple[float, int]] = deque()
+        self._epoch: str | None = None  # the namespace epoch this worker joined
         self._host = socket.gethostname()
 
     # ------------------------------------------------------------------ running
@@ -124,6 +126,10 @@ class Worker:
                 give_up_after_s=None,
                 stop=stop,
             )
+        # Refuse (ProtocolMismatchError: exit 2) a namespace of another protocol version rather than poison it.
+        self._epoch = await with_reconnect(
+            lambda: join_namespace(client, self.keys), what="join namespace", give_up_after_s=None, stop=stop
+        )
         log.info(
             "worker %s joined group %r of namespace %r (%d partitions, concurrency %d)",
             self.config.consumer,
@@ -162,6 +168,20 @@ class Worker:
                 await writer
                 await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
+
+    async def _rejoin(self) -> None:
+        """After the streams vanished: say so when the namespace lost its state, and give it
+        a new epoch, so that producers and aggregators waiting on the old one raise StateLostError."""
+        epoch = await join_namespace(self._client, self.keys)
+        if epoch != self._epoch:
+            log.error(
+                "namespace %r lost its state (epoch %s replaced by %s): Redis restarted without persistence, "
+                "was flushed or failed over to an empty replica; the batches in flight must be rerun",
+                self.config.namespace,
+                self._epoch,
+                epoch,
+            )
+            self._epoch = epoch
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -227,6 +247,7 @@ class Worker:
                     if "NOGROUP" in str(exc):  # the stream was deleted under us (or Redis restarted without AOF)
                         for s in streams:
                             await ensure_group(self._client, s, self.config.group)
+                        await self._rejoin()
                         continue
                     raise
                 idle = not reply
@@ -293,6 +314,7 @@ class Worker:
                 scored.score,
                 "ok",
                 scored.extra,
+                attempts=scored.attempts,
                 valid_response_length=traj.response_length,
                 data_source=traj.data_source,
                 group=traj.group,
@@ -530,6 +552,7 @@ class Worker:
             self._beats.popleft()
         first_at, first_settled = self._beats[0]
         beat = {
+            "v": PROTOCOL_VERSION,
             "host": self._host,
             "pid": os.getpid(),
             "started": self._started,

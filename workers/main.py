@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.managers.registry import build_scorer
@@ -107,6 +108,19 @@ def configure_logging(level: str, fmt: str = "text") -> None:
 
 
 # ---------------------------------------------------------------------- entry points
+async def _join_namespace(url: str, config: Any) -> None:
+    from stream_reward.wire.connection import connect, with_reconnect
+    from stream_reward.wire.keys import Keys
+    from stream_reward.wire.namespace import join_namespace
+
+    client = connect(url)
+    try:
+        keys = Keys(config.namespace, config.partitions)
+        await with_reconnect(lambda: join_namespace(client, keys), what="join namespace")
+    finally:
+        await client.aclose()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stream-reward worker", description="Run a pool of reward workers.")
     add_worker_arguments(parser)
@@ -127,9 +141,13 @@ def run_from_args(args: argparse.Namespace) -> int:
             healthy, message = asyncio.run(check_health(settings, consumer=args.consumer))
             print(message, file=sys.stdout if healthy else sys.stderr)
             return 0 if healthy else 1
-        settings.require_redis()
+        url = settings.require_redis()
         if settings["worker.processes"] > 1:
             from workers.supervisor import supervise
+
+            # Refuse a namespace of another protocol version here, once: a child
+            # exiting 2 would otherwise be restarted by the supervisor forever.
+            asyncio.run(_join_namespace(url, settings.consumer_config(args.consumer)))
 
             return supervise(args)
         asyncio.run(run_worker(args))

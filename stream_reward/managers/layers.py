@@ -235,6 +235,8 @@ class RateLimitedScorer(_Wrapper):
                 used = _tokens_used(scored.extra)
                 if used is not None:
                     lease.settle(used)
+                # attempts of this layer times the inner scorer's own (it may retry too)
+                scored.attempts = (n - 1) + scored.attempts
                 return scored
 
         async def pause_everyone(retry_after_s: float | None) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 from redis.exceptions import ResponseError
 
-from stream_reward.config import DEFAULT_NAMESPACE
+from stream_reward.config import DEFAULT_GROUP, DEFAULT_NAMESPACE
 from stream_reward.wire.connection import connect, mask_url
 from stream_reward.wire.deadletter import decode_dead_letter
 from stream_reward.wire.entries import group_state
@@ -98,7 +98,7 @@ async def _batches(client: Any, keys: Keys, limit: int, now: float) -> tuple[int
         bkeys = Keys(keys.namespace, parts)
         done = 0
         for p in range(parts):
-            done += int(await client.hlen(bkeys.results(batch_id, p)))
+            done += int(await client.hlen(bkeys.results(batch_id, p, meta.get("group", DEFAULT_GROUP))))
         size = int(meta["size"]) if "size" in meta else None
         deadline = float(meta.get("deadline", 0) or 0)
         batches.append(

@@ -220,10 +220,13 @@ class HttpScorer:
                 "uid %r: attempt %d failed (%s); retrying in %.2fs", traj.uid, n, getattr(exc, "reason", exc), delay
             )
 
+        async def attempt(n: int) -> Scored:
+            scored = await self._attempt(traj, body)
+            scored.attempts = n  # real attempts, counted where they are made
+            return scored
+
         try:
-            scored = await call_with_retry(
-                lambda n: self._attempt(traj, body), self.retry, on_retry=on_retry, on_rate_limited=pause_everyone
-            )
+            scored = await call_with_retry(attempt, self.retry, on_retry=on_retry, on_rate_limited=pause_everyone)
         except ScoringError as exc:
             self._count_failure(exc.reason)
             raise

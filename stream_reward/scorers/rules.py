@@ -15,12 +15,16 @@ Routing by ``data_source`` (as verl does it)::
     HuggingFaceH4/MATH-500                         math_score       -> float
     math_dapo, math, math_dapo_reasoning, aime*    math_dapo_score  -> dict(score, acc, pred)
 
-Any other ``data_source`` raises ``UnknownDataSourceError``.
+Any other ``data_source`` raises ``UnknownDataSourceError``. ``compute_score``
+takes a numeric ground truth as its string form and refuses other types with
+reason ``bad_ground_truth`` (see ``ground_truth_text``); the rule functions
+themselves keep verl's string comparison.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from array import array
 from collections.abc import Callable, Sequence
@@ -540,4 +544,24 @@ def compute_score(
     "pred" for math_dapo / aime*. ``extra_info`` and extra keyword arguments
     (verl's sandbox settings, reward kwargs) are accepted and ignored, as verl does.
     """
-    return rule_for(data_source)(solution_str, ground_truth)
+    return rule_for(data_source)(solution_str, ground_truth_text(ground_truth))
+
+
+def ground_truth_text(ground_truth: Any) -> str:
+    """The ground truth as the rules compare it: a string, as verl's data files store it.
+
+    verl compares answers as strings, so an int ground truth (a dataset loaded
+    with numeric columns) would never match and silently score 0. Here a number
+    compares as its string form: ``72 -> "72"``, an integral float ``72.0 -> "72"``
+    (a response says 72, not 72.0), any other float ``str(x)``. Anything else (None,
+    bool, a list or dict) fails the sample with reason ``bad_ground_truth``.
+    """
+    if isinstance(ground_truth, str):
+        return ground_truth
+    if type(ground_truth) is int:
+        return str(ground_truth)
+    if type(ground_truth) is float and math.isfinite(ground_truth):
+        return str(int(ground_truth)) if ground_truth.is_integer() else str(ground_truth)
+    raise ScoringError(
+        f"ground_truth must be a string or a number, got {type(ground_truth).__name__}", reason="bad_ground_truth"
+    )

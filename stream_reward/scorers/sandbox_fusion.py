@@ -9,7 +9,7 @@ SandboxFusion replies ``status`` ∈ Success | Failed | SandboxError. ``Failed``
 the program's fault (a wrong answer, a crash, a time limit) and scores the case
 0; ``SandboxError``, connection errors, timeouts, 5xx and 429 are the sandbox's
 fault: retried with jittered exponential backoff (honouring ``Retry-After``,
-``stream_reward.scoring.retry``), then raised as ``VerifierError`` so the sample is
+``stream_reward.retry``), then raised as ``VerifierError`` so the sample is
 marked failed — never a 0. Other 4xx and unreadable replies are data faults
 (``BadReplyError``), not retried.
 
@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from stream_reward.errors import BadReplyError, ConfigError, VerifierError
-from stream_reward.scorers.sandbox import WRONG_ANSWER_EXIT, case_script, read_sample, tally
+from stream_reward.scorers.sandbox import WRONG_ANSWER_EXIT, case_script, no_code, read_sample, tally
 from stream_reward.scoring.retry import RetryPolicy, call_with_retry, status_error, transport_error
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.trajectory import Trajectory
@@ -104,6 +104,8 @@ class SandboxFusionScorer:
 
     async def score(self, traj: Trajectory) -> Scored:
         form, cases, program = read_sample(traj)
+        if program is None:
+            return no_code(cases, all_or_nothing=self.config.all_or_nothing)
         tasks = [asyncio.create_task(self._case(traj.uid, form, program, case)) for case in cases]
         try:
             results = await asyncio.gather(*tasks)

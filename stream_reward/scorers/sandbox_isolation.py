@@ -8,14 +8,15 @@ Backends, detected once per process (``choose_backend``):
     --unshare-cgroup-try --die-with-parent --new-session`` with a minimal root
     (read-only binds of /usr, a few /etc files, the Python prefixes; a fresh
     /proc; /dev with null, zero, full, random, urandom only; size-capped tmpfs
-    on /tmp and /dev/shm, the only writable places; the root itself remounted
-    read-only) and, when we are root, ``--cap-drop ALL`` plus only
-    CAP_SETUID/CAP_SETGID/CAP_KILL for the harness. As root we deliberately do
-    *not* create a user namespace: bwrap would map sandbox uid 65534 to host
-    uid 0, and the sandboxed program could read root-only files. Without root,
-    bwrap runs unprivileged with ``--unshare-user --uid 65534``; the harness
-    then shares the program's uid, so a hostile program can kill it and turn
-    its sample into an infrastructure failure instead of a 0 — run as root.
+    on /tmp and /dev/shm; the root itself remounted read-only) and, when we are
+    root, ``--cap-drop ALL`` plus only CAP_SETUID/CAP_SETGID/CAP_KILL/
+    CAP_SYS_ADMIN for the harness (it mounts a fresh /proc, /tmp and /dev/shm in
+    a new PID and mount namespace per case; case processes keep none of them).
+    As root we deliberately do *not* create a user namespace: bwrap would map
+    sandbox uid 0 to host uid 0, and the sandboxed program could read root-only
+    files. Without root, bwrap runs unprivileged with ``--unshare-user --uid 0``
+    and CAP_SYS_ADMIN inside that namespace; case processes drop every
+    capability, and their own PID namespace keeps the harness out of their reach.
 ``unshare``
     util-linux ``unshare --pid --fork --kill-child --mount --net --ipc --uts``;
     the harness (root inside) builds the same minimal read-only root itself with
@@ -23,12 +24,12 @@ Backends, detected once per process (``choose_backend``):
 ``none``
     No isolation at all; only with ``unsafe_no_isolation``.
 
-Each case child runs under an exclusive uid leased from ``uid_base ..
-uid_base + uid_count`` (``UIDS``: flock'd lock files, so concurrent sandboxes,
-scorers and worker processes never share one): RLIMIT_NPROC counts processes
-per uid, so a fork bomb in one sandbox cannot starve the others. The host kills
-the sandbox's process group on timeout or cancellation (``kill_sandbox``);
-bwrap/unshare then take the namespace down with them.
+Each sandbox slot's case processes run under an exclusive uid leased from
+``uid_base .. uid_base + uid_count`` (``UIDS``: flock'd lock files, so
+concurrent sandboxes, scorers and worker processes never share one): without a
+pids cgroup, RLIMIT_NPROC counts processes per uid, so a fork bomb in one
+sandbox cannot starve the others. Killing the backend's process group takes the
+namespace down with it.
 
 Every sandboxed process carries ``MARKER`` in its command line and the scorer's
 pid in ``$STREAM_REWARD_SANDBOX_OWNER`` (``OWNER_ENV``), so leaks are easy to
@@ -37,12 +38,12 @@ look for.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import fcntl
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,7 +62,8 @@ __all__ = [
     "wrap_command",
     "root_spec",
     "UIDS",
-    "kill_sandbox",
+    "kill_tree",
+    "uid_alive",
 ]
 
 MARKER = "stream-reward-sandbox"  # in every sandboxed process's cmdline; tests look for it
@@ -187,9 +189,15 @@ def wrap_command(config: SandboxConfig, backend: str, command: list[str], *, roo
         "--new-session",
     ]
     if root:
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL"]
+        # SYS_ADMIN: the harness mounts a fresh /proc, /tmp and /dev/shm per case in
+        # a new mount and PID namespace; case processes drop every capability.
+        argv += ["--cap-drop", "ALL"]
+        for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_SYS_ADMIN"):
+            argv += ["--cap-add", cap]
     else:
-        argv += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+        # Root of a user namespace of our own, for the same per-case namespaces;
+        # case processes give up every capability (they cannot change uid here).
+        argv += ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN"]
     binds = _ro_binds(config)
     # bwrap creates missing parents of a bind target 0700 (as root), which would
     # hide e.g. /root/.pyenv/... from the sandbox uid: create them 0755 first.
@@ -289,8 +297,9 @@ UIDS = _UidPool()
 # ---------------------------------------------------------------- teardown
 
 
-async def kill_sandbox(proc: asyncio.subprocess.Process, uid: int | None) -> None:
-    """Kill a sandbox that is still running and wait until it is gone."""
+def kill_tree(proc: subprocess.Popen[bytes], uid: int | None) -> None:
+    """Kill a sandbox (the backend process ``proc`` and everything below it) and
+    wait until it is gone."""
     # The backend leads its process group; its child is the namespace's init,
     # whose death takes every sandboxed process with it. Without a namespace
     # (unsafe mode) the case processes have their own sessions: kill them by pid.
@@ -301,12 +310,13 @@ async def kill_sandbox(proc: asyncio.subprocess.Process, uid: int | None) -> Non
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    await proc.wait()
+    proc.kill()
+    proc.wait()
     # The namespace is torn down asynchronously; wait until it is gone, so that
-    # its uid is empty before another run counts processes against it.
+    # its uid is empty before another sandbox leases it.
     end = time.monotonic() + 5
-    while time.monotonic() < end and (not all(map(_dead, victims)) or (uid is not None and _uid_alive(uid))):
-        await asyncio.sleep(0.005)
+    while time.monotonic() < end and (not all(map(_dead, victims)) or (uid is not None and uid_alive(uid))):
+        time.sleep(0.002)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -340,7 +350,7 @@ def _sigkill(pid: int) -> None:
         pass
 
 
-def _uid_alive(uid: int) -> bool:
+def uid_alive(uid: int) -> bool:
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:

@@ -28,10 +28,12 @@ __all__ = ["Scored", "Scorer", "normalize", "load_function"]
 
 @dataclass(slots=True)
 class Scored:
-    """What a scorer returns for one sample: the scalar and any extra columns."""
+    """What a scorer returns for one sample: the scalar, any extra columns, and how
+    many attempts it took (a remote verifier retried after faults says so)."""
 
     score: float
     extra: dict[str, Any] = field(default_factory=dict)
+    attempts: int = 1
 
 
 @runtime_checkable

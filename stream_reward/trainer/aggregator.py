@@ -3,9 +3,17 @@
 The aggregator blocks on the batch's ``done`` streams (XREAD BLOCK), which hold
 each sample's first result in landing order; it never sleep-polls. A batch has
 one done stream per partition: on a single node one XREAD follows them all; in
-a cluster (where they live in different slots) one reader per partition does. It counts a
-uid once however many times it shows up, and resolves failed or overdue samples
-by the batch's failure policy.
+a cluster (where they live in different slots) one reader per partition does.
+
+A batch's rewards are its own: the aggregator reads the ledger of the consumer
+group the batch names (batch meta ``group``), never another group's. It counts
+by index: the first result of each index is the sample's, a second uid pushed
+at the same index is a conflict that is logged and never resolves another
+sample, and the batch is complete when every index has a result. The batch
+deadline resolves only what is missing: results already stored are returned
+whenever ``collect`` is called. A result of another protocol version fails its
+own sample. When the namespace's epoch vanishes mid-wait (Redis lost its state)
+``StateLostError`` is raised at once.
 
 Zero-length responses: verl writes the score at index ``valid_response_length -
 1``, which for an empty response is -1, the *last* column — a reward on a
@@ -21,11 +29,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from stream_reward.config import DEFAULT_NAMESPACE, BatchPolicy
-from stream_reward.errors import CollectTimeoutError, ConfigError
-from stream_reward.wire.codec import decode_result
+from stream_reward.config import DEFAULT_GROUP, DEFAULT_NAMESPACE, BatchPolicy
+from stream_reward.errors import CodecError, CollectTimeoutError, ConfigError, StateLostError
+from stream_reward.wire.codec import decode_result, result_header
 from stream_reward.wire.connection import (
     connect,
     is_cluster,
@@ -34,6 +43,7 @@ from stream_reward.wire.connection import (
 )
 from stream_reward.wire.entries import read_streams
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.namespace import check_protocol
 from stream_reward.wire.trajectory import ScoreResult
 
 if TYPE_CHECKING:
@@ -54,6 +64,8 @@ class BatchMeta:
     created: float
     deadline: float  # epoch seconds, 0 = none
     partitions: int = 1
+    group: str = DEFAULT_GROUP  # the consumer group whose results this batch collects
+    collected: float = 0.0  # epoch seconds of the first collect, 0 = not yet
 
 
 @dataclass
@@ -141,6 +153,7 @@ class RewardAggregator:
         self._owns_client = client is None
         self.collected_ttl_s = collected_ttl_s
         self.block_ms = block_ms
+        self._epoch: str | None = None  # the namespace epoch this aggregator last saw
 
     @property
     def client(self) -> Any:
@@ -160,11 +173,31 @@ class RewardAggregator:
         self._client = None
 
     async def meta(self, batch_id: str) -> BatchMeta:
-        raw = await with_reconnect(
-            lambda: self.client.hgetall(Keys(self._namespace).batch_meta(batch_id)), what="read batch meta"
-        )
+        keys = Keys(self._namespace)
+
+        async def read() -> list[Any]:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hgetall(keys.batch_meta(batch_id))
+                pipe.hmget(keys.namespace_info(), ["protocol", "epoch"])
+                pipe.zscore(keys.history(), batch_id)
+                return await pipe.execute()  # type: ignore[no-any-return]
+
+        raw, (protocol, epoch), opened = await with_reconnect(read, what="read batch meta")
+        check_protocol(keys, protocol)
+        if raw and epoch is not None and raw.get(b"epoch") == epoch:
+            # A batch of the current epoch: whatever this aggregator saw before, this batch is whole.
+            self._epoch = epoch.decode()
+        else:
+            self._notice_epoch(epoch, batch_id)
         if not raw:
-            raise ConfigError("batch_id", f"batch {batch_id!r} was never opened in namespace {self._namespace!r}")
+            if opened is not None:
+                raise ConfigError(
+                    "batch_id",
+                    f"batch {batch_id!r} expired: opened {time.ctime(float(opened))}, its keys are gone "
+                    f"(kept collected_ttl_s after collect, the producer's result_ttl_s if never collected)",
+                )
+            hint = "" if epoch is not None else " (the namespace holds no state: never used, or Redis lost it)"
+            raise ConfigError("batch_id", f"batch {batch_id!r} was never opened in namespace {self._namespace!r}{hint}")
         m = {k.decode(): v.decode() for k, v in raw.items()}
         return BatchMeta(
             size=int(m["size"]),
@@ -175,7 +208,33 @@ class RewardAggregator:
             created=float(m.get("created", 0)),
             deadline=float(m.get("deadline", 0) or 0),
             partitions=int(m.get("partitions", 1)),
+            group=m.get("group", DEFAULT_GROUP),
+            collected=float(m.get("collected", 0) or 0),
         )
+
+    def _notice_epoch(self, epoch: bytes | str | None, batch_id: str) -> None:
+        """Raise StateLostError when the namespace epoch this aggregator saw is gone or changed."""
+        now = epoch.decode() if isinstance(epoch, bytes) else epoch
+        seen = self._epoch
+        if now is not None:
+            self._epoch = now
+        if seen is not None and now != seen:
+            raise StateLostError(
+                f"namespace {self._namespace!r} lost its state (epoch {seen} is "
+                f"{'gone' if now is None else 'replaced by ' + now}): Redis restarted without persistence, was "
+                f"flushed or failed over to an empty replica. Batch {batch_id!r} lost its queued trajectories and "
+                "results: open it again under a new id and push it again",
+                [batch_id],
+            )
+
+    async def _check_epoch(self, batch_id: str) -> None:
+        """Called while waiting idle for results: a vanished epoch ends the wait at once."""
+        if self._epoch is None:
+            return
+        epoch = await with_reconnect(
+            lambda: self.client.hget(Keys(self._namespace).namespace_info(), "epoch"), what="read namespace epoch"
+        )
+        self._notice_epoch(epoch, batch_id)
 
     async def stream(self, batch_id: str, *, timeout_s: float | None = None) -> AsyncIterator[ScoreResult]:
         """Yield each sample's result once, as it lands; ends when the batch is complete.
@@ -201,14 +260,15 @@ class RewardAggregator:
         end = min((e for e in (timeout_end, deadline_end) if e is not None), default=None)
         if ended is not None:
             ended["deadline"] = deadline_end is not None and deadline_end == end
-        done = [keys.done(batch_id, p) for p in range(keys.partitions)]
-        seen: set[str] = set()
+        done = [keys.done(batch_id, p, meta.group) for p in range(keys.partitions)]
+        seen: set[bytes] = set()  # uids (done stream field names) already read
+        filled: set[int] = set()  # indices resolved: the batch is complete when all are
         if meta.size <= 0:
             return
         if len(done) > 1 and is_cluster(self.client):
-            pages = self._pages_apart(done, end)
+            pages = self._pages_apart(batch_id, done, end)
         else:
-            pages = self._pages_together(done, end)
+            pages = self._pages_together(batch_id, done, end)
         try:
             async for entries in pages:
                 for _entry_id, fields in entries:  # one entry per worker flush: uid -> result
@@ -216,11 +276,53 @@ class RewardAggregator:
                         if uid in seen:
                             continue
                         seen.add(uid)
-                        yield decode_result(payload)
-                if len(seen) >= meta.size:
+                        result = self._decode(batch_id, payload)
+                        if result is None:
+                            continue
+                        if not 0 <= result.index < meta.size:
+                            log.warning(
+                                "batch %r: result for uid %r has index %d outside the batch size %d; ignored",
+                                batch_id,
+                                result.uid,
+                                result.index,
+                                meta.size,
+                            )
+                            continue
+                        if result.index in filled:
+                            # A second uid pushed at an index: a conflict. The first result is
+                            # the sample's; this one never resolves another sample.
+                            log.warning(
+                                "batch %r: uid %r is a second sample at index %d; ignored",
+                                batch_id,
+                                result.uid,
+                                result.index,
+                            )
+                            continue
+                        filled.add(result.index)
+                        yield result
+                if len(filled) >= meta.size:
                     return
         finally:
             await pages.aclose()
+
+    @staticmethod
+    def _decode(batch_id: str, payload: bytes) -> ScoreResult | None:
+        """A stored result; one that cannot be read (another protocol version) fails its own sample."""
+        try:
+            return decode_result(payload)
+        except CodecError as exc:
+            header = result_header(payload)
+            if header is None:
+                log.warning("batch %r: unreadable result record ignored: %s", batch_id, exc)
+                return None
+            uid, index = header
+            return ScoreResult(
+                uid, batch_id, index, 0.0, "failed", reason=exc.reason, error=f"unreadable result: {exc}"
+            )
+
+    async def _read(self, cursors: dict[str, Any], block: int | None) -> Any:
+        """One XREAD of the done streams; ``block`` None reads what is there without waiting."""
+        return await read_streams(self.client, cursors, count=1000, block=block)
 
     def _block_ms(self, end: float | None) -> int | None:
         """BLOCK for the next read; None once ``end`` has passed."""
@@ -229,29 +331,40 @@ class RewardAggregator:
         left = end - asyncio.get_running_loop().time()
         return max(1, min(self.block_ms, int(left * 1000))) if left > 0 else None
 
-    async def _pages_together(self, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
-        """Entries of every done stream, one XREAD over all of them (a single node)."""
+    async def _pages_together(self, batch_id: str, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
+        """Entries of every done stream, one XREAD over all of them (a single node).
+
+        Past ``end`` it still reads, without blocking, until the streams are drained:
+        a deadline resolves only what is missing, never a result already stored."""
         cursors = {name: "0-0" for name in done}
-        while (block := self._block_ms(end)) is not None:
-            reply = await with_reconnect(
-                lambda: read_streams(self.client, cursors, count=1000, block=block), what="read results"
-            )
-            for stream, entries in reply or []:
+        while True:
+            block = self._block_ms(end)
+            reply = await with_reconnect(partial(self._read, cursors, block), what="read results")
+            if not reply:
+                if block is None:
+                    return
+                await self._check_epoch(batch_id)
+                continue
+            for stream, entries in reply:
                 cursors[stream.decode()] = entries[-1][0]
                 yield entries
 
-    async def _pages_apart(self, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
+    async def _pages_apart(self, batch_id: str, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
         """The same from a cluster, where the done streams of a batch live in
         different slots: one blocking reader per partition, merged as they land."""
         queue: asyncio.Queue[list[Any]] = asyncio.Queue()
 
         async def follow(name: str) -> None:
             cursor = "0-0"
-            while (block := self._block_ms(end)) is not None:
-                reply = await with_reconnect(
-                    lambda: read_streams(self.client, {name: cursor}, count=1000, block=block), what="read results"
-                )
-                for _stream, entries in reply or []:
+            while True:
+                block = self._block_ms(end)
+                reply = await with_reconnect(partial(self._read, {name: cursor}, block), what="read results")
+                if not reply:
+                    if block is None:
+                        return
+                    await self._check_epoch(batch_id)
+                    continue
+                for _stream, entries in reply:
                     cursor = entries[-1][0]
                     queue.put_nowait(entries)
 
@@ -292,62 +405,58 @@ class RewardAggregator:
         by_index: dict[int, ScoreResult] = {}
         ended = {"deadline": False}
         async for result in self._results(batch_id, meta, timeout_s, ended):
-            if not 0 <= result.index < meta.size:
-                log.warning(
-                    "batch %r: result for uid %r has index %d outside the batch size %d; ignored",
-                    batch_id,
-                    result.uid,
-                    result.index,
-                    meta.size,
-                )
-                continue
-            if result.index in by_index:
-                log.warning(
-                    "batch %r: two uids share index %d (%r, %r); kept the first",
-                    batch_id,
-                    result.index,
-                    by_index[result.index].uid,
-                    result.uid,
-                )
-                continue
-            by_index[result.index] = result
+            by_index[result.index] = result  # one per index: _results counts by index
         if len(by_index) < meta.size:
             overdue = ended["deadline"]
             if not overdue and on_timeout == "raise":
                 raise CollectTimeoutError(batch_id, len(by_index), meta.size)
-            reason = "deadline" if overdue else "timeout"
+            limit = "deadline" if overdue else "timeout"
             missing = [index for index in range(meta.size) if index not in by_index]
-            lengths = await self._pushed_lengths(batch_id, missing)
-            for index, length in zip(missing, lengths):
+            lengths, uids = await self._pushed(batch_id, missing)
+            for index, length, uid in zip(missing, lengths, uids):
+                if length is None and uid is None:
+                    reason, error = "never_pushed", f"never pushed before the batch {limit}"
+                else:
+                    named = f" as uid {uid!r}" if uid else ""
+                    reason, error = limit, f"pushed{named} but not scored before the batch {limit}"
                 by_index[index] = ScoreResult.failed(
-                    "",
-                    batch_id,
-                    index,
-                    reason=reason,
-                    error=f"no result before the batch {reason}",
-                    valid_response_length=length,
+                    uid or "", batch_id, index, reason=reason, error=error, valid_response_length=length
                 )
         rewards = build_rewards(batch_id, meta, [by_index[i] for i in range(meta.size)])
         await self._expire(batch_id, meta)
         return rewards
 
-    async def _pushed_lengths(self, batch_id: str, indices: list[int]) -> list[int | None]:
-        """Response lengths the producer recorded for samples without a result (None if never pushed)."""
+    async def _pushed(self, batch_id: str, indices: list[int]) -> tuple[list[int | None], list[str | None]]:
+        """For samples without a result: the response length the producer recorded at
+        push (None if none) and the uid it pushed them under (None where not recorded)."""
         if not indices:
-            return []
-        key = Keys(self._namespace).lengths(batch_id)
-        raw = await with_reconnect(lambda: self.client.hmget(key, indices), what="read lengths")
-        return [int(v) if v is not None else None for v in raw]
+            return [], []
+        keys = Keys(self._namespace)
+
+        async def read() -> list[Any]:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hmget(keys.lengths(batch_id), indices)
+                pipe.hmget(keys.pushed(batch_id), indices)
+                return await pipe.execute()  # type: ignore[no-any-return]
+
+        lengths, uids = await with_reconnect(read, what="read pushed samples")
+        return (
+            [int(v) if v is not None else None for v in lengths],
+            [v.decode() if v is not None else None for v in uids],
+        )
 
     async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
         keys = Keys(self._namespace, self._partitions or meta.partitions)
         with redis_errors(f"expiring batch {batch_id!r}"):
             async with self.client.pipeline(transaction=False) as pipe:
                 for p in range(keys.partitions):
-                    pipe.expire(keys.results(batch_id, p), self.collected_ttl_s)
-                    pipe.expire(keys.done(batch_id, p), self.collected_ttl_s)
+                    pipe.expire(keys.results(batch_id, p, meta.group), self.collected_ttl_s)
+                    pipe.expire(keys.done(batch_id, p, meta.group), self.collected_ttl_s)
+                if not meta.collected:  # reopening the id is refused while the meta lives; it says when
+                    pipe.hset(keys.batch_meta(batch_id), "collected", time.time())
                 pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
                 pipe.expire(keys.lengths(batch_id), self.collected_ttl_s)
+                pipe.expire(keys.pushed(batch_id), self.collected_ttl_s)
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
 

@@ -17,13 +17,14 @@ from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from stream_reward.config import BatchPolicy, ProducerConfig
-from stream_reward.errors import BackpressureError, BrokerError, ConfigError
+from stream_reward.errors import BackpressureError, BatchExistsError, BrokerError, ConfigError, StateLostError
 from stream_reward.trainer.loop_thread import LoopThread
-from stream_reward.wire.codec import encode_result, encode_trajectory
+from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result, encode_trajectory
 from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url, redis_errors
 from stream_reward.wire.entries import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
+from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["RolloutProducer", "SyncRolloutProducer"]
@@ -33,6 +34,37 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RECENT_BATCHES = 64
+_HISTORY_KEEP_S = 7 * 86400  # how long a batch id is remembered, to tell "expired" from "never opened"
+
+# Create a batch unless its id exists, atomically (two producers racing on an id
+# cannot both win); returns the existing meta, or an empty list when created.
+_OPEN_SCRIPT = """
+local existing = redis.call('HGETALL', KEYS[1])
+if #existing > 0 then
+  return existing
+end
+local ttl, now, keep, batch = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('ZADD', KEYS[2], now, batch)
+-- A batch that is never collected must not stay forever; collect shortens these
+-- TTLs. The lengths hash is created here so that the HSETs of later pushes inherit its TTL.
+redis.call('HSET', KEYS[3], '-', 0)
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
+redis.call('ZADD', KEYS[4], now, batch)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - keep)
+return {}
+"""
+
+
+def _same(stored: str, value: Any) -> bool:
+    """A stored meta field equals ``value`` (numbers compared as numbers)."""
+    if isinstance(value, (int, float)):
+        try:
+            return float(stored) == float(value)
+        except ValueError:
+            return False
+    return stored == str(value)
 
 
 class RolloutProducer:
@@ -57,6 +89,9 @@ class RolloutProducer:
         self._backlog_checked_at = 0.0
         self._backlog = 0
         self._xadd_many: Any = None  # registered on first push; called with the current client
+        self._open_script: Any = None
+        self._epoch: str | None = None  # the namespace epoch at this producer's last open_batch
+        self._opened: OrderedDict[str, None] = OrderedDict()  # batches this producer opened, newest last
 
     @property
     def client(self) -> Any:
@@ -88,8 +123,19 @@ class RolloutProducer:
         response_len: int,
         *,
         policy: BatchPolicy | None = None,
+        resume: bool = False,
     ) -> None:
-        """Declare a batch: its size, rm_scores width, and failure policy / deadline."""
+        """Declare a batch: its size, rm_scores width, and failure policy / deadline.
+
+        A batch id is unique in its namespace while the batch's keys live (until
+        ``collected_ttl_s`` after collect, ``result_ttl_s`` if never collected):
+        reopening one raises BatchExistsError, since its stored results would be
+        returned for the new samples. ``resume=True`` continues a batch that is
+        open and not yet collected, with the same size, width and policy (a
+        restarted producer picking up its own batch). Raises StateLostError when
+        the namespace lost its state since this producer last saw it, naming the
+        batches it had opened; the next call starts afresh.
+        """
         if size < 0:
             raise ConfigError("size", f"must be >= 0, got {size}")
         if response_len < 1:
@@ -97,27 +143,79 @@ class RolloutProducer:
         policy = policy or BatchPolicy()
         now = time.time()
         meta = {
+            "v": PROTOCOL_VERSION,
             "size": size,
             "response_len": response_len,
             "on_failure": policy.on_failure,
             "fallback_score": policy.fallback_score,
+            "deadline_s": policy.deadline_s or 0,
             "created": now,
             "deadline": now + policy.deadline_s if policy.deadline_s else 0,
             "partitions": self.keys.partitions,
+            "group": self.config.group,
         }
         with redis_errors(f"open_batch {batch_id!r} on {mask_url(self._url)}"):
+            await self._join()
             await self._ensure_groups()
-            async with self.client.pipeline(transaction=False) as pipe:
-                pipe.hset(self.keys.batch_meta(batch_id), mapping=meta)
-                pipe.zadd(self.keys.batches(), {batch_id: now})
-                # A batch that is never collected must not stay forever; collect
-                # shortens these TTLs. The lengths hash is created here so that the
-                # HSETs of later pushes inherit its TTL.
-                pipe.hset(self.keys.lengths(batch_id), "-", 0)
-                for key in (self.keys.batch_meta(batch_id), self.keys.lengths(batch_id)):
-                    pipe.expire(key, self.config.result_ttl_s)
-                await pipe.execute()
+            if self._open_script is None:
+                self._open_script = self.client.register_script(_OPEN_SCRIPT)
+            meta["epoch"] = self._epoch or ""
+            args: list[Any] = [self.config.result_ttl_s, now, _HISTORY_KEEP_S, batch_id]
+            for key, value in meta.items():
+                args += [key, value]
+            keys = self.keys
+            existing = await self._open_script(
+                keys=[keys.batch_meta(batch_id), keys.batches(), keys.lengths(batch_id), keys.history()], args=args
+            )
+        if existing:
+            found = {existing[i].decode(): existing[i + 1].decode() for i in range(0, len(existing), 2)}
+            self._refuse_or_resume(batch_id, found, meta, resume)
+            return
+        self._opened[batch_id] = None
+        while len(self._opened) > _RECENT_BATCHES:
+            self._opened.popitem(last=False)
         self._uids(batch_id).clear()
+
+    def _refuse_or_resume(self, batch_id: str, found: dict[str, str], meta: dict[str, Any], resume: bool) -> None:
+        """Resume a batch that exists (same size, width and policy, not collected), or raise BatchExistsError."""
+        when = f"opened {time.ctime(float(found.get('created', 0)))}"
+        if float(found.get("collected", 0) or 0):
+            when += f", collected {time.ctime(float(found['collected']))}"
+        differs = [
+            f"{key} {found.get(key)} != {meta[key]}"
+            for key in ("size", "response_len", "on_failure", "fallback_score", "deadline_s", "partitions", "group")
+            if key in found and _same(found[key], meta[key]) is False
+        ]
+        if resume and not differs and "collected" not in found:
+            return
+        if resume:
+            why = "it was already collected" if "collected" in found else "it differs: " + ", ".join(differs)
+            detail = f"cannot resume it, {why}"
+        else:
+            detail = "its stored results would be returned for the new samples"
+        raise BatchExistsError(
+            batch_id,
+            f"batch {batch_id!r} already exists in namespace {self.keys.namespace!r} ({when}); {detail}. "
+            "Use a unique batch id per batch (for example run id + step); a producer restarted mid-batch "
+            "continues its own batch with open_batch(..., resume=True) and the same size, width and policy",
+        )
+
+    async def _join(self) -> None:
+        """Join the namespace (protocol check, epoch); notice a lost state at once."""
+        epoch = await join_namespace(self.client, self.keys)
+        seen, self._epoch = self._epoch, epoch
+        if seen is not None and epoch != seen:
+            lost = list(self._opened)
+            self._opened.clear()
+            self._seen.clear()
+            self._groups_ready = False  # the streams and groups went with the state: create them again
+            raise StateLostError(
+                f"namespace {self.keys.namespace!r} lost its state (epoch {seen} replaced by {epoch}): Redis "
+                "restarted without persistence, was flushed or failed over to an empty replica. Queued "
+                f"trajectories and results of the batches this producer opened are gone: {lost}. Open them again "
+                "under new ids and push them again",
+                lost,
+            )
 
     async def push(self, traj: Trajectory) -> None:
         await self.push_many((traj,))
@@ -259,8 +357,10 @@ class SyncRolloutProducer:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._thread.run(coro)
 
-    def open_batch(self, batch_id: str, size: int, response_len: int, *, policy: BatchPolicy | None = None) -> None:
-        self._run(self._producer.open_batch(batch_id, size, response_len, policy=policy))
+    def open_batch(
+        self, batch_id: str, size: int, response_len: int, *, policy: BatchPolicy | None = None, resume: bool = False
+    ) -> None:
+        self._run(self._producer.open_batch(batch_id, size, response_len, policy=policy, resume=resume))
 
     def push(self, traj: Trajectory) -> None:
         self._run(self._producer.push(traj))

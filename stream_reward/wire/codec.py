@@ -1,7 +1,12 @@
 """msgpack wire format of trajectories and results.
 
-A codec is two functions per record (``encode_*`` / ``decode_*``). Payloads are
-msgpack maps with short keys and a schema version under ``"v"``; token ids are
+A codec is two functions per record (``encode_*`` / ``decode_*``). One protocol
+version, ``PROTOCOL_VERSION``, covers every record stream-reward writes
+(trajectory, result, heartbeat, batch meta, dead letter) and is bumped on any
+change to any of them; a namespace records the version it speaks (see
+``wire.namespace``), so builds of two versions never share one. Version 2: results
+became positional arrays. Trajectory payloads are
+msgpack maps with short keys and the version under ``"v"``; token ids are
 packed as little-endian int32 bytes (4 bytes a token instead of up to 5 plus
 per-item framing, and one memcpy to decode). Decoding validates every field's
 type, so a bad message fails here with a precise reason instead of deep inside
@@ -18,22 +23,25 @@ from typing import Any
 import msgpack
 
 from stream_reward.config import DEFAULT_MAX_MESSAGE_BYTES
-from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
+from stream_reward.errors import BadInputError, CodecError, PayloadTooLargeError, SchemaVersionError
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = [
     "to_plain",
+    "PROTOCOL_VERSION",
     "SCHEMA_VERSION",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "encode_trajectory",
     "decode_trajectory",
     "encode_result",
     "decode_result",
+    "result_header",
     "pack_ids",
     "unpack_ids",
 ]
 
-SCHEMA_VERSION = 1
+PROTOCOL_VERSION = 2
+SCHEMA_VERSION = PROTOCOL_VERSION  # the older name
 
 _LITTLE = sys.byteorder == "little"
 
@@ -123,7 +131,6 @@ _TRAJECTORY_FIELDS: dict[str, tuple[str, tuple[type, ...]]] = {
     "b": ("batch_id", (str,)),
     "i": ("index", (int,)),
     "ds": ("data_source", (str,)),
-    "r": ("response", (str,)),
     "p": ("prompt", (str,)),
     "ids": ("response_ids", (bytes,)),
     "vl": ("valid_response_length", (int,)),
@@ -146,6 +153,10 @@ def decode_trajectory(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -
     for key in _REQUIRED:
         if obj.get(key) is None:
             raise CodecError(f"missing field {_TRAJECTORY_FIELDS[key][0]!r}")
+    response = obj.get("r")
+    if type(response) is not str:
+        # A missing response is the producer's fault, not an empty answer to score 0.
+        raise BadInputError(f"field 'response' must be a string, got {type(response).__name__}")
     index = obj["i"]
     if index < 0:
         raise CodecError(f"field 'index' must be >= 0, got {index}")
@@ -160,7 +171,7 @@ def decode_trajectory(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -
         batch_id=obj["b"],
         index=index,
         data_source=obj["ds"],
-        response=get("r") or "",
+        response=response,
         ground_truth=get("gt"),
         prompt=get("p"),
         response_ids=unpack_ids(ids) if ids is not None else None,
@@ -175,7 +186,11 @@ def decode_trajectory(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -
 def encode_result(result: ScoreResult) -> bytes:
     """A result as a positional msgpack array: results are written and read only by
     this code (worker -> aggregator), once per sample on both hot paths, and an
-    array packs and unpacks ~2-3x faster than a map with key strings."""
+    array packs and unpacks ~2-3x faster than a map with key strings.
+
+    The first four positions (version, uid, batch id, index) never move in any
+    version: a reader meeting a record of another version still knows which
+    sample it belongs to, and fails that sample rather than the batch."""
     row = (
         SCHEMA_VERSION,
         result.uid,
@@ -227,11 +242,18 @@ def to_plain(value: Any, unknown: Callable[[Any], Any] = repr) -> Any:
 def decode_result(data: bytes) -> ScoreResult:
     try:
         row = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        version, uid, batch_id, index, score, status, attempts, scored_at, extra, reason, error, vl, ds, group = row
-    except Exception as exc:  # garbage of any kind: msgpack and unpacking raise unrelated types
+    except Exception as exc:  # garbage of any kind: msgpack raises unrelated types
         raise CodecError(f"not a result record: {type(exc).__name__}: {exc}") from exc
-    if version != SCHEMA_VERSION:
-        raise SchemaVersionError(f"result schema version {version!r}, this build reads version {SCHEMA_VERSION}")
+    if not isinstance(row, list) or not row:
+        raise CodecError(f"not a result record: a {type(row).__name__}")
+    if row[0] != PROTOCOL_VERSION:
+        raise SchemaVersionError(
+            f"result written by protocol version {row[0]!r}, this build reads version {PROTOCOL_VERSION}"
+        )
+    try:
+        version, uid, batch_id, index, score, status, attempts, scored_at, extra, reason, error, vl, ds, group = row
+    except ValueError as exc:
+        raise CodecError(f"not a result record: {exc}") from exc
     return ScoreResult(
         uid=uid,
         batch_id=batch_id,
@@ -247,3 +269,14 @@ def decode_result(data: bytes) -> ScoreResult:
         group=group,
         scored_at=scored_at,
     )
+
+
+def result_header(data: bytes) -> tuple[str, int] | None:
+    """(uid, index) of a result record of any protocol version (the fixed prefix), or None."""
+    try:
+        row = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    if isinstance(row, list) and len(row) >= 4 and isinstance(row[1], str) and type(row[3]) is int:
+        return row[1], row[3]
+    return None

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from stream_reward.wire.codec import PROTOCOL_VERSION
 from stream_reward.wire.entries import read_header
 
 __all__ = ["DeadLetter", "encode_dead_letter", "decode_dead_letter"]
@@ -61,6 +62,7 @@ def encode_dead_letter(
     """The dead-letter stream entry's ``e`` field: why, who, when, and the entry's own fields."""
     return msgpack.packb(
         {
+            "v": PROTOCOL_VERSION,
             "reason": reason,
             "error": error,
             "entry_id": entry_id,

@@ -87,13 +87,18 @@ class Keys:
     def stream(self, partition: int = 0) -> str:
         return f"{self.tag(partition)}:traj"
 
-    def results(self, batch_id: str, partition: int = 0) -> str:
-        """Hash uid -> result payload: the write-once ledger of a batch (HSETNX)."""
-        return f"{self.tag(partition)}:res:{batch_id}"
+    # Results are kept per (consumer group, uid): each group scoring a stream
+    # has its own write-once ledger and done stream for a batch, so a worker of
+    # another group (other scorers, other judges) never decides this group's
+    # rewards. A batch names the group it collects (batch meta ``group``); a
+    # composite reward later names several and reads each group's ledger.
+    def results(self, batch_id: str, partition: int = 0, group: str = DEFAULT_GROUP) -> str:
+        """Hash uid -> result payload: one group's write-once ledger of a batch."""
+        return f"{self.tag(partition)}:res:{group}:{batch_id}"
 
-    def done(self, batch_id: str, partition: int = 0) -> str:
-        """Stream of first results of a batch, in landing order; the aggregator blocks on it."""
-        return f"{self.tag(partition)}:done:{batch_id}"
+    def done(self, batch_id: str, partition: int = 0, group: str = DEFAULT_GROUP) -> str:
+        """Stream of one group's first results of a batch, in landing order; the aggregator blocks on it."""
+        return f"{self.tag(partition)}:done:{group}:{batch_id}"
 
     def quarantine(self, partition: int = 0) -> str:
         """Hash entry id -> solo attempts started, for suspects of a worker crash."""
@@ -117,6 +122,20 @@ class Keys:
     def batches(self) -> str:
         """Sorted set of open batch ids, scored by creation time (for `status`)."""
         return f"{self.tag()}:batches"
+
+    def namespace_info(self) -> str:
+        """Hash: the protocol version the namespace speaks and its epoch (see wire.namespace)."""
+        return f"{self.tag()}:info"
+
+    def history(self) -> str:
+        """Sorted set batch id -> open time of every batch opened lately (kept a week):
+        tells a batch whose keys expired from one that was never opened."""
+        return f"{self.tag()}:history"
+
+    def pushed(self, batch_id: str) -> str:
+        """Hash index -> uid of the samples pushed to a batch, when the producer records
+        them (the push-time conflict check): names the uid of a sample that never got a result."""
+        return f"{self.tag()}:pushed:{batch_id}"
 
     def workers(self) -> str:
         """Hash consumer name -> heartbeat record."""

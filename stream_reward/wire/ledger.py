@@ -1,7 +1,8 @@
 """Write-once results: the exactly-once half of "at-least-once delivery, exactly-once results".
 
 One Lua call per flush does, for every scored entry: store the result in the
-batch's ledger under the sample's uid unless one is there; only if it was the first write, add it
+batch's ledger of this consumer group under the sample's uid unless one is there
+(results are kept per (group, uid), see ``Keys.results``); only if it was the first write, add it
 to the batch's ``done`` stream (one entry per flush, fields uid -> result, which
 the aggregator blocks on); dead-letter if asked; and XACK the entry. Running it as one script makes "result durable, then
 ack" atomic, and makes a redelivered sample (a reclaimed entry whose first
@@ -128,8 +129,8 @@ class LedgerWriter:
                 k = slot_of.get(item.batch_id, 0)
                 if not k:
                     k = len(keys) + 1  # Lua is 1-based
-                    keys.append(self._keys.results(item.batch_id, partition))
-                    keys.append(self._keys.done(item.batch_id, partition))
+                    keys.append(self._keys.results(item.batch_id, partition, self._group))
+                    keys.append(self._keys.done(item.batch_id, partition, self._group))
                     slot_of[item.batch_id] = k
             rows.append((item.entry_id, k, item.uid or "", item.result or b"", item.dead_letter or b""))
         return keys, [self._group, self._ttl, DLQ_MAXLEN, msgpack.packb(rows, use_bin_type=False)]

@@ -127,6 +127,8 @@ def trajectory_from_json(obj: Any, batch_id: str, index: int) -> Trajectory:
     for name in ("response", "data_source"):
         if name not in obj:
             raise ValueError(f"missing required field {name!r}")
+    if not isinstance(obj["response"], str):  # null too: a missing response is bad input, never an empty answer
+        raise ValueError(f"field 'response' must be a string, got {type(obj['response']).__name__}")
     for name, types in _JSON_FIELDS.items():
         value = obj.get(name)
         if value is not None and (not isinstance(value, types) or isinstance(value, bool)):

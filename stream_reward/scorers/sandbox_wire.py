@@ -1,0 +1,99 @@
+"""Plain data across the sandbox wall: the only values a candidate program and the
+trusted side exchange.
+
+``dumps`` accepts exactly None, bool, int, float, str, bytes, list, tuple, dict,
+set and frozenset (exact types: a subclass of int with a custom ``__eq__`` is
+refused, so an always-equal object can never cross), nested to a bounded depth.
+``loads`` rebuilds the same types from the bytes and refuses anything else, so
+whatever a hostile program writes on its reply pipe, the trusted side sees either
+plain data or a ``WireError``.
+
+Encoding: JSON, with lists as arrays, finite floats and ints as numbers, and every
+other type as a one-key object (``{"t": [...]}`` tuple, ``{"s": [...]}`` set,
+``{"F": [...]}`` frozenset, ``{"d": [[k, v], ...]}`` dict, ``{"b": "hex"}``
+bytes, ``{"f": "nan"}`` non-finite float). A plain JSON object never appears.
+
+This module is also pasted, as source, in front of the in-sandbox harness and the
+trusted checker (which must not import stream_reward): stdlib only, no relative
+imports, every name public here is used there.
+"""
+
+import json as _json
+
+WIRE_MAX_DEPTH = 100
+
+
+class WireError(ValueError):
+    """The value is not plain data (or the bytes are not a plain-data encoding)."""
+
+
+def _enc(x, depth):
+    if depth > WIRE_MAX_DEPTH:
+        raise WireError("value nested too deeply")
+    t = type(x)
+    if x is None or t is bool or t is int or t is str:
+        return x
+    if t is float:
+        return x if x - x == 0.0 else {"f": repr(x)}
+    if t is list:
+        return [_enc(v, depth + 1) for v in x]
+    if t is tuple:
+        return {"t": [_enc(v, depth + 1) for v in x]}
+    if t is dict:
+        return {"d": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in x.items()]}
+    if t is set:
+        return {"s": [_enc(v, depth + 1) for v in x]}
+    if t is frozenset:
+        return {"F": [_enc(v, depth + 1) for v in x]}
+    if t is bytes or t is bytearray:
+        return {"b": bytes(x).hex()}
+    raise WireError(f"{t.__name__} is not plain data")
+
+
+def dumps(value):
+    """``value`` as wire bytes; WireError if it is not plain data."""
+    try:
+        return _json.dumps(_enc(value, 0), separators=(",", ":"), allow_nan=False).encode()
+    except RecursionError:
+        raise WireError("value nested too deeply") from None
+
+
+_FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _tagged(obj):
+    if len(obj) != 1:
+        raise WireError("not a wire value")
+    ((tag, v),) = obj.items()
+    if tag == "t" and type(v) is list:
+        return tuple(v)
+    if tag == "d" and type(v) is list:
+        out = {}
+        for pair in v:
+            if type(pair) is not list or len(pair) != 2:
+                raise WireError("bad dict item")
+            out[pair[0]] = pair[1]
+        return out
+    if tag == "s" and type(v) is list:
+        return set(v)
+    if tag == "F" and type(v) is list:
+        return frozenset(v)
+    if tag == "b" and type(v) is str:
+        return bytes.fromhex(v)
+    if tag == "f" and v in _FLOATS:
+        return _FLOATS[v]
+    raise WireError(f"unknown wire tag {tag!r}")
+
+
+def loads(data):
+    """The plain value encoded in ``data``; WireError for anything else."""
+    try:
+        return _json.loads(data, object_hook=_tagged, parse_constant=_no_constant)
+    except WireError:
+        raise
+    except (ValueError, TypeError, RecursionError, MemoryError) as exc:  # unhashable set item, bad JSON, ...
+        raise WireError(f"not a wire value ({type(exc).__name__})") from None
+
+
+def _no_constant(name):
+    raise WireError(f"bare {name} is not a wire value")

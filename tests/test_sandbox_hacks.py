@@ -1,0 +1,429 @@
+"""Known reward hacks against the local code sandbox: every one must score 0.0 with
+status ``ok`` (a score, not a ``failed`` sample the trainer would mask).
+
+Each program is *wrong* (or does the forbidden thing and is otherwise right): a
+verifier that gives it any reward has been gamed. The table covers every test
+form the hack applies to: ``check`` (HumanEval ``test`` + ``entry_point``),
+``call`` (``fn_name``), ``assert`` (``assert_case``) and ``stdin``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from stream_reward.errors import ConfigError
+from stream_reward.scorers.sandbox import SandboxConfig, SandboxScorer
+from stream_reward.wire.trajectory import Trajectory
+
+UIDS = dict(uid_base=300_000 + (os.getpid() % 10_000) * 16, uid_count=16)
+LIMITS = dict(timeout_s=2.0, cpu_s=2.0, memory_mb=256, tmp_mb=16, **UIDS)
+
+# One problem, add(a, b), in the four forms.
+FORMS = {
+    "check": {
+        "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+        "entry_point": "add",
+    },
+    "call": {"fn_name": "add", "inputs": [[2, 3], [-1, 1]], "outputs": [5, 0]},
+    "assert": {"assert_case": ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]},
+    "stdin": {"inputs": ["2 3\n", "-1 1\n"], "outputs": ["5\n", "0\n"]},
+}
+WRONG = "def add(a, b):\n    return a - b\n"
+WRONG_STDIN = "a, b = map(int, input().split())\nprint(a - b)\n"
+RIGHT_STDIN = "a, b = map(int, input().split())\nprint(a + b)\n"
+
+FORGE_FD = (
+    "import os\nfor fd in range(3, 64):\n    for verdict in (b'P', b'Ppassed'):\n        try:\n"
+    "            os.write(fd, verdict)\n        except OSError:\n            pass\n"
+)
+ALWAYS_EQUAL = (
+    "class Yes:\n    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n        return False\n"
+    "    __hash__ = object.__hash__\n"
+    "class YesInt(int):\n    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n        return False\n"
+    "    __hash__ = int.__hash__\n"
+)
+PATCH_HARNESS = (
+    "import sys\nfor mod in list(sys.modules.values()):\n    for name in dir(mod):\n"
+    "        if name.startswith('_sr_') or name in ('normalize', 'check'):\n            try:\n"
+    "                setattr(mod, name, lambda *a, **k: True)\n            except Exception:\n                pass\n"
+)
+PATCH_OS_WRITE = (
+    "import os\n_real_write = os.write\n"
+    "def _forged(fd, data):\n    if fd == 3:\n        data = b'P'\n    return _real_write(fd, data)\n"
+    "os.write = _forged\n"
+)
+PATCH_EXEC = (
+    "import builtins\n_real_exec = builtins.exec\n"
+    "def _no_exec(code, *a, **k):\n    if 'assert' in str(code) or 'test.py' in str(getattr(code, 'co_filename', '')):\n"
+    "        return None\n    return _real_exec(code, *a, **k)\nbuiltins.exec = _no_exec\n"
+    "def check(candidate):\n    pass\n"
+)
+ASSERT_OFF = (
+    "import builtins\nclass _Never(Exception):\n    pass\n"
+    "builtins.AssertionError = _Never\n"  # the harness's `except AssertionError` would then see ... nothing
+)
+# Walk every frame and object looking for the harness's copy of the expected answers.
+STEAL_CALL = (
+    "import gc, sys\n"
+    "def _steal(args):\n"
+    "    f = sys._getframe()\n"
+    "    while f is not None:\n"
+    "        for v in list(f.f_locals.values()):\n"
+    "            if isinstance(v, dict) and 'expected' in v and v.get('args') == list(args):\n"
+    "                return v['expected']\n"
+    "        f = f.f_back\n"
+    "    for o in gc.get_objects():\n"
+    "        if isinstance(o, dict) and 'expected' in o and o.get('args') == list(args):\n"
+    "            return o['expected']\n"
+    "        if isinstance(o, dict) and 'outputs' in o and 'inputs' in o and list(args) in o['inputs']:\n"
+    "            return o['outputs'][o['inputs'].index(list(args))]\n"
+    "    return None\n"
+    "def add(a, b):\n    return _steal((a, b))\n"
+)
+STEAL_STDIN = (
+    "import gc, sys\ndata = sys.stdin.read()\nfound = None\n"
+    "for o in gc.get_objects():\n"
+    "    if isinstance(o, dict) and o.get('stdin') == data and 'stdout' in o:\n        found = o['stdout']\n"
+    "    if isinstance(o, dict) and 'inputs' in o and 'outputs' in o and data in o['inputs']:\n"
+    "        found = o['outputs'][o['inputs'].index(data)]\n"
+    "f = sys._getframe()\nwhile f is not None and found is None:\n"
+    "    c = f.f_locals.get('case')\n    if isinstance(c, dict) and c.get('stdin') == data:\n        found = c['stdout']\n"
+    "    f = f.f_back\n"
+    "print(found if found is not None else 'x', end='')\n"
+)
+# Regex the expected answer out of any test source the process holds.
+STEAL_SOURCE = (
+    "import gc, re, sys\n"
+    "def _answers():\n"
+    "    texts = []\n"
+    "    for o in gc.get_objects():\n"
+    "        if isinstance(o, dict):\n"
+    "            texts += [v for v in o.values() if isinstance(v, str)]\n"
+    "        elif isinstance(o, list):\n"
+    "            texts += [v for v in o if isinstance(v, str)]\n"
+    "    f = sys._getframe()\n"
+    "    while f is not None:\n"
+    "        texts += [v for v in f.f_locals.values() if isinstance(v, str)]\n"
+    "        f = f.f_back\n"
+    "    table = {}\n"
+    "    for t in texts:\n"
+    "        for a, b, want in re.findall(r'\\((-?\\d+), (-?\\d+)\\) == (-?\\d+)', t):\n"
+    "            table[(int(a), int(b))] = int(want)\n"
+    "    return table\n"
+    "def add(a, b):\n    return _answers().get((a, b), 12345)\n"
+)
+EXIT_87 = "import os\nos._exit(87)\n"
+EXIT_86 = "import os\nos._exit(86)\n"
+FAKE_HARNESS_STDOUT = (
+    "import os, signal\n"
+    "fake = repr({'results': [('passed', ''), ('passed', '')]})\n"
+    "for pid in sorted((int(p) for p in os.listdir('/proc') if p.isdigit()), reverse=True):\n"
+    "    if pid == os.getpid():\n        continue\n"
+    "    try:\n        with open(f'/proc/{pid}/fd/1', 'w') as out:\n            out.write(fake)\n    except OSError:\n"
+    "        pass\n"
+    "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+)
+
+
+def _hack_programs() -> list[tuple[str, str, str, dict]]:
+    """(name, form, program, extra ground truth / trajectory fields)."""
+    table: list[tuple[str, str, str, dict]] = []
+    fn_forms = ("check", "call", "assert")
+    for form in fn_forms:
+        table += [
+            ("forged_verdict_fd", form, WRONG + FORGE_FD, {}),
+            ("always_equal", form, ALWAYS_EQUAL + "def add(a, b):\n    return Yes()\n", {}),
+            ("always_equal_int", form, ALWAYS_EQUAL + "def add(a, b):\n    return YesInt(7)\n", {}),
+            ("monkeypatch_harness", form, WRONG + PATCH_HARNESS, {}),
+            ("monkeypatch_os_write", form, WRONG + PATCH_OS_WRITE, {}),
+            ("steal_expected_from_frames", form, STEAL_CALL, {}),
+            ("regex_test_source", form, STEAL_SOURCE, {}),
+            ("exit_87", form, WRONG + EXIT_87, {}),
+            ("exit_86", form, WRONG + EXIT_86, {}),
+            ("fake_harness_stdout", form, WRONG + FAKE_HARNESS_STDOUT, {}),
+        ]
+    for form in ("check", "assert"):
+        table += [
+            ("monkeypatch_exec_and_check", form, WRONG + PATCH_EXEC, {}),
+            ("assertion_error_replaced", form, WRONG + ASSERT_OFF, {}),
+        ]
+    table += [
+        ("steal_expected_stdin", "stdin", STEAL_STDIN, {}),
+        ("exit_87", "stdin", RIGHT_STDIN.replace("print(a + b)", "print(a - b)") + EXIT_87, {}),
+        ("fake_harness_stdout", "stdin", WRONG_STDIN + FAKE_HARNESS_STDOUT, {}),
+        ("forged_verdict_fd", "stdin", WRONG_STDIN + FORGE_FD, {}),
+    ]
+    # Shadowing names the test uses: builtins, a module the test imports, the prompt's helper.
+    table += [
+        (
+            "shadow_abs",
+            "check",
+            "def abs(x):\n    return 0\ndef add(a, b):\n    return 0.5\n",
+            {
+                "gt": {
+                    "test": "def check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n",
+                    "entry_point": "add",
+                }
+            },
+        ),
+        (
+            "shadow_abs",
+            "assert",
+            "def abs(x):\n    return 0\ndef add(a, b):\n    return 0.5\n",
+            {"gt": {"assert_case": ["assert abs(add(2, 3) - 5) < 1e-9"]}},
+        ),
+        (
+            "shadow_sorted",
+            "check",
+            "def sorted(xs):\n    return list(xs)\ndef sort_list(xs):\n    return list(xs)\n",
+            {
+                "gt": {
+                    "test": "def check(candidate):\n    assert candidate([3, 1, 2]) == sorted([3, 1, 2])\n",
+                    "entry_point": "sort_list",
+                }
+            },
+        ),
+        (
+            "shadow_sorted",
+            "assert",
+            "def sorted(xs):\n    return list(xs)\ndef sort_list(xs):\n    return list(xs)\n",
+            {"gt": {"assert_case": ["assert sort_list([3, 1, 2]) == sorted([3, 1, 2])"]}},
+        ),
+        (
+            "monkeypatch_math_fabs",
+            "check",
+            "import math\nmath.fabs = lambda x: 0.0\ndef add(a, b):\n    return 0.5\n",
+            {
+                "gt": {
+                    "test": "import math\ndef check(candidate):\n    assert math.fabs(candidate(2.0, 3.0) - 5.0) < 1e-9\n",
+                    "entry_point": "add",
+                }
+            },
+        ),
+        (
+            "monkeypatch_unittest",
+            "check",
+            "import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\ndef add(a, b):\n    return 0\n",
+            {
+                "gt": {
+                    "test": "import unittest\ndef check(candidate):\n"
+                    "    unittest.TestCase().assertEqual(candidate(2, 3), 5)\n",
+                    "entry_point": "add",
+                }
+            },
+        ),
+        (
+            "shadow_prompt_helper",
+            "check",
+            PROMPT_POLY + "    return 0.0\n\ndef poly(xs, x):\n    return 0.0\n",
+            {"gt": POLY_TEST, "prompt": PROMPT_POLY},
+        ),
+        (
+            "list_answer_expected_0",
+            "call",
+            "def sort_list(xs):\n    return min(xs)\n",
+            {"gt": {"fn_name": "sort_list", "inputs": [[[3, 1, 2]], [[5, 4]]], "outputs": [[1, 2, 3], [4, 5]]}},
+        ),
+    ]
+    return table
+
+
+PROMPT_POLY = (
+    "import math\n\n\ndef poly(xs: list, x: float):\n"
+    '    """Evaluates polynomial with coefficients xs at point x."""\n'
+    "    return sum([coeff * math.pow(x, i) for i, coeff in enumerate(xs)])\n\n\n"
+    "def find_zero(xs: list):\n"
+    '    """Returns a zero of the polynomial xs."""\n'
+)
+POLY_TEST = {
+    "test": "import math\ndef check(candidate):\n"
+    "    for coeffs in ([1, 2], [-6, 11, -6, 1], [1, 0, 0, 1]):\n"
+    "        solution = candidate(list(coeffs))\n"
+    "        assert math.fabs(poly(coeffs, solution)) < 1e-4\n",
+    "entry_point": "find_zero",
+}
+
+HACKS = _hack_programs()
+
+
+def _scorer(**kw) -> SandboxScorer:
+    try:
+        return SandboxScorer(SandboxConfig(**{**LIMITS, **kw}))
+    except ConfigError as exc:
+        pytest.skip(f"sandbox backend unavailable here: {exc}")
+
+
+@pytest.fixture(scope="module", params=["bwrap", "unshare"])
+def scorer(request):
+    s = _scorer(backend=request.param)
+    yield s
+    close = getattr(s, "close", None)
+    if close is not None:
+        close()
+
+
+def _traj(program: str | None, gt: dict, prompt: str | None = None) -> Trajectory:
+    response = "no code here, just talk" if program is None else f"Here you go:\n```python\n{program}\n```\n"
+    return Trajectory(
+        batch_id="hacks", index=0, data_source="code", response=response, ground_truth=json.dumps(gt), prompt=prompt
+    )
+
+
+def _score(scorer: SandboxScorer, traj: Trajectory):
+    return asyncio.run(scorer.score(traj))
+
+
+@pytest.mark.parametrize("name,form,program,extra", HACKS, ids=[f"{h[0]}-{h[1]}" for h in HACKS])
+def test_reward_hack_scores_zero(scorer, name, form, program, extra):
+    gt = extra.get("gt", FORMS[form])
+    result = _score(scorer, _traj(program, gt, extra.get("prompt")))  # raising would mean status `failed`
+    assert result.score == 0.0, (name, form, result.extra)
+
+
+def test_the_honest_programs_of_the_table_pass(scorer):
+    """The table's problems are solvable: the same harness gives a right answer 1.0."""
+    right = "def add(a, b):\n    return a + b\n"
+    for form in ("check", "call", "assert"):
+        assert _score(scorer, _traj(right, FORMS[form])).score == 1.0, form
+    assert _score(scorer, _traj(RIGHT_STDIN, FORMS["stdin"])).score == 1.0
+    solve = PROMPT_POLY + "    lo, hi = -100.0, 100.0\n    for _ in range(200):\n"
+    solve += "        mid = (lo + hi) / 2\n        if poly(xs, lo) * poly(xs, mid) <= 0:\n            hi = mid\n"
+    solve += "        else:\n            lo = mid\n    return lo\n"
+    assert _score(scorer, _traj(solve, POLY_TEST, PROMPT_POLY)).score == 1.0
+    r = _score(scorer, _traj("def sort_list(xs):\n    return sorted(xs)\n", HACKS[-1][3]["gt"]))
+    assert r.score == 1.0
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_no_code_is_a_wrong_answer_not_a_failure(scorer, form):
+    result = _score(scorer, _traj(None, FORMS[form]))
+    assert result.score == 0.0 and "no code" in result.extra["error"]
+
+
+# ------------------------------------------------------------ limits that must hold per sandbox
+
+MEMORY_ACROSS_FORKS = (
+    # The right answer only once three children each hold 200 MB at the same time
+    # (in a 256 MB sandbox): each reports on a pipe after touching its memory.
+    "import os, time\nr, w = os.pipe()\nfor _ in range(3):\n    if os.fork() == 0:\n        os.close(r)\n"
+    "        block = bytearray(200 << 20)\n        for i in range(0, len(block), 4096):\n            block[i] = 1\n"
+    "        os.write(w, b'x')\n        time.sleep(30)\n        os._exit(0)\nos.close(w)\ngot = b''\n"
+    "while len(got) < 3:\n    chunk = os.read(r, 3)\n    if not chunk:\n        break\n    got += chunk\n"
+    "a, b = map(int, input().split())\nprint(a + b if len(got) == 3 else a - b)\n"
+)
+MEMFD_HOG = (
+    "import os\nfd = os.memfd_create('hog')\nchunk = b'x' * (1 << 20)\nwritten = 0\ntry:\n"
+    "    for _ in range(600):\n        os.write(fd, chunk)\n        written += 1\nexcept OSError:\n    pass\n"
+    "a, b = map(int, input().split())\nprint(a + b if written >= 600 else a - b)\n"
+)
+SHM_HOG = (
+    "written = 0\ntry:\n    with open('/dev/shm/hog', 'wb') as f:\n        for _ in range(600):\n"
+    "            f.write(b'x' * (1 << 20))\n            written += 1\nexcept OSError:\n    pass\n"
+    "a, b = map(int, input().split())\nprint(a + b if written >= 600 else a - b)\n"
+)
+KEYRING = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "key = libc.syscall(248, b'user', b'sr-hack', b'secret', 6, -3)\n"  # add_key(..., KEY_SPEC_USER_KEYRING)
+    "a, b = map(int, input().split())\nprint(a + b if key > 0 else a - b)\n"
+)
+FILES_ACROSS_CASES = (
+    "import os\na, b = map(int, input().split())\nseen = os.path.exists('/tmp/flag') or os.path.exists('/dev/shm/flag')\n"
+    "open('/tmp/flag', 'w').close()\ntry:\n    open('/dev/shm/flag', 'w').close()\nexcept OSError:\n    pass\n"
+    "print(a + b if seen else a - b)\n"
+)
+NEW_NAMESPACES = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "ok = libc.unshare(0x10000000) == 0 or libc.unshare(0x00020000) == 0\n"  # CLONE_NEWUSER, CLONE_NEWNS
+    "a, b = map(int, input().split())\nprint(a + b if ok else a - b)\n"
+)
+PTRACE = (
+    "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "ok = libc.ptrace(0, 0, 0, 0) == 0\n"  # PTRACE_TRACEME
+    "a, b = map(int, input().split())\nprint(a + b if ok else a - b)\n"
+)
+
+LIMIT_HACKS = [
+    ("memory_across_forks", MEMORY_ACROSS_FORKS),
+    ("memfd_escapes_memory_limit", MEMFD_HOG),
+    ("dev_shm_escapes_memory_limit", SHM_HOG),
+    ("keyring", KEYRING),
+    ("files_across_cases", FILES_ACROSS_CASES),
+    ("new_namespaces", NEW_NAMESPACES),
+    ("ptrace", PTRACE),
+]
+
+
+@pytest.mark.parametrize("name,program", LIMIT_HACKS, ids=[h[0] for h in LIMIT_HACKS])
+def test_limit_hack_scores_zero(scorer, name, program):
+    gt = {"inputs": ["2 3\n", "-1 1\n", "4 4\n"], "outputs": ["5\n", "0\n", "8\n"]}
+    result = _score(scorer, _traj(program, gt))
+    assert result.score == 0.0, (name, result.extra)
+
+
+def test_keyring_does_not_persist_across_samples(scorer):
+    plant = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall(248, b'user', b'sr-leak', b'42', 2, -3)\nprint(0)"
+    read = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "k = libc.syscall(250, 0, -3, 0)\n"  # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_KEYRING): any keyring at all
+        "found = libc.syscall(249, b'user', b'sr-leak', None, 0)\n"  # request_key
+        "print(42 if found > 0 else 0)"
+    )
+    _score(scorer, _traj(plant, {"inputs": [""], "outputs": ["0"]}))
+    assert _score(scorer, _traj(read, {"inputs": [""], "outputs": ["42"]})).score == 0.0
+
+
+SYSV_PLANT = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "shm = libc.shmget(0x5352, 1 << 20, 0o1000 | 0o666)\n"  # IPC_CREAT
+    "q = libc.msgget(0x5352, 0o1000 | 0o666)\nprint(0)\n"
+)
+SYSV_READ = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "found = libc.shmget(0x5352, 0, 0) >= 0 or libc.msgget(0x5352, 0) >= 0\n"
+    "a, b = map(int, input().split())\nprint(a + b if found else a - b)\n"
+)
+
+
+def test_sysv_ipc_does_not_persist_across_cases_or_samples(scorer):
+    _score(scorer, _traj(SYSV_PLANT, {"inputs": [""], "outputs": ["0"]}))
+    gt = {"inputs": ["2 3\n", "-1 1\n"], "outputs": ["5\n", "0\n"]}
+    assert _score(scorer, _traj(SYSV_READ, gt)).score == 0.0
+    # Within one case it works (one process): the check above is not vacuous.
+    assert _score(scorer, _traj(SYSV_PLANT.replace("print(0)\n", "") + SYSV_READ, gt)).score == 1.0
+    assert _score(scorer, _traj(SYSV_READ, gt)).score == 0.0
+
+
+def test_sample_wall_budget_stops_at_first_timeout(scorer):
+    gt = {"inputs": [""] * 10, "outputs": ["x"] * 10}
+    start = time.monotonic()
+    result = _score(scorer, _traj("import time\ntime.sleep(1000)", gt))
+    elapsed = time.monotonic() - start
+    assert result.score == 0.0
+    assert elapsed < 2 * LIMITS["timeout_s"] + 3, elapsed  # not 10 timeouts
+
+
+SHM_BIG = (
+    "import os\nfd = os.memfd_create('hog')\nchunk = b'x' * (1 << 20)\nwritten = 0\ntry:\n"
+    "    for _ in range(400):\n        os.write(fd, chunk)\n        written += 1\n"
+    "    with open('/dev/shm/hog', 'wb') as f:\n        for _ in range(200):\n            f.write(chunk)\n"
+    "            written += 1\nexcept OSError:\n    pass\n"
+    "a, b = map(int, input().split())\nprint(a + b if written >= 600 else a - b)\n"
+)
+
+
+def test_shared_memory_counts_against_the_sandbox_memory():
+    """With file-size and /dev/shm limits out of the way, 600 MB of memfd and shmem
+    pages in a 256 MB sandbox still cannot be had: the memory cgroup counts them."""
+    s = _scorer(backend="bwrap", max_file_mb=4096, tmp_mb=4096, timeout_s=10, cpu_s=10)
+    try:
+        if not s.root:
+            pytest.skip("cgroups need root here")
+        result = _score(s, _traj(SHM_BIG, {"inputs": ["2 3\n"], "outputs": ["5\n"]}))
+        assert result.score == 0.0 and result.extra["cases"] == ["memory"], result.extra
+    finally:
+        s.close()

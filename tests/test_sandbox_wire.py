@@ -1,0 +1,103 @@
+"""The plain-data codec across the sandbox wall, and the trusted comparison."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stream_reward.scorers.sandbox_judge import same, wrapped_outputs
+from stream_reward.scorers.sandbox_wire import WireError, dumps, loads
+
+scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text() | st.binary()
+hashables = st.recursive(scalars, lambda c: st.tuples(c, c) | st.frozensets(c, max_size=3), max_leaves=8)
+values = st.recursive(
+    scalars,
+    lambda c: (
+        st.lists(c, max_size=4)
+        | st.tuples(c, c)
+        | st.dictionaries(hashables, c, max_size=3)
+        | st.sets(hashables, max_size=3)
+    ),
+    max_leaves=20,
+)
+
+
+def _same_types(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(map(_same_types, a, b))
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(_same_types(a[k], b[k]) for k in a)
+    return a == b
+
+
+@given(values)
+def test_round_trip_keeps_values_and_exact_types(v):
+    back = loads(dumps(v))
+    assert back == v and _same_types(back, v)
+
+
+def test_non_finite_floats_cross():
+    back = loads(dumps([float("inf"), float("-inf"), float("nan")]))
+    assert back[:2] == [float("inf"), float("-inf")] and math.isnan(back[2])
+
+
+class AlwaysEqual:
+    def __eq__(self, other):
+        return True
+
+
+class SneakyInt(int):
+    def __eq__(self, other):
+        return True
+
+
+class SneakyList(list):
+    pass
+
+
+@pytest.mark.parametrize(
+    "value", [AlwaysEqual(), SneakyInt(3), SneakyList([1]), [1, AlwaysEqual()], {1: SneakyInt(2)}, iter([]), len]
+)
+def test_non_plain_values_are_refused(value):
+    with pytest.raises(WireError):
+        dumps(value)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": 1}',
+        b'{"t": 1}',
+        b'{"x": []}',
+        b"NaN",
+        b'{"s": [[1]]}',
+        b'{"d": [[1]]}',
+        b"[" * 10000,
+        b"\xff",
+        b'{"b": "zz"}',
+    ],
+)
+def test_hostile_bytes_are_refused(raw):
+    with pytest.raises(WireError):
+        loads(raw)
+
+
+def test_deep_nesting_is_refused_not_crashed():
+    v: list = []
+    for _ in range(200):
+        v = [v]
+    with pytest.raises(WireError):
+        dumps(v)
+
+
+def test_same_is_exact_and_only_unwraps_wrapped_samples():
+    assert same((0, 1), [0, 1]) and same(0.30000000000000004, 0.3)
+    assert not same(True, 1) and not same(1, True) and not same("1", 1)
+    assert not same(1, [1, 2, 3])  # min(xs) for a sort
+    assert same(5, [5], wrapped=True) and not same(5, [5])
+    assert wrapped_outputs([[1], [[2, 3]]]) and not wrapped_outputs([[1, 2], [3]])
