@@ -34,10 +34,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.ops.pipeline import LocalPipeline
+from stream_reward.verl_options import LoopOptions
 
 __all__ = ["Placement", "attach", "SharedPipeline", "RAY_NAMESPACE"]
 
@@ -45,18 +46,6 @@ log = logging.getLogger(__name__)
 
 RAY_NAMESPACE = "stream_reward"
 _DEFAULT_PROCESSES = 2
-
-
-class LoopOptions(Protocol):
-    """What placement reads of ``verl_loop.LoopOptions`` (named here, not imported: no cycle)."""
-
-    redis_url: str | None
-    namespace: str
-    num_workers: int | None
-    server_host: str
-    server_lease_s: float
-
-    def worker_args(self) -> list[str]: ...
 
 
 @dataclass
