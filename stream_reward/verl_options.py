@@ -38,6 +38,7 @@ _MANAGER_KEYS = (
     "retries",
     "sandbox",
 )
+_VERL_QUOTA_KEYS = ("max_rpm", "max_tpm", "max_concurrent", "estimated_tokens_per_request", "timeout")
 _LOOP_MANAGERS = ("naive", "dapo", "batch", "prime", "remote", "rate_limited")
 
 
@@ -63,6 +64,9 @@ class LoopOptions:
     * ``server_host``, ``server_lease_s``: the job's shared server (``verl_server``).
 
     From ``reward.custom_reward_function``: ``path``, ``name`` and its ``reward_kwargs``.
+    From ``reward`` itself, as verl's rate_limited manager reads them: ``max_rpm``,
+    ``max_tpm``, ``max_concurrent``, ``estimated_tokens_per_request``, ``timeout``
+    (``reward_kwargs`` wins where both are set).
     """
 
     manager: ManagerConfig
@@ -90,6 +94,11 @@ class LoopOptions:
                 f"unknown key; StreamRewardLoopManager reads {', '.join(sorted(known))}",
             )
         manager_options = {key: kwargs[key] for key in _MANAGER_KEYS if kwargs.get(key) is not None}
+        # verl's own rate_limited manager reads its quota from reward.* directly; the same
+        # keys mean the same here (but the quota is global, not one per RewardLoopWorker).
+        for key in _VERL_QUOTA_KEYS:
+            if key not in manager_options and _get(reward, key) is not None:
+                manager_options[key] = _container(_get(reward, key))
         manager_options.setdefault("manager", "naive")
         if manager_options["manager"] not in _LOOP_MANAGERS and ":" not in manager_options["manager"]:
             raise ConfigError(

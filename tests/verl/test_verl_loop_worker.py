@@ -271,6 +271,9 @@ def test_options_from_verls_keys_only(compose) -> None:
     args = options.worker_args()
     assert len(" ".join(args)) < 500 and "actor_rollout_ref" not in " ".join(args)  # never verl's config
     assert options.manager.manager == "dapo" and options.manager.max_rpm == 60
+    # verl's rate_limited keys, read where verl reads them (reward.max_rpm, ...)
+    verl_keys = LoopOptions.from_verl(compose("+reward.max_rpm=120", "+reward.max_concurrent=4")).manager
+    assert (verl_keys.max_rpm, verl_keys.max_concurrent) == (120, 4)
     with pytest.raises(ConfigError, match="reward.reward_kwargs.overlong_bufer_cfg"):
         LoopOptions.from_verl(compose("+reward.reward_kwargs.overlong_bufer_cfg.enable=true"))
     with pytest.raises(ConfigError, match="on_failure"):
