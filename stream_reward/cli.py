@@ -411,7 +411,19 @@ def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = ("throughput", "overlap", "latency", "memory", "vs_verl", "verl_loop", "quota", "sandbox", "faults", "scale")
+BENCHES = (
+    "throughput",
+    "per_sample",
+    "overlap",
+    "latency",
+    "memory",
+    "vs_verl",
+    "verl_loop",
+    "quota",
+    "sandbox",
+    "faults",
+    "scale",
+)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -93,12 +93,25 @@ class ProducerConfig:
     on_backlog: Literal["wait", "raise"] = "wait"
     backlog_poll_s: float = 0.05
     result_ttl_s: int = 7 * 24 * 3600
+    # Coalescing: concurrent pushes of one event-loop turn go in one round trip; a
+    # delay above 0 waits that long for more (up to the max) before sending. Groups
+    # of at most coalesce_max_entries, up to coalesce_in_flight at once: a wave of
+    # agent loops resuming together then reaches several workers, not one.
+    coalesce_max_entries: int = 128
+    coalesce_delay_s: float = 0.0
+    coalesce_in_flight: int = 2
 
     def __post_init__(self) -> None:
         if self.on_backlog not in ("wait", "raise"):
             raise ConfigError("on_backlog", f"must be 'wait' or 'raise', got {self.on_backlog!r}")
         if self.max_backlog < 0:
             raise ConfigError("max_backlog", f"must be >= 0, got {self.max_backlog}")
+        if self.coalesce_max_entries < 1:
+            raise ConfigError("coalesce_max_entries", f"must be >= 1, got {self.coalesce_max_entries}")
+        if self.coalesce_in_flight < 1:
+            raise ConfigError("coalesce_in_flight", f"must be >= 1, got {self.coalesce_in_flight}")
+        if not 0 <= self.coalesce_delay_s <= 1:
+            raise ConfigError("coalesce_delay_s", f"must be between 0 and 1 s, got {self.coalesce_delay_s}")
 
 
 @dataclass(slots=True)

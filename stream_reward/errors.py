@@ -19,6 +19,8 @@ boundary where they happen, with ``raise ... from exc``::
     ├── RetryLater                  control flow: a verifier asked us to come back
     ├── BackpressureError           the stream is too far ahead of the consumers
     ├── CollectTimeoutError         a batch did not complete in time
+    ├── ResultTimeoutError          one sample's result did not land in time
+    ├── PushConflictError           an index or uid already pushed with other content
     ├── BatchExistsError            a batch id reused while its results live
     ├── ProtocolMismatchError       the namespace speaks another protocol version
     └── BrokerError                 Redis is unreachable or refused a command
@@ -47,6 +49,8 @@ __all__ = [
     "RetryLater",
     "BackpressureError",
     "CollectTimeoutError",
+    "ResultTimeoutError",
+    "PushConflictError",
     "BrokerError",
     "BatchExistsError",
     "ProtocolMismatchError",
@@ -172,6 +176,29 @@ class CollectTimeoutError(StreamRewardError, TimeoutError):
         self.batch_id = batch_id
         self.done = done
         self.size = size
+
+
+class ResultTimeoutError(StreamRewardError, TimeoutError):
+    """One sample's result did not land before the timeout (``score`` / ``result``)."""
+
+    def __init__(self, batch_id: str, uid: str, timeout_s: float) -> None:
+        super().__init__(f"batch {batch_id!r}: no result for uid {uid!r} within {timeout_s:g}s")
+        self.batch_id = batch_id
+        self.uid = uid
+        self.timeout_s = timeout_s
+
+
+class PushConflictError(StreamRewardError, ValueError):
+    """A push that contradicts one already in the batch: its index is taken by another
+    uid, or its uid was pushed at another index or with other content. Checked in
+    Redis, so it holds across producers; nothing of the refused push was queued."""
+
+    def __init__(self, batch_id: str, index: int, uid: str, reason: str) -> None:
+        super().__init__(f"batch {batch_id!r}: push of uid {uid!r} at index {index} refused: {reason}")
+        self.batch_id = batch_id
+        self.index = index
+        self.uid = uid
+        self.reason = reason
 
 
 class BrokerError(StreamRewardError):

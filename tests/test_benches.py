@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import latency, memory, overlap, throughput, vs_verl
+from benchmarks import latency, memory, overlap, per_sample, throughput, vs_verl
 
 
 def run_json(capsys: pytest.CaptureFixture[str], module: Any, argv: list[str]) -> dict[str, Any]:
@@ -33,6 +33,26 @@ def test_throughput(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert r["scored"] == r["ok"] == 3000
     assert r["all_scored"] is True
     assert set(r["goals"]) == {"ratio >= 0.7", "every trajectory scored"}
+    assert png.stat().st_size > 0
+
+
+def test_per_sample(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "per_sample.png"
+    argv = ["--n", "600", "--tasks", "64", "--batch-size", "300", "--repeats", "1", "--rate", "400"]
+    r = run_json(
+        capsys, per_sample, [*argv, "--latency-s", "0.5", "--profile", str(tmp_path / "p.out"), "--plot", str(png)]
+    )
+    for key in ("per_sample_samples_per_s", "batched_samples_per_s", "ratio", "trainer_cpu_us_per_sample"):
+        assert is_num(r[key]) and r[key] > 0, key
+    assert is_num(r["p50_ms"]) and 0 < r["p50_ms"] <= r["p99_ms"]
+    assert r["all_ok"] is True and len(r["loadavg_at_start"]) == 3
+    assert r["profile_top_us_per_sample"] and (tmp_path / "p.out").stat().st_size > 0
+    assert set(r["goals"]) == {
+        "ratio >= 0.8",
+        "trainer CPU <= 60 us/sample",
+        "p99 <= 20 ms at 400/s",
+        "every sample scored ok",
+    }
     assert png.stat().st_size > 0
 
 

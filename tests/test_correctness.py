@@ -23,7 +23,7 @@ import pytest
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.cli import main as cli_main
 from stream_reward.config import ConsumerConfig, ProducerConfig
-from stream_reward.errors import BatchExistsError, CollectTimeoutError, StateLostError
+from stream_reward.errors import BatchExistsError, CollectTimeoutError, PushConflictError, StateLostError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.codec import PROTOCOL_VERSION, decode_trajectory, encode_result, encode_trajectory
 from stream_reward.wire.connection import connect
@@ -148,6 +148,16 @@ async def test_collect_after_the_deadline_returns_the_stored_results(
 # ------------------------------------------------------------------ 3. conflicts (aggregator side)
 
 
+async def land_result(redis_url: str, namespace: str, result: ScoreResult) -> None:
+    """Write a result as a worker would, past the push-time checks."""
+    client = connect(redis_url)
+    try:
+        ledger = LedgerWriter(client, Keys(namespace), "scorers", result_ttl_s=600)
+        await ledger.write(0, [LedgerItem("", result.batch_id, result.uid, encode_result(result))])
+    finally:
+        await client.aclose()
+
+
 async def test_two_uids_on_one_index_never_end_collect_early(redis_url: str, namespace: str) -> None:
     async with (
         RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
@@ -155,9 +165,13 @@ async def test_two_uids_on_one_index_never_end_collect_early(redis_url: str, nam
         worker(redis_url, namespace),
     ):
         await producer.open_batch("x", 2, WIDTH)
-        # Index 0 twice under two uids (a conflict), index 1 still to come.
+        # Index 0 twice under two uids (a conflict), index 1 still to come. The push refuses
+        # the second; a result for it may still land (a build without the push check, a
+        # cluster where claims are per partition): the aggregator must not count it.
         await producer.push(Trajectory("x", 0, "test", response="a", ground_truth="a", uid="u0"))
-        await producer.push(Trajectory("x", 0, "test", response="b", ground_truth="a", uid="u0-again"))
+        with pytest.raises(PushConflictError):
+            await producer.push(Trajectory("x", 0, "test", response="b", ground_truth="a", uid="u0-again"))
+        await land_result(redis_url, namespace, ScoreResult("u0-again", "x", 0, 0.25))
         collecting = asyncio.create_task(agg.collect("x", timeout_s=20, on_timeout="resolve"))
         await asyncio.sleep(1.0)
         assert not collecting.done()  # two results landed, but only one index is resolved
@@ -175,7 +189,7 @@ async def test_a_conflict_never_raises_a_timeout_at_zero_seconds(redis_url: str,
     ):
         await producer.open_batch("y", 2, WIDTH)
         await producer.push(Trajectory("y", 0, "test", response="a", ground_truth="a", uid="p"))
-        await producer.push(Trajectory("y", 0, "test", response="a", ground_truth="a", uid="q"))
+        await land_result(redis_url, namespace, ScoreResult("q", "y", 0, 1.0))  # index 0 again, another uid
         started = time.monotonic()
         with pytest.raises(CollectTimeoutError):
             await agg.collect("y", timeout_s=1.5)
@@ -432,15 +446,9 @@ async def test_missing_samples_say_never_pushed_or_deadline_with_their_uid(redis
         # Index 0 and 1 pushed (nobody scores them), index 2 never pushed.
         await producer.push(Trajectory("m", 0, "test", response="a", uid="pushed-0", valid_response_length=3))
         await producer.push(Trajectory("m", 1, "test", response="a", uid="pushed-1", valid_response_length=2))
-        # The push-time record of index -> uid (Keys.pushed), as the conflict check at push keeps it.
-        client = connect(redis_url)
-        try:
-            await client.hset(Keys(namespace).pushed("m"), "1", "pushed-1")
-        finally:
-            await client.aclose()
         rewards = await agg.collect("m", timeout_s=0.5, on_timeout="resolve")
     first, second, third = rewards.results
-    assert (first.reason, first.valid_response_length) == ("timeout", 3)
+    assert (first.reason, first.valid_response_length, first.uid) == ("timeout", 3, "pushed-0")
     assert (second.reason, second.uid) == ("timeout", "pushed-1")
     assert "pushed as uid 'pushed-1'" in (second.error or "")
     assert third.reason == "never_pushed" and third.uid == ""

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from stream_reward.config import DEFAULT_GROUP, DEFAULT_NAMESPACE, BatchPolicy
 from stream_reward.errors import CodecError, CollectTimeoutError, ConfigError, StateLostError
+from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.wire.codec import decode_result, result_header
 from stream_reward.wire.connection import (
     connect,
@@ -154,6 +155,7 @@ class RewardAggregator:
         self.collected_ttl_s = collected_ttl_s
         self.block_ms = block_ms
         self._epoch: str | None = None  # the namespace epoch this aggregator last saw
+        self._listener: ResultListener | None = None  # the process's result listener, on first result()
 
     @property
     def client(self) -> Any:
@@ -168,6 +170,9 @@ class RewardAggregator:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            await release_listener(listener)
         if self._client is not None and self._owns_client:
             await self._client.aclose()
         self._client = None
@@ -235,6 +240,20 @@ class RewardAggregator:
             lambda: self.client.hget(Keys(self._namespace).namespace_info(), "epoch"), what="read namespace epoch"
         )
         self._notice_epoch(epoch, batch_id)
+
+    async def result(self, batch_id: str, uid: str, *, timeout_s: float | None = None) -> ScoreResult:
+        """One sample's result, as soon as it lands (at once if it already has), whoever pushed it.
+
+        Served by the process's one result listener: any number of concurrent calls
+        cost one XREAD per page of results. Raises ResultTimeoutError past ``timeout_s``.
+        """
+        meta = await self.meta(batch_id)
+        if self._listener is None:
+            self._listener = acquire_listener(self._url, self._client, self._namespace)
+        keys = Keys(self._namespace, self._partitions or meta.partitions)
+        return await self._listener.wait(
+            batch_id, uid, list(range(keys.partitions)), keys, group=meta.group, timeout_s=timeout_s
+        )
 
     async def stream(self, batch_id: str, *, timeout_s: float | None = None) -> AsyncIterator[ScoreResult]:
         """Yield each sample's result once, as it lands; ends when the batch is complete.
@@ -412,7 +431,7 @@ class RewardAggregator:
                 raise CollectTimeoutError(batch_id, len(by_index), meta.size)
             limit = "deadline" if overdue else "timeout"
             missing = [index for index in range(meta.size) if index not in by_index]
-            lengths, uids = await self._pushed(batch_id, missing)
+            lengths, uids = await self._pushed(batch_id, missing, meta.partitions)
             for index, length, uid in zip(missing, lengths, uids):
                 if length is None and uid is None:
                     reason, error = "never_pushed", f"never pushed before the batch {limit}"
@@ -426,24 +445,32 @@ class RewardAggregator:
         await self._expire(batch_id, meta)
         return rewards
 
-    async def _pushed(self, batch_id: str, indices: list[int]) -> tuple[list[int | None], list[str | None]]:
+    async def _pushed(
+        self, batch_id: str, indices: list[int], partitions: int
+    ) -> tuple[list[int | None], list[str | None]]:
         """For samples without a result: the response length the producer recorded at
-        push (None if none) and the uid it pushed them under (None where not recorded)."""
+        push (None if none) and the uid it pushed them under (None if never pushed),
+        from the claims the push script keeps (``Keys.claims``: ``i<index>`` -> "digest uid")."""
         if not indices:
             return [], []
-        keys = Keys(self._namespace)
+        keys = Keys(self._namespace, partitions)
+        # One claims hash under partition 0 on a single node; one per partition in a cluster.
+        claim_parts = range(partitions) if is_cluster(self.client) else range(1)
+        fields = [f"i{index}" for index in indices]
 
         async def read() -> list[Any]:
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.hmget(keys.lengths(batch_id), indices)
-                pipe.hmget(keys.pushed(batch_id), indices)
+                for p in claim_parts:
+                    pipe.hmget(keys.claims(batch_id, p), fields)
                 return await pipe.execute()  # type: ignore[no-any-return]
 
-        lengths, uids = await with_reconnect(read, what="read pushed samples")
-        return (
-            [int(v) if v is not None else None for v in lengths],
-            [v.decode() if v is not None else None for v in uids],
-        )
+        lengths, *claims = await with_reconnect(read, what="read pushed samples")
+        uids: list[str | None] = []
+        for at in range(len(indices)):
+            claim = next((c[at] for c in claims if c[at] is not None), None)
+            uids.append(claim.decode().split(" ", 1)[1] if claim is not None else None)
+        return [int(v) if v is not None else None for v in lengths], uids
 
     async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
         keys = Keys(self._namespace, self._partitions or meta.partitions)
@@ -452,11 +479,11 @@ class RewardAggregator:
                 for p in range(keys.partitions):
                     pipe.expire(keys.results(batch_id, p, meta.group), self.collected_ttl_s)
                     pipe.expire(keys.done(batch_id, p, meta.group), self.collected_ttl_s)
+                    pipe.expire(keys.claims(batch_id, p), self.collected_ttl_s)
                 if not meta.collected:  # reopening the id is refused while the meta lives; it says when
                     pipe.hset(keys.batch_meta(batch_id), "collected", time.time())
                 pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
                 pipe.expire(keys.lengths(batch_id), self.collected_ttl_s)
-                pipe.expire(keys.pushed(batch_id), self.collected_ttl_s)
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
 

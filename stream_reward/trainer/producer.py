@@ -14,17 +14,29 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from redis.exceptions import NoScriptError, ResponseError
+
 from stream_reward.config import BatchPolicy, ProducerConfig
-from stream_reward.errors import BackpressureError, BatchExistsError, BrokerError, ConfigError, StateLostError
+from stream_reward.errors import (
+    BackpressureError,
+    BatchExistsError,
+    ConfigError,
+    PushConflictError,
+    StateLostError,
+)
+from stream_reward.trainer.coalescer import Coalescer
+from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result, encode_trajectory
-from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url, redis_errors
-from stream_reward.wire.entries import XADD_MANY_CHUNK, XADD_MANY_SCRIPT, ensure_group, entry_header, xadd_many_args
+from stream_reward.wire.connection import connect, is_cluster, mask_url, redis_errors
+from stream_reward.wire.entries import XADD_MANY_CHUNK, ensure_group, entry_header
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
+from stream_reward.wire.push import CONFLICT_REASONS, DUPLICATE, FRESH, PUSH_SCRIPT, digest, push_args
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["RolloutProducer", "SyncRolloutProducer"]
@@ -67,6 +79,34 @@ def _same(stored: str, value: Any) -> bool:
     return stored == str(value)
 
 
+def _default_index(batch_id: str, uid: str) -> int | None:
+    """The index whose default uid ``uid`` is, in this batch; None if it is no default uid."""
+    prefix = f"{batch_id}/"
+    if uid.startswith(prefix):
+        rest = uid[len(prefix) :]
+        if rest.isdigit() and (rest == "0" or not rest.startswith("0")):
+            return int(rest)
+    return None
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One trajectory on its way to the push script."""
+
+    partition: int
+    batch: str
+    index: int
+    uid: str
+    digest: str
+    length: int  # valid response tokens, -1 unknown
+    payload: bytes
+    header: bytes
+
+    def row(self) -> tuple[str, int, str, str, int, bytes, bytes, int]:
+        implied = 1 if self.uid == default_uid(self.batch, self.index) else 0
+        return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, implied)
+
+
 class RolloutProducer:
     """Async producer. ``async with RolloutProducer(url) as p: await p.push(traj)``.
 
@@ -88,10 +128,13 @@ class RolloutProducer:
         self._seen: OrderedDict[str, set[str]] = OrderedDict()
         self._backlog_checked_at = 0.0
         self._backlog = 0
-        self._xadd_many: Any = None  # registered on first push; called with the current client
         self._open_script: Any = None
         self._epoch: str | None = None  # the namespace epoch at this producer's last open_batch
         self._opened: OrderedDict[str, None] = OrderedDict()  # batches this producer opened, newest last
+        self._push_sha: str | None = None  # PUSH_SCRIPT, loaded on the first push
+        self._coalescer: Coalescer[_Entry, int] | None = None
+        self._backlog_reading: asyncio.Future[None] | None = None
+        self._listener: ResultListener | None = None  # the process's result listener, on first score()
 
     @property
     def client(self) -> Any:
@@ -106,6 +149,11 @@ class RolloutProducer:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._coalescer is not None:
+            await self._coalescer.aclose()
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            await release_listener(listener)
         if self._client is not None and self._owns_client:
             await self._client.aclose()
         self._client = None
@@ -217,42 +265,100 @@ class RolloutProducer:
                 lost,
             )
 
+    async def score(self, traj: Trajectory, *, timeout_s: float | None = None) -> ScoreResult:
+        """Push ``traj`` and await its result (``ok`` or ``failed``, as a worker decided it).
+
+        For agent loops that act on each sample's reward: many concurrent calls cost
+        about what one ``push_many`` + ``collect`` of the same samples costs, since
+        the results come from the process's one listener (see trainer/listener.py).
+        Raises ResultTimeoutError past ``timeout_s``; the sample stays queued and its
+        result still lands in the batch.
+        """
+        if self._listener is None:
+            self._listener = acquire_listener(self._url, self._client, self.config.namespace)
+        part = self.keys.partition_of(traj.uid, traj.group)
+        return await self._listener.wait(
+            traj.batch_id,
+            traj.uid,
+            [part],
+            self.keys,
+            group=self.config.group,
+            timeout_s=timeout_s,
+            before=self.push(traj),
+        )
+
     async def push(self, traj: Trajectory) -> None:
+        """Queue one trajectory; returns once Redis holds it. Concurrent calls share a round trip."""
         await self.push_many((traj,))
 
     async def push_many(self, trajs: Iterable[Trajectory]) -> int:
-        """Push trajectories in one pipelined round trip; returns how many."""
-        entries = []
-        # The uid sets are held here, not looked up again after the awaits below: with
-        # more than _RECENT_BATCHES batches pushing concurrently, another push may
-        # evict this batch's set in between (a KeyError before).
-        seen_sets = []
-        for traj in trajs:
-            seen = self._uids(traj.batch_id)
-            if traj.uid in seen:
-                raise ConfigError("uid", f"uid {traj.uid!r} pushed twice in batch {traj.batch_id!r}")
-            payload = encode_trajectory(traj, self.config.max_message_bytes)
-            part = self.keys.partition_of(traj.uid, traj.group)
-            entries.append((traj, part, payload))
-            seen_sets.append(seen)
-        if not entries:
-            return 0
+        """Queue trajectories; returns how many were given (all queued, or already queued identically).
+
+        Concurrent calls in this process are sent together (see trainer/coalescer.py).
+        A sample that contradicts one already in its batch (its index under another
+        uid, its uid at another index or with other content; pushed by any producer)
+        is refused with PushConflictError and nothing of it is queued; the other
+        samples of the call are. Pushing a sample again unchanged is a no-op in Redis,
+        so a call that failed with BrokerError may be retried as a whole.
+        """
+        entries: list[_Entry] = []
+        reserved: list[tuple[set[str], str]] = []
         try:
-            await self._wait_for_room(len(entries))
-            await self._ensure_groups()
-            await self._xadd(entries)
-        except REDIS_ERRORS as exc:
-            # Some entries of the pipeline may have landed; they will be scored and
-            # counted once, and the caller may push the whole call again safely
-            # because results are write-once per uid.
-            for (traj, _, _), seen in zip(entries, seen_sets):
-                seen.discard(traj.uid)
-            raise BrokerError(
-                f"push of {len(entries)} trajectories failed: {type(exc).__name__}: Redis unreachable or refused"
-            ) from exc
-        for (traj, _, _), seen in zip(entries, seen_sets):
-            seen.add(traj.uid)
-        self._backlog += len(entries)
+            for traj in trajs:
+                named = _default_index(traj.batch_id, traj.uid)
+                if named is not None and named != traj.index:
+                    # The push script records no uid for a sample under its default uid (the uid
+                    # names the index); a custom uid naming another index would slip past it.
+                    raise PushConflictError(
+                        traj.batch_id, traj.index, traj.uid, f"its uid is the default uid of index {named}"
+                    )
+                seen = self._uids(traj.batch_id)  # the set itself: an eviction meanwhile cannot lose it
+                if traj.uid in seen:
+                    raise ConfigError("uid", f"uid {traj.uid!r} pushed twice in batch {traj.batch_id!r}")
+                seen.add(traj.uid)  # reserved now, so a concurrent push of the same uid is refused too
+                reserved.append((seen, traj.uid))
+                payload = encode_trajectory(traj, self.config.max_message_bytes)
+                length = traj.response_length
+                entries.append(
+                    _Entry(
+                        self.keys.partition_of(traj.uid, traj.group),
+                        traj.batch_id,
+                        traj.index,
+                        traj.uid,
+                        digest(payload),
+                        -1 if length is None else length,
+                        payload,
+                        entry_header(traj.batch_id, traj.index, traj.uid),
+                    )
+                )
+            if not entries:
+                return 0
+            with redis_errors(f"push of {len(entries)} trajectories failed"):
+                if self.config.max_backlog and not self._room_known(len(entries)):
+                    await self._wait_for_room(len(entries))
+                if not self._groups_ready:
+                    await self._ensure_groups()
+            if self._coalescer is None:
+                self._coalescer = Coalescer(
+                    self._flush,
+                    max_entries=self.config.coalesce_max_entries,
+                    max_delay_s=self.config.coalesce_delay_s,
+                    max_in_flight=self.config.coalesce_in_flight,
+                )
+            verdicts = await self._coalescer.submit(entries)
+        except BaseException:
+            for seen, uid in reserved:
+                seen.discard(uid)
+            raise
+        conflict = None
+        for entry, verdict, (seen, uid) in zip(entries, verdicts, reserved):
+            if verdict == FRESH:
+                self._backlog += 1
+            elif verdict != DUPLICATE:
+                seen.discard(uid)
+                conflict = conflict or PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
+        if conflict is not None:
+            raise conflict
         return len(entries)
 
     def _uids(self, batch_id: str) -> set[str]:
@@ -265,36 +371,71 @@ class RolloutProducer:
             self._seen.move_to_end(batch_id)
         return seen
 
-    async def _xadd(self, entries: list[tuple[Trajectory, int, bytes]]) -> None:
-        """XADD every entry (one script call per partition and chunk, see
-        XADD_MANY_SCRIPT) and record the batches' response lengths."""
-        if self._xadd_many is None:
-            self._xadd_many = self.client.register_script(XADD_MANY_SCRIPT)
-        by_part: dict[int, list[tuple[bytes, bytes]]] = {}
-        lengths: dict[str, dict[int, int]] = {}
-        for traj, part, payload in entries:
-            by_part.setdefault(part, []).append((payload, entry_header(traj.batch_id, traj.index, traj.uid)))
-            if traj.response_length is not None:
-                lengths.setdefault(traj.batch_id, {})[traj.index] = traj.response_length
+    async def _flush(self, entries: list[_Entry]) -> list[int]:
+        """Send one coalesced group: one PUSH_SCRIPT call per (partition, chunk), all in one
+        round trip on a single node; returns each entry's verdict, in order."""
+        cluster = is_cluster(self.client)
+        by_part: dict[int, list[int]] = {}
+        for at, entry in enumerate(entries):
+            by_part.setdefault(entry.partition, []).append(at)
+        calls: list[tuple[list[int], list[str], list[Any]]] = []
         step = XADD_MANY_CHUNK
-        calls = [
-            (self.keys.stream(part), xadd_many_args(rows[lo : lo + step]))
-            for part, rows in by_part.items()
-            for lo in range(0, len(rows), step)
-        ]
+        for part, ats in by_part.items():
+            claims_part = part if cluster else 0
+            for lo in range(0, len(ats), step):
+                chunk = ats[lo : lo + step]
+                keys, args = push_args(
+                    self.keys.stream(part),
+                    [entries[a].row() for a in chunk],
+                    lambda b, cp=claims_part: self.keys.claims(b, cp),
+                    # In a cluster the lengths hash (partition 0's slot) is written after, for fresh entries only.
+                    self.keys.lengths if not cluster else (lambda b, cp=claims_part: self.keys.claims(b, cp)),
+                    ttl_s=self.config.result_ttl_s,
+                    write_lengths=not cluster,
+                )
+                calls.append((chunk, keys, args))
+        verdicts = [0] * len(entries)
+        # Some calls may land before a failure; a retry of the same pushes finds them as duplicates.
+        with redis_errors(f"push of {len(entries)} trajectories failed"):
+            replies = await self._call_push(calls, cluster)
+        for (chunk, _, _), reply in zip(calls, replies):
+            for at, verdict in zip(chunk, reply):
+                verdicts[at] = int(verdict)
+        if cluster:
+            lengths: dict[str, dict[int, int]] = {}
+            for entry, verdict in zip(entries, verdicts):
+                if verdict == FRESH and entry.length >= 0:
+                    lengths.setdefault(entry.batch, {})[entry.index] = entry.length
+            with redis_errors("recording response lengths"):
+                await asyncio.gather(*(self.client.hset(self.keys.lengths(b), mapping=m) for b, m in lengths.items()))
+        return verdicts
 
-        async def xadds() -> None:
-            # Direct calls, not a pipeline: a redis-py pipeline holding a script
-            # first asks SCRIPT EXISTS, a second round trip on every push. In
-            # order, so that a large push lands in the order it was given.
-            for stream, args in calls:
-                await self._xadd_many(keys=[stream], args=args, client=self.client)
-
-        if not lengths:
-            await xadds()
-            return
-        # The lengths go at the same time on a second connection: one round trip of latency.
-        await asyncio.gather(xadds(), *(self.client.hset(self.keys.lengths(b), mapping=m) for b, m in lengths.items()))
+    async def _call_push(self, calls: list[tuple[list[int], list[str], list[Any]]], cluster: bool) -> list[Any]:
+        if self._push_sha is None:
+            self._push_sha = await self.client.script_load(PUSH_SCRIPT)
+        if cluster:  # no scripts in cluster pipelines: one call each, concurrently (the client routes by key)
+            return list(
+                await asyncio.gather(
+                    *(self.client.evalsha(self._push_sha, len(keys), *keys, *args) for _, keys, args in calls)
+                )
+            )
+        for attempt in (1, 2):
+            try:
+                # EVALSHA in a plain pipeline: redis-py's Script objects would first ask
+                # SCRIPT EXISTS, a second round trip on every flush.
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for _, keys, args in calls:
+                        pipe.evalsha(self._push_sha, len(keys), *keys, *args)
+                    return list(await pipe.execute())
+            except NoScriptError:
+                # The server lost its script cache (a restart): load it again. Calls that
+                # ran before the error are found as duplicates by the retry.
+                if attempt == 2:
+                    raise
+                self._push_sha = await self.client.script_load(PUSH_SCRIPT)
+                self._groups_ready = False  # a restarted server may have lost them too
+                await self._ensure_groups()
+        raise AssertionError("unreachable")
 
     async def fail(
         self, batch_id: str, index: int, *, reason: str, error: str, uid: str | None = None, group: str | None = None
@@ -314,37 +455,72 @@ class RolloutProducer:
             )
 
     async def backlog(self) -> int:
-        """Entries in the streams not yet delivered to the consumer group (the group's lag)."""
+        """Entries in the streams not yet delivered to the consumer group.
+
+        The group's ``lag`` where Redis knows it. After a restart from an AOF file
+        (or entries deleted mid-stream) Redis reports no lag; then the stream's
+        length minus the group's pending entries stands in: it also counts entries
+        acked but not yet trimmed, so it errs on the side of waiting, never of
+        letting the producer run past ``max_backlog``.
+        """
         async with self.client.pipeline(transaction=False) as pipe:
             for stream in self.keys.streams():
                 pipe.xinfo_groups(stream)
-            replies = await pipe.execute()
+                pipe.xlen(stream)
+            replies = await pipe.execute(raise_on_error=False)
         total = 0
-        for groups in replies:
-            for group in groups:
-                if group.get(b"name", group.get("name")) in (self.config.group.encode(), self.config.group):
-                    lag = group.get(b"lag", group.get("lag"))
-                    total += int(lag) if lag is not None else 0
+        for groups, length in zip(replies[::2], replies[1::2]):
+            if isinstance(groups, ResponseError) and "no such key" in str(groups):
+                groups = []
+            for reply in (groups, length):
+                if isinstance(reply, Exception):
+                    raise reply
+            mine = [
+                g for g in groups if g.get(b"name", g.get("name")) in (self.config.group.encode(), self.config.group)
+            ]
+            if not mine:
+                # The stream or its group is gone (Redis restarted without persistence,
+                # or someone deleted them): recreated by the next _ensure_groups.
+                self._groups_ready = False
+            for group in mine:
+                lag = group.get(b"lag", group.get("lag"))
+                if lag is None:
+                    pending = int(group.get(b"pending", group.get("pending")) or 0)
+                    lag = max(0, int(length) - pending)
+                total += int(lag)
         return total
+
+    def _room_known(self, incoming: int) -> bool:
+        """The local estimate is fresh and says there is room: no need to ask (the common case)."""
+        fresh = asyncio.get_running_loop().time() - self._backlog_checked_at < self.config.backlog_poll_s
+        return fresh and self._backlog + incoming <= self.config.max_backlog
 
     async def _wait_for_room(self, incoming: int) -> None:
         limit = self.config.max_backlog
         if not limit:
             return
         loop = asyncio.get_running_loop()
-        # Ask Redis at most every poll interval: the check is a round trip, and a
-        # local estimate (last reading + what we pushed since) is good enough between.
+        # Ask Redis at most every poll interval, and once for all concurrent pushes: the
+        # check is a round trip, and a local estimate (last reading + what we pushed
+        # since) is good enough between.
         while True:
-            now = loop.time()
-            if now - self._backlog_checked_at >= self.config.backlog_poll_s:
-                await self._ensure_groups()
-                self._backlog = await self.backlog()
-                self._backlog_checked_at = now
+            if loop.time() - self._backlog_checked_at >= self.config.backlog_poll_s:
+                if self._backlog_reading is None or self._backlog_reading.done():
+                    self._backlog_reading = asyncio.ensure_future(self._read_backlog())
+                await asyncio.shield(self._backlog_reading)
             if self._backlog + incoming <= limit or self._backlog == 0:
                 return
             if self.config.on_backlog == "raise":
                 raise BackpressureError(f"backlog {self._backlog} + {incoming} exceeds max_backlog {limit}")
             await asyncio.sleep(self.config.backlog_poll_s)
+
+    async def _read_backlog(self) -> None:
+        await self._ensure_groups()
+        self._backlog = await self.backlog()
+        if not self._groups_ready:
+            log.warning("stream or consumer group %r missing (Redis lost its state?): recreating", self.config.group)
+            await self._ensure_groups()
+        self._backlog_checked_at = asyncio.get_running_loop().time()
 
 
 class SyncRolloutProducer:
@@ -364,6 +540,10 @@ class SyncRolloutProducer:
 
     def push(self, traj: Trajectory) -> None:
         self._run(self._producer.push(traj))
+
+    def score(self, traj: Trajectory, *, timeout_s: float | None = None) -> ScoreResult:
+        """Push and wait for the sample's result; safe to call from many threads at once."""
+        return self._run(self._producer.score(traj, timeout_s=timeout_s))
 
     def push_many(self, trajs: Iterable[Trajectory]) -> int:
         return self._run(self._producer.push_many(list(trajs)))

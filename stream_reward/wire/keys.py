@@ -100,6 +100,13 @@ class Keys:
         """Stream of one group's first results of a batch, in landing order; the aggregator blocks on it."""
         return f"{self.tag(partition)}:done:{group}:{batch_id}"
 
+    def claims(self, batch_id: str, partition: int = 0) -> str:
+        """Hash of what was pushed to a batch: ``i<index>`` -> uid, ``u<uid>`` -> ``<index>:<digest>``;
+        the push script refuses a conflicting push against it. Under partition 0's
+        tag on a single node (one hash sees every push of the batch); per partition
+        in a cluster, where the push script may touch only its stream's slot."""
+        return f"{self.tag(partition)}:claim:{batch_id}"
+
     def quarantine(self, partition: int = 0) -> str:
         """Hash entry id -> solo attempts started, for suspects of a worker crash."""
         return f"{self.tag(partition)}:quarantine"
@@ -131,11 +138,6 @@ class Keys:
         """Sorted set batch id -> open time of every batch opened lately (kept a week):
         tells a batch whose keys expired from one that was never opened."""
         return f"{self.tag()}:history"
-
-    def pushed(self, batch_id: str) -> str:
-        """Hash index -> uid of the samples pushed to a batch, when the producer records
-        them (the push-time conflict check): names the uid of a sample that never got a result."""
-        return f"{self.tag()}:pushed:{batch_id}"
 
     def workers(self) -> str:
         """Hash consumer name -> heartbeat record."""

@@ -1,0 +1,270 @@
+"""The per-sample path (issue 16): score() / result() from one shared listener, and the push path under it."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
+from stream_reward.errors import ResultTimeoutError
+from stream_reward.wire.connection import connect
+
+pytestmark = pytest.mark.anyio
+
+SCORER = "python:tests/data/scorers.py:exact"
+
+
+def traj(batch: str, i: int, right: bool) -> Trajectory:
+    gt = str(1000 + i)
+    return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
+
+
+async def xread_calls(redis_url: str) -> int:
+    client = connect(redis_url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+
+async def test_many_concurrent_score_calls_each_get_their_own_result_without_an_xread_each(
+    redis_url, namespace, spawn_workers
+):
+    spawn_workers(2, "--scorer", SCORER, "--partitions", "2")
+    n_batches, per_batch = 3, 200
+    before = await xread_calls(redis_url)
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, partitions=2)) as producer:
+        for b in range(n_batches):
+            await producer.open_batch(f"s{b}", per_batch, 8)
+        samples = [traj(f"s{b}", i, (i * 7 + b) % 3 != 0) for b in range(n_batches) for i in range(per_batch)]
+        results = await asyncio.wait_for(asyncio.gather(*(producer.score(t, timeout_s=60) for t in samples)), 90)
+    for t, r in zip(samples, results):
+        assert (r.uid, r.batch_id, r.index, r.status) == (t.uid, t.batch_id, t.index, "ok")
+        assert r.score == (1.0 if t.response == t.ground_truth else 0.0)
+    reads = await xread_calls(redis_url) - before
+    # One XREAD per page of results (whatever worker flushes landed meanwhile), never one per result.
+    assert reads <= len(samples) // 2, reads
+    client = connect(redis_url)
+    try:
+        keys = producer.keys
+        flushes = sum([await client.xlen(keys.done(f"s{b}", p)) for b in range(n_batches) for p in range(2)])
+    finally:
+        await client.aclose()
+    # Each read returns at least one flush, except a few that only end a block (a wake, a timeout).
+    assert reads <= flushes + 2 * n_batches * 2 + 5, (reads, flushes)
+
+
+async def test_score_times_out_with_a_clear_error_and_the_sample_stays_queued(redis_url, namespace):
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        await producer.open_batch("nobody", 1, 4)
+        with pytest.raises(ResultTimeoutError, match="no result for uid"):
+            await producer.score(traj("nobody", 0, True), timeout_s=0.2)
+        client = connect(redis_url)
+        try:
+            assert await client.xlen(producer.keys.stream()) == 1
+        finally:
+            await client.aclose()
+
+
+async def test_result_of_a_sample_pushed_by_another_process(redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--scorer", SCORER)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from stream_reward import ProducerConfig, SyncRolloutProducer, Trajectory
+        with SyncRolloutProducer({redis_url!r}, ProducerConfig(namespace={namespace!r})) as p:
+            p.open_batch("other", 3, 4)
+            p.push_many(Trajectory("other", i, "test/exact", response="7", ground_truth=str(6 + i), uid=f"u{{i}}")
+                        for i in range(3))
+        """
+    )
+    async with RewardAggregator(redis_url, namespace=namespace) as agg:
+        # One waiter is registered before the batch even exists (the other process opens it).
+        proc = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            for _ in range(100):
+                try:
+                    await agg.meta("other")
+                    break
+                except Exception:
+                    await asyncio.sleep(0.05)
+            early = asyncio.ensure_future(agg.result("other", "u1", timeout_s=30))
+            assert proc.wait(timeout=60) == 0
+            r1 = await early
+            # Asked after it landed: served from what the listener read (or reads again).
+            r0 = await agg.result("other", "u0", timeout_s=30)
+            r2 = await agg.result("other", "u2", timeout_s=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert (r0.index, r0.score, r1.index, r1.score, r2.score) == (0, 0.0, 1, 1.0, 0.0)
+
+
+async def test_hundreds_of_concurrent_batches(redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--scorer", SCORER)
+    n_batches = 150
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        for b in range(n_batches):
+            await producer.open_batch(f"m{b}", 2, 4)
+        # One push of more batches than the producer remembers used to raise KeyError.
+        assert await producer.push_many(traj(f"m{b}", 0, True) for b in range(n_batches)) == n_batches
+        # And one in-flight score() per batch, all at once.
+        results = await asyncio.wait_for(
+            asyncio.gather(*(producer.score(traj(f"m{b}", 1, b % 2 == 0), timeout_s=60) for b in range(n_batches))),
+            90,
+        )
+    assert [r.score for r in results] == [1.0 if b % 2 == 0 else 0.0 for b in range(n_batches)]
+
+
+def test_sync_producer_score_from_many_threads(redis_url, namespace, spawn_workers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    spawn_workers(1, "--scorer", SCORER)
+    with SyncRolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        producer.open_batch("th", 40, 4)
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda i: producer.score(traj("th", i, i % 2 == 0), timeout_s=60), range(40)))
+    assert [r.score for r in results] == [1.0 if i % 2 == 0 else 0.0 for i in range(40)]
+
+
+async def test_a_conflicting_push_is_refused_at_push_across_producers(redis_url, namespace, spawn_workers):
+    from stream_reward.errors import PushConflictError
+
+    config = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
+        await a.open_batch("c", 3, 4)
+        await a.push(Trajectory("c", 0, "test/exact", response="1", ground_truth="1", uid="x"))
+        # Another producer: the same index under another uid.
+        with pytest.raises(PushConflictError, match="index was already pushed under another uid"):
+            await b.push(Trajectory("c", 0, "test/exact", response="0", ground_truth="1", uid="y"))
+        # The same uid at another index.
+        with pytest.raises(PushConflictError, match="uid was already pushed at another index"):
+            await b.push(Trajectory("c", 1, "test/exact", response="1", ground_truth="1", uid="x"))
+        # The same uid and index, other content.
+        with pytest.raises(PushConflictError, match="other content"):
+            await b.push(Trajectory("c", 0, "test/exact", response="wrong", ground_truth="1", uid="x"))
+        # The same sample again, unchanged (a retry): accepted, not queued twice.
+        await b.push(Trajectory("c", 0, "test/exact", response="1", ground_truth="1", uid="x"))
+        # Coalesced with a conflict, a good push still lands; the refused one does not.
+        ok = Trajectory("c", 1, "test/exact", response="1", ground_truth="1", uid="z1")
+        bad = Trajectory("c", 0, "test/exact", response="1", ground_truth="1", uid="z0")
+        got = await asyncio.gather(b.push(ok), b.push(bad), return_exceptions=True)
+        assert got[0] is None and isinstance(got[1], PushConflictError)
+        await b.push(Trajectory("c", 2, "test/exact", response="1", ground_truth="1", uid="z2"))
+        client = connect(redis_url)
+        try:
+            assert await client.xlen(a.keys.stream()) == 3  # x, z1, z2: nothing refused was queued
+        finally:
+            await client.aclose()
+    spawn_workers(1, "--scorer", SCORER)
+    async with RewardAggregator(redis_url, namespace=namespace) as agg:
+        rewards = await agg.collect("c", timeout_s=30)
+    assert rewards.status == ["ok"] * 3 and [r.uid for r in rewards.results] == ["x", "z1", "z2"]
+
+
+async def test_backpressure_holds_when_redis_reports_no_lag(redis_url, namespace):
+    """After an AOF restart (or deletions mid-stream) XINFO GROUPS reports lag nil."""
+    from stream_reward.errors import BackpressureError
+
+    config = ProducerConfig(namespace=namespace, max_backlog=10, on_backlog="raise", backlog_poll_s=0.0)
+    async with RolloutProducer(redis_url, config) as producer:
+        await producer.open_batch("lag", 40, 4)
+        await producer.push_many(traj("lag", i, True) for i in range(12))
+        client = connect(redis_url)
+        try:
+            stream = producer.keys.stream()
+            ids = [entry_id for entry_id, _ in await client.xrange(stream, count=3)]
+            await client.xdel(stream, ids[1])  # a tombstone, then a group position Redis cannot count from
+            await client.execute_command("XGROUP", "SETID", stream, "scorers", ids[0])
+            (group,) = await client.xinfo_groups(stream)
+            assert group["lag"] is None  # the condition under test
+        finally:
+            await client.aclose()
+        with pytest.raises(BackpressureError, match="exceeds max_backlog 10"):
+            await producer.push(traj("lag", 20, True))
+
+
+def test_coalesced_pushes_share_round_trips(redis_url, namespace):
+    async def run() -> int:
+        client = connect(redis_url)
+        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, max_backlog=0)) as producer:
+            await producer.open_batch("co", 300, 4)  # a script call of its own: counted from here on
+            before = int((await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
+            await asyncio.gather(*(producer.push(traj("co", i, True)) for i in range(300)))
+            assert await client.xlen(producer.keys.stream()) == 300
+        after = int((await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
+        await client.aclose()
+        return after - before
+
+    assert asyncio.run(run()) <= 3  # 300 concurrent push() calls: one flush (plus a chunk or two), not 300
+
+
+async def test_producer_recreates_its_stream_and_group_after_redis_lost_its_state(namespace):
+    """A restart without persistence drops the stream and group; the producer's flag that
+    they exist is stale. Its next push must not fail forever ("unreachable or refused")."""
+    from stream_reward.errors import BrokerError
+    from stream_reward.ops.embedded import EmbeddedServer
+
+    with EmbeddedServer() as server:
+        config = ProducerConfig(namespace=namespace, backlog_poll_s=0.0)
+        async with RolloutProducer(server.url, config) as producer:
+            await producer.open_batch("lost", 4, 4)
+            await producer.push(traj("lost", 0, True))
+            server.kill()
+            with pytest.raises(BrokerError):
+                await producer.push(traj("lost", 1, True))
+            server.start()
+            await producer.push(traj("lost", 1, True))
+            client = connect(server.url)
+            try:
+                (group,) = await client.xinfo_groups(producer.keys.stream())
+                assert group["name"] == b"scorers" and await client.xlen(producer.keys.stream()) == 1
+            finally:
+                await client.aclose()
+
+
+async def test_result_of_a_sample_already_read_for_score_by_the_shared_listener(redis_url, namespace, spawn_workers):
+    """score() does not keep results it was not asked for; a later result() of one of
+    them, on the same process-wide listener, reads the stream again instead of hanging."""
+    spawn_workers(1, "--scorer", SCORER)
+    config = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, config) as producer, RewardAggregator(redis_url, namespace=namespace) as agg:
+        await producer.open_batch("shared", 3, 4)
+        await producer.push(traj("shared", 0, True))
+        assert (await producer.score(traj("shared", 1, False), timeout_s=30)).score == 0.0
+        assert (await producer.score(traj("shared", 2, True), timeout_s=30)).score == 1.0
+        assert producer._listener is agg._listener or agg._listener is None
+        r0 = await agg.result("shared", "shared/0", timeout_s=5)
+        assert agg._listener is producer._listener  # one listener per process, loop, server and namespace
+    assert (r0.index, r0.score) == (0, 1.0)
+
+
+async def test_conflicts_between_default_and_custom_uids(redis_url, namespace):
+    from stream_reward.errors import PushConflictError
+
+    config = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
+        await a.open_batch("d", 4, 4)
+        await a.push(traj("d", 0, True))  # default uid "d/0"
+        with pytest.raises(PushConflictError, match="default uid of index 0"):
+            await b.push(Trajectory("d", 1, "test/exact", response="1", ground_truth="1", uid="d/0"))
+        with pytest.raises(PushConflictError, match="another uid"):
+            await b.push(Trajectory("d", 0, "test/exact", response="1", ground_truth="1", uid="custom"))
+        with pytest.raises(PushConflictError, match="other content"):
+            await b.push(Trajectory("d", 0, "test/exact", response="changed", ground_truth="1000"))
+        await b.push(traj("d", 0, True))  # unchanged: a no-op
+        await b.push(Trajectory("d", 1, "test/exact", response="1", ground_truth="1", uid="c1"))
+        with pytest.raises(PushConflictError, match="another uid"):
+            await a.push(traj("d", 1, True))  # default uid at an index a custom uid holds
+        with pytest.raises(PushConflictError, match="at another index"):
+            await a.push(Trajectory("d", 2, "test/exact", response="1", ground_truth="1", uid="c1"))
+        client = connect(redis_url)
+        try:
+            assert await client.xlen(a.keys.stream()) == 2
+        finally:
+            await client.aclose()
