@@ -323,7 +323,7 @@ def plot(path: str, result: dict[str, Any]) -> None:
     if result["baseline_cpu_s"]:
         sides.append(("baseline", result["baseline_cpu_s"]))
     colors = {"producer": "#1f77b4", "server": "#ff7f0e", "consumers": "#2ca02c"}
-    for x, (label, cpu) in enumerate(sides):
+    for x, (_label, cpu) in enumerate(sides):
         parts = {
             "producer": cpu["producer"],
             "server": cpu["server"],

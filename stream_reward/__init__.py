@@ -5,6 +5,7 @@ processes score it as it arrives; the aggregator hands the trainer verl's
 ``rm_scores`` tensor for the batch.
 """
 
+from stream_reward._version import __version__ as __version__
 from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.errors import StreamRewardError
 from stream_reward.scoring.scorer import Scored
@@ -24,5 +25,3 @@ __all__ = [
     "Scored",
     "StreamRewardError",
 ]
-
-__version__ = "0.1.0"

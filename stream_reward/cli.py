@@ -16,19 +16,35 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from stream_reward._version import __version__
 from stream_reward.errors import StreamRewardError
 from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import LOG_FORMATS, configure_logging, progress_bar
 from stream_reward.ops.settings import Settings
-from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args, resolve_flags, worker_command
+from stream_reward.ops.worker_cli import (
+    add_deprecated_flag,
+    add_worker_arguments,
+    resolve_args,
+    resolve_flags,
+    worker_command,
+)
 
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger(__name__)
+
+# How far past a command's --timeout its own bound fires (see _bounded).
+_TIMEOUT_SLACK_S = 1.0
+
+
+class _TimedOut(StreamRewardError):
+    """A command ran out its --timeout before the library could say more."""
+
 
 # Flags shared by the commands (argparse dest) -> settings key.
 CLI_FLAG_KEYS = {
@@ -47,11 +63,12 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser, *, redis_required: bool = False) -> None:
-    where = "required, here" if redis_required else "none: a private embedded server; or"
+    where = "required, no default: here," if redis_required else "default: a private embedded server; or"
     parser.add_argument(
         "--redis",
         default=None,
-        help=f"Redis URL: redis://, rediss://, unix://, redis+cluster:// ({where} in the config / $STREAM_REWARD_REDIS)",
+        help=f"Redis URL: redis://, rediss://, unix://, redis+cluster:// ({where} "
+        "in the config / $STREAM_REWARD_CONNECTION_REDIS)",
     )
     parser.add_argument("--namespace", default=None, help="key namespace (default: sr)")
     parser.add_argument(
@@ -142,11 +159,28 @@ async def _with_watcher(coro: Any, watcher: Any) -> Any:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _produce(url: str, rollouts: Any, response_len: int, settings: Any) -> None:
-    """``jsonl.produce_rollouts`` with the configured failure policy and producer options."""
+async def _bounded(coro: Any, timeout_s: float | None, what: str, url: str | None) -> Any:
+    """``coro`` under ``timeout_s`` in all, connection attempts included (a server that
+    does not answer is retried inside, past any one command's timeout)."""
+    if timeout_s is None:
+        return await coro
+    try:
+        # A little past the timeout: a batch that times out on its own says how far it got.
+        return await asyncio.wait_for(coro, timeout_s + _TIMEOUT_SLACK_S)
+    except asyncio.TimeoutError:
+        from stream_reward.wire.connection import mask_url
+
+        where = f" (Redis at {mask_url(url)} not answering?)" if url else ""
+        raise _TimedOut(f"{what}: no answer within the {timeout_s:g}s timeout{where}") from None
+
+
+async def _produce(url: str, rollouts: Any, response_len: int, settings: Any, rate: float | None = None) -> None:
+    """``rollouts.produce_rollouts`` with the configured failure policy and producer options."""
     from stream_reward.trainer.rollouts import produce_rollouts
 
-    await produce_rollouts(url, rollouts, response_len, settings.producer_config(), settings.batch_policy())
+    await produce_rollouts(
+        url, rollouts, response_len, settings.producer_config(), settings.batch_policy(), rate_per_s=rate
+    )
 
 
 # ---------------------------------------------------------------------- commands
@@ -161,7 +195,11 @@ def cmd_server(args: argparse.Namespace) -> int:
     # Handlers first: whoever reads the URL may signal us right away.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with EmbeddedServer(appendonly=args.appendonly) as server:
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)
+    # With --dir the data (AOF with --appendonly) lives there and outlives the server;
+    # without it, in the server's temp dir, removed on exit.
+    with EmbeddedServer(appendonly=args.appendonly, data_dir=os.path.abspath(args.dir) if args.dir else None) as server:
         print(server.url, flush=True)
         while not stop["flag"]:
             time.sleep(0.2)
@@ -189,7 +227,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     rollouts = read_rollouts(args.file, args.batch)
     for error in rollouts.bad_lines.values():
         print(f"{args.file}: {error}", file=sys.stderr)
-    asyncio.run(_produce(args.redis, rollouts, args.response_len, settings))
+    asyncio.run(_produce(args.redis, rollouts, args.response_len, settings, args.rate))
     print(json.dumps({"batch": args.batch, "pushed": len(rollouts.trajectories), "bad_lines": len(rollouts.bad_lines)}))
     return 0
 
@@ -202,11 +240,13 @@ def cmd_collect(args: argparse.Namespace) -> int:
         async def run() -> Any:
             async with RewardAggregator(args.redis, namespace=args.namespace) as agg:
                 watcher = _watch_batch(args.redis, args.namespace, args.batch, progress) if progress.drawn else None
-                return await _with_watcher(agg.collect(args.batch, timeout_s=args.timeout), watcher)
+                return await _with_watcher(agg.collect(args.batch, timeout_s=args.timeout_s), watcher)
 
-        rewards = asyncio.run(run())
+        rewards = asyncio.run(_bounded(run(), args.timeout, f"collect {args.batch!r}", args.redis))
     if args.out:
-        import torch
+        from stream_reward.trainer.tensors import import_torch
+
+        torch = import_torch("collect --out")
 
         torch.save(
             {
@@ -261,9 +301,11 @@ def cmd_score(args: argparse.Namespace) -> int:
             await _produce(pipeline.url, rollouts, args.response_len, settings)
             async with RewardAggregator(pipeline.url, namespace=args.namespace) as agg:
                 watcher = _watch_batch(pipeline.url, args.namespace, batch_id, progress) if progress.drawn else None
-                return await _with_watcher(agg.collect(batch_id, timeout_s=args.timeout), watcher)
+                return await _with_watcher(agg.collect(batch_id, timeout_s=args.timeout_s), watcher)
 
-        rewards = asyncio.run(run())
+        # Workers that die (an unloadable scorer, a wrong password) fail the command
+        # in seconds, naming the cause, instead of at --timeout.
+        rewards = asyncio.run(pipeline.guard(run()))
     rows = result_rows(rewards)
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
@@ -290,12 +332,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         progress_bar("scoring as rollouts stream", total=args.n, enabled=not args.json) as progress,
     ):
         report = asyncio.run(
-            run_demo(
-                pipeline.url,
-                args.n,
-                namespace=args.namespace,
-                generation_s=args.generation_s,
-                progress=progress if progress.drawn else None,
+            pipeline.guard(
+                run_demo(
+                    pipeline.url,
+                    args.n,
+                    namespace=args.namespace,
+                    generation_s=args.generation_s,
+                    progress=progress if progress.drawn else None,
+                )
             )
         )
     if args.json:
@@ -328,7 +372,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         limits[quota["quota_key"]] = {
             "max_rpm": quota.get("max_rpm"),
             "max_tpm": quota.get("max_tpm"),
-            "max_inflight": quota.get("max_concurrent"),
+            "max_concurrent": quota.get("max_concurrent"),
             "estimated_tokens_per_request": quota.get("estimated_tokens_per_request"),
         }
     status = asyncio.run(
@@ -439,19 +483,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
 
-    parser = argparse.ArgumentParser(prog="stream-reward", description="Async streaming reward pipeline for LLM RL.")
+    parser = _Parser(prog="stream-reward", description="Async streaming reward pipeline for LLM RL.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also: --debug after the command)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="simulated rollout step scored as it streams (embedded server if no --redis)")
     _add_common(p)
-    p.add_argument("--n", type=int, default=2000)
+    p.add_argument("--n", type=int, default=2000, help="samples in the simulated step (default: 2000)")
     p.add_argument("--processes", type=int, default=None, help="worker processes (default: the config's, else 2)")
-    p.add_argument("--generation-s", type=float, default=3.0, help="simulated generation time of the step")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--generation-s", type=float, default=3.0, help="simulated generation time of the step (default: 3.0)"
+    )
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("server", help="run an embedded server in the foreground; prints its URL first")
-    p.add_argument("--appendonly", action="store_true", help="persist with AOF in the server's temp dir")
+    p.add_argument("--appendonly", action="store_true", help="persist with AOF (kept across restarts only with --dir)")
+    p.add_argument("--dir", default=None, help="data directory (AOF files); default: a temp dir removed on exit")
     _add_logging(p)
     p.set_defaults(func=cmd_server)
 
@@ -461,28 +510,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("produce", help="push a JSONL dump of rollouts as one batch")
     _add_common(p, redis_required=True)
-    p.add_argument("--batch", required=True)
-    p.add_argument("--response-len", type=int, default=1024)
-    p.add_argument("file")
+    p.add_argument("--batch", required=True, help="batch id the rollouts are pushed as")
+    p.add_argument(
+        "--response-len", type=int, default=1024, help="width of the batch's rm_scores rows, in tokens (default: 1024)"
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="replay at a steady R trajectories per second, this process's pace (default: as fast as it can)",
+    )
+    p.add_argument("file", help="JSONL rollout dump, one trajectory a line")
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("collect", help="wait for a batch and print / save its rewards")
     _add_common(p, redis_required=True)
-    p.add_argument("--batch", required=True)
-    p.add_argument("--timeout", type=float, default=None, help="seconds")
-    p.add_argument("--out", help="save tensors to FILE.pt")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--batch", required=True, help="batch id to wait for")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="seconds to wait for the batch (default: no limit; the batch's deadline still applies)",
+    )
+    add_deprecated_flag(p, "--timeout", "--timeout-s", type=float)
+    p.add_argument("--out", help="also save the tensors to FILE.pt, with torch (default: print only)")
+    p.add_argument("--json", action="store_true", help="print the rewards as one JSON object")
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("score", help="score a JSONL dump of rollouts end to end; one JSON line per input line")
     _add_common(p)
-    p.add_argument("file")
-    p.add_argument("--out")
-    p.add_argument("--scorer", default=None, help="default: the config's, else rules")
-    p.add_argument("--manager", default=None, help="default: the config's, else naive")
+    p.add_argument("file", help="JSONL rollout dump, one trajectory a line")
+    p.add_argument("--out", help="write the JSON lines to FILE (default: stdout)")
+    p.add_argument(
+        "--scorer",
+        default=None,
+        help="rules | python:FILE.py:FUNC | module.path:FUNC | http:URL | disrm:URL | genrm:URL | sandbox | "
+        "sandbox-fusion:URL (default: the config's, else rules)",
+    )
+    p.add_argument(
+        "--manager",
+        default=None,
+        help="naive, dapo, batch, prime, remote, rate_limited, or module.path:builder (default: the config's, else naive)",
+    )
     p.add_argument("--processes", type=int, default=None, help="worker processes (default: the config's, else 2)")
-    p.add_argument("--response-len", type=int, default=1024)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the whole file")
+    p.add_argument(
+        "--response-len", type=int, default=1024, help="width of the rm_scores rows, in tokens (default: 1024)"
+    )
+    p.add_argument("--timeout-s", type=float, default=600.0, help="seconds to wait for the whole file (default: 600)")
+    add_deprecated_flag(p, "--timeout", "--timeout-s", type=float)
     p.set_defaults(func=cmd_score)
 
     p = sub.add_parser("status", help="streams, groups, workers, lag, throughput, dead letters, quota, open batches")
@@ -494,20 +569,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sample throughput over this many seconds (default 1.5 heartbeat intervals; 0: skip)",
     )
-    p.add_argument("--batches", type=int, default=20, help="show this many newest open batches")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--batches", type=int, default=20, help="show this many newest open batches (default: 20)")
+    p.add_argument("--json", action="store_true", help="print the status as one JSON object")
     p.set_defaults(func=cmd_status)
 
     actions = _actions(sub, "dlq", "dead letters: list them, or put them back on the stream")
     p = actions.add_parser("list", help="dead letters with their reason, error and batch")
     _add_common(p, redis_required=True)
-    p.add_argument("--partitions", type=int, default=1)
-    p.add_argument("--count", type=int, default=100, help="at most this many per partition")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--partitions", type=int, default=1, help="partitions of the namespace (default: 1)")
+    p.add_argument("--count", type=int, default=100, help="at most this many per partition (default: 100)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_dlq_list)
     p = actions.add_parser("redrive", help="re-queue dead letters (all, or the given ids); results stay write-once")
     _add_common(p, redis_required=True)
-    p.add_argument("--partitions", type=int, default=1)
+    p.add_argument("--partitions", type=int, default=1, help="partitions of the namespace (default: 1)")
     p.add_argument("ids", nargs="*", help="dead-letter entry ids (default: all)")
     p.set_defaults(func=cmd_dlq_redrive)
 
@@ -518,36 +593,84 @@ def build_parser() -> argparse.ArgumentParser:
         "takes the worker's flags to show what `worker` with them would use",
     )
     add_worker_arguments(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_config_show, resolve=resolve_args)
 
     p = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES))
-    p.add_argument("name", choices=BENCHES)
+    p.add_argument("name", choices=BENCHES, help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the bench's own flags (--json, --plot FILE.png, ...)")
     _add_logging(p)
     p.set_defaults(func=cmd_bench)
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake in the flags given as one line (and exit 2)."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Unwind like Ctrl-C does: the with-blocks stop the workers and the private
+    # server, and remove the temp dir, which a plain SIGTERM death would leave.
+    raise SystemExit(128 + signum)
+
+
+def _expected_fault(exc: BaseException) -> str | None:
+    """The one line for a fault a user can cause and fix (None: a bug, show the traceback)."""
+    from redis.exceptions import RedisError
+
+    from stream_reward.wire.connection import TRANSIENT_ERRORS, is_permanent, permanent_error
+
+    if isinstance(exc, StreamRewardError):
+        return str(exc)
+    if is_permanent(exc):
+        return str(permanent_error(exc))
+    if isinstance(exc, TRANSIENT_ERRORS) and isinstance(exc, (RedisError, ConnectionError, TimeoutError)):
+        return f"Redis unreachable ({type(exc).__name__}: {exc})"
+    if isinstance(exc, IsADirectoryError):
+        return f"{exc.filename}: is a directory, not a file"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, RedisError):
+        return f"Redis refused a command ({type(exc).__name__}: {exc})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    debug = "--debug" in argv or os.environ.get("STREAM_REWARD_DEBUG", "") not in ("", "0")
+    args = parser.parse_args([a for a in argv if a != "--debug"])
     if args.command == "worker":
         args.worker_argv = argv[argv.index("worker") + 1 :]
     func: Callable[[argparse.Namespace], int] = args.func
+    previous = None
+    if args.command not in ("worker", "server") and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if args.command != "worker":  # the worker configures its own logging, from its settings
             resolve = getattr(args, "resolve", None) or (_settings if hasattr(args, "config") else None)
             settings = resolve(args) if resolve is not None else None
             _configure_logging(args, settings)
         return func(args)
-    except StreamRewardError as exc:
-        print(f"stream-reward {args.command}: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"stream-reward {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        line = _expected_fault(exc)
+        if line is None or debug:
+            raise
+        print(f"stream-reward {args.command}: {line}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
-        print(f"stream-reward {args.command}: {exc}", file=sys.stderr)
-        return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ import math
 import os
 import socket
 import sys
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal
 
-from stream_reward.errors import ConfigError
+from stream_reward.errors import ConfigDeprecationWarning, ConfigError
 
 __all__ = [
     "ConsumerConfig",
@@ -216,7 +217,7 @@ class QuotaConfig:
     name: str
     max_rpm: float | None = None
     max_tpm: float | None = None
-    max_inflight: int | None = None
+    max_concurrent: int | None = None  # requests in flight (verl's name; `max_inflight` before 0.2)
     estimated_tokens_per_request: int = 2000
     lease_ttl_s: float = 60.0
     burst: float = 1.0
@@ -225,11 +226,22 @@ class QuotaConfig:
     min_rate_factor: float = 0.1
     recovery_s: float = 60.0
     repeat_window_s: float = 60.0
+    # The keyword of 0.1, still accepted with a ConfigDeprecationWarning.
+    max_inflight: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_inflight: int | None = None) -> None:
+        if max_inflight is not None:
+            warnings.warn(
+                "QuotaConfig(max_inflight=...) is deprecated; use max_concurrent",
+                ConfigDeprecationWarning,
+                stacklevel=3,
+            )
+            if self.max_concurrent is not None and self.max_concurrent != max_inflight:
+                raise ConfigError("max_inflight", "is the old name of max_concurrent: give one of them")
+            self.max_concurrent = max_inflight
         if not self.name or any(c in self.name for c in "{}"):
             raise ConfigError("quota_key", f"{self.name!r} must be non-empty and contain no braces")
-        for key in ("max_rpm", "max_tpm", "max_inflight"):
+        for key in ("max_rpm", "max_tpm", "max_concurrent"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ConfigError(key, f"must be > 0 (or unset), got {value}")
@@ -245,6 +257,16 @@ class QuotaConfig:
             raise ConfigError("min_rate_factor", f"must be in (0, 1], got {self.min_rate_factor}")
         if self.recovery_s <= 0:
             raise ConfigError("recovery_s", f"must be > 0, got {self.recovery_s}")
+
+
+def _old_max_inflight(self: QuotaConfig) -> int | None:
+    warnings.warn("QuotaConfig.max_inflight is deprecated; use max_concurrent", ConfigDeprecationWarning, stacklevel=2)
+    return self.max_concurrent
+
+
+# Reading the old attribute still works (set after the dataclass is built, which took the
+# InitVar's default already).
+setattr(QuotaConfig, "max_inflight", property(_old_max_inflight))  # noqa: B010 - mypy would reject the assignment
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ boundary where they happen, with ``raise ... from exc``::
     ├── PushConflictError           an index or uid already pushed with other content
     ├── BatchExistsError            a batch id reused while its results live
     ├── ProtocolMismatchError       the namespace speaks another protocol version
+    ├── WorkersDiedError            a local pipeline's worker processes all exited
+    ├── MissingExtraError           a feature needs an extra that is not installed ([trainer])
     └── BrokerError                 Redis is unreachable or refused a command
         └── StateLostError          the namespace's state vanished (restart without persistence)
 
@@ -55,6 +57,9 @@ __all__ = [
     "BatchExistsError",
     "ProtocolMismatchError",
     "StateLostError",
+    "WorkersDiedError",
+    "MissingExtraError",
+    "ConfigDeprecationWarning",
 ]
 
 
@@ -231,3 +236,25 @@ class StateLostError(BrokerError):
     def __init__(self, message: str, batches: list[str] | None = None) -> None:
         super().__init__(message)
         self.batches = list(batches or [])
+
+
+class WorkersDiedError(StreamRewardError):
+    """Every worker process of a local pipeline (``score``, ``demo``) exited before the
+    work was done; the message names the cause when a worker logged one."""
+
+
+class MissingExtraError(StreamRewardError, ImportError):
+    """A feature needs an optional dependency that is not installed. Worker hosts install
+    ``stream-reward`` without torch; the tensors of the trainer side need ``stream-reward[trainer]``."""
+
+    def __init__(self, module: str, extra: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs {module}, which is not installed: pip install 'stream-reward[{extra}]'", name=module
+        )
+        self.module = module
+        self.extra = extra
+
+
+class ConfigDeprecationWarning(FutureWarning):
+    """An old spelling of a config key, flag, environment variable or keyword: it still works,
+    and the message names the new one. A FutureWarning, so that command-line users see it."""

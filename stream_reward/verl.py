@@ -53,6 +53,7 @@ from stream_reward.managers.registry import build_scorer
 from stream_reward.ops.pipeline import LocalPipeline
 from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
 from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.trainer.tensors import import_numpy
 from stream_reward.verl_loop import StreamRewardLoopManager
 from stream_reward.wire.keys import DEFAULT_NAMESPACE
 from stream_reward.wire.trajectory import Trajectory
@@ -387,7 +388,8 @@ def _plain(value: Any) -> Any:
     """numpy / torch / OmegaConf values as the plain Python msgpack and JSON carry."""
     if value is None or type(value) in (bool, int, float, str, bytes):
         return value
-    for plain in (str, bytes, float, int):  # numpy.str_, numpy.float64 and other subclasses
+    plains: tuple[type, ...] = (str, bytes, float, int)
+    for plain in plains:  # numpy.str_, numpy.float64 and other subclasses
         if isinstance(value, plain):
             return plain(value)
     if isinstance(value, Mapping):
@@ -420,7 +422,7 @@ def _already_final(data: Any) -> bool:
 
 
 def _loop_output(rewards: BatchRewards, extras: dict[str, list[Any]], device: Any) -> dict[str, Any]:
-    import numpy as np
+    np = import_numpy()
 
     columns = {}
     for key, values in extras.items():

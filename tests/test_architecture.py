@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = "stream_reward"
 
 # The stages, lowest first: a stage may import only from stages listed before it (and itself).
-# ``errors`` and ``config`` are the base every stage stands on; the CLI and the verl
+# ``_version`` (a constant), ``errors`` and ``config`` are the base every stage stands on; the CLI and the verl
 # integration sit on top of everything.
-STAGES = ["errors", "config", "wire", "scoring", "scorers", "managers", "trainer", "ops", "verl", "cli"]
+STAGES = ["_version", "errors", "config", "wire", "scoring", "scorers", "managers", "trainer", "ops", "verl", "cli"]
 
 
 def _module_name(path: Path) -> str:

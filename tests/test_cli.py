@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from stream_reward.cli import main
-from stream_reward.errors import ConfigError
+from stream_reward.errors import ConfigDeprecationWarning, ConfigError
 from stream_reward.ops.logs import JsonFormatter, configure_logging, progress_bar
-from stream_reward.ops.settings import env_name, load_settings, mask_secrets
+from stream_reward.ops.settings import env_name, load_settings, mask_secrets, schema
 
 SECRET = "hunter2-s3cret"
 
@@ -68,9 +68,9 @@ block_ms = 50
     assert only_file["config"]["quota"]["max_rpm"] == 10.0
     assert only_file["sources"]["quota.max_rpm"] == "file"
 
-    monkeypatch.setenv("STREAM_REWARD_MAX_RPM", "20")
-    monkeypatch.setenv("STREAM_REWARD_NAMESPACE", "env-ns")
-    monkeypatch.setenv("STREAM_REWARD_CONCURRENCY", "9")
+    monkeypatch.setenv("STREAM_REWARD_QUOTA_MAX_RPM", "20")
+    monkeypatch.setenv("STREAM_REWARD_CONNECTION_NAMESPACE", "env-ns")
+    monkeypatch.setenv("STREAM_REWARD_CONSUMER_CONCURRENCY", "9")
     with_env = show(capsys, "--config", config)
     assert with_env["config"]["quota"]["max_rpm"] == 20.0
     assert with_env["config"]["connection"]["namespace"] == "env-ns"
@@ -157,14 +157,14 @@ def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.M
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
     config = write(tmp_path, "sr.toml", "[worker]\nprocesses = 3\nmetrics_port = 9100\n[reward]\ntimeout = 4.0\n")
-    monkeypatch.setenv("STREAM_REWARD_REDIS", f"redis://:{SECRET}@localhost:6379/0")
+    monkeypatch.setenv("STREAM_REWARD_CONNECTION_REDIS", f"redis://:{SECRET}@localhost:6379/0")
     args = parser.parse_args(
         [
             "--config",
             config,
             "--concurrency",
             "8",
-            "--max-inflight",
+            "--max-concurrent",
             "4",
             "--manager-kwargs",
             '{"max_resp_len": 2048, "batch_size": 16}',
@@ -246,10 +246,10 @@ def test_invalid_config_fails_at_start_with_key_and_reason(
 def test_invalid_environment_value_names_the_variable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("STREAM_REWARD_MAX_DELIVERIES", "lots")
+    monkeypatch.setenv("STREAM_REWARD_CONSUMER_MAX_DELIVERIES", "lots")
     assert main(["config", "show"]) == 2
     err = capsys.readouterr().err
-    assert "consumer.max_deliveries" in err and "STREAM_REWARD_MAX_DELIVERIES" in err and "integer" in err
+    assert "consumer.max_deliveries" in err and "STREAM_REWARD_CONSUMER_MAX_DELIVERIES" in err and "integer" in err
 
 
 def test_worker_without_redis_anywhere_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -259,17 +259,29 @@ def test_worker_without_redis_anywhere_is_a_config_error(capsys: pytest.CaptureF
     assert "connection.redis" in capsys.readouterr().err
 
 
-def test_env_names_are_flat_and_documented() -> None:
-    assert env_name("quota.max_rpm") == "STREAM_REWARD_MAX_RPM"
-    assert env_name("connection.redis") == "STREAM_REWARD_REDIS"
-    assert env_name("reward.overlong_buffer_cfg") == "STREAM_REWARD_OVERLONG_BUFFER_CFG"
+def test_env_names_always_carry_their_section() -> None:
+    assert env_name("quota.max_rpm") == "STREAM_REWARD_QUOTA_MAX_RPM"
+    assert env_name("connection.redis") == "STREAM_REWARD_CONNECTION_REDIS"
+    assert env_name("reward.overlong_buffer_cfg") == "STREAM_REWARD_REWARD_OVERLONG_BUFFER_CFG"
+    for section, keys in schema().items():
+        for key in keys:
+            assert env_name(f"{section}.{key}") == f"STREAM_REWARD_{section}_{key}".upper()
+
+
+def test_old_env_names_still_work_with_a_warning() -> None:
+    with pytest.warns(ConfigDeprecationWarning, match=r"\$STREAM_REWARD_MAX_RPM is deprecated.*QUOTA_MAX_RPM"):
+        s = load_settings(None, env={"STREAM_REWARD_MAX_RPM": "20"})
+    assert s["quota.max_rpm"] == 20 and s.source("quota.max_rpm") == "env"
+    # The new name wins over the old one, silently: the old one is not read at all.
+    s = load_settings(None, env={"STREAM_REWARD_MAX_RPM": "20", "STREAM_REWARD_QUOTA_MAX_RPM": "30"})
+    assert s["quota.max_rpm"] == 30
 
 
 def test_env_parses_json_and_null(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {
-        "STREAM_REWARD_OVERLONG_BUFFER_CFG": '{"enable": false}',
-        "STREAM_REWARD_NUM_PROCESSES": "none",
-        "STREAM_REWARD_LOG_LEVEL": "debug",
+        "STREAM_REWARD_REWARD_OVERLONG_BUFFER_CFG": '{"enable": false}',
+        "STREAM_REWARD_REWARD_NUM_PROCESSES": "none",
+        "STREAM_REWARD_WORKER_LOG_LEVEL": "debug",
     }
     s = load_settings(None, env=env)
     assert s["reward.overlong_buffer_cfg"] == {"enable": False}
@@ -305,7 +317,7 @@ reward_kwargs = {{ api_key = "{SECRET}", endpoint = "https://user:{SECRET}@judge
     assert SECRET not in capsys.readouterr().out
 
     # From the environment, and in an error message about the URL itself.
-    monkeypatch.setenv("STREAM_REWARD_REDIS", f"http://admin:{SECRET}@db.internal")
+    monkeypatch.setenv("STREAM_REWARD_CONNECTION_REDIS", f"http://admin:{SECRET}@db.internal")
     assert main(["config", "show"]) == 2
     err = capsys.readouterr().err
     assert "connection.redis" in err and SECRET not in err and "***" in err

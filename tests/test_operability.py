@@ -100,7 +100,7 @@ def test_metrics_endpoint_after_a_real_run(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("STREAM_REWARD_METRICS_REFRESH_S", "0.2")  # inherited by the worker process
+    monkeypatch.setenv("STREAM_REWARD_WORKER_METRICS_REFRESH_S", "0.2")  # inherited by the worker process
     port = free_port()
     (proc,) = spawn_workers(1, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")
     keys = Keys(namespace)
@@ -181,6 +181,7 @@ def test_verifier_counters_are_read_from_the_scorer_at_scrape_time() -> None:
                 "http_429": 1,
                 "quota_wait_s": 1.5,
                 "tokens": 4,
+                "ok": 7,
                 "failures_by_reason": {"timeout": 2},
                 "endpoints": ["not a number"],
             }
@@ -200,7 +201,16 @@ def test_verifier_counters_are_read_from_the_scorer_at_scrape_time() -> None:
     assert value(samples, "stream_reward_verifier_retries_total", verifier="judge") == 2
     assert value(samples, "stream_reward_verifier_http_429_total", verifier="judge") == 1
     assert value(samples, "stream_reward_verifier_quota_wait_seconds_total", verifier="judge") == 1.5
-    assert value(samples, "stream_reward_verifier_stat", verifier="judge", stat="tokens") == 4
+    assert value(samples, "stream_reward_verifier_tokens_total", verifier="judge") == 4
+    assert value(samples, "stream_reward_verifier_events_total", verifier="judge", event="ok") == 7
+    # Prometheus conventions: counters end in _total, and nothing else does; no gauge holds a count.
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        names = {s.name for s in family.samples}
+        if family.type == "counter":
+            assert all(n.endswith(("_total", "_created")) for n in names), names
+        else:
+            assert not any(n.endswith("_total") for n in names), names
+        assert not family.name.endswith(("_fraction", "_stat")), family.name
     assert value(samples, "stream_reward_verifier_failures_total", verifier="judge", reason="timeout") == 2
     assert value(samples, "stream_reward_in_flight") == 5 and value(samples, "stream_reward_reclaimed_total") == 3
     # Counted at scrape time: a later change shows in the next scrape.
@@ -236,7 +246,7 @@ def test_trainer_batch_metrics() -> None:
     assert value(samples, "stream_reward_reward_tail_seconds_count") == 1
     assert value(samples, "stream_reward_batch_samples_total", status="ok") == 6
     assert value(samples, "stream_reward_batch_samples_total", status="failed") == 2
-    assert value(samples, "stream_reward_batch_valid_fraction") == 0.75
+    assert value(samples, "stream_reward_batch_valid_ratio") == 0.75
 
 
 # ---------------------------------------------------------------------- status
@@ -407,11 +417,11 @@ def test_worker_check_both_ways(redis_url: str, namespace: str, capsys: pytest.C
     capsys.readouterr()
 
     # The interval comes from the config: with 5 s beats, 7 s old is still alive.
-    os.environ["STREAM_REWARD_HEARTBEAT_INTERVAL_S"] = "5"
+    os.environ["STREAM_REWARD_CONSUMER_HEARTBEAT_INTERVAL_S"] = "5"
     try:
         assert main([*check, "--consumer", "old"]) == 0
     finally:
-        del os.environ["STREAM_REWARD_HEARTBEAT_INTERVAL_S"]
+        del os.environ["STREAM_REWARD_CONSUMER_HEARTBEAT_INTERVAL_S"]
     assert main(["worker", "--check", "--redis", "redis://127.0.0.1:1", "--namespace", namespace]) == 1
 
 
@@ -431,7 +441,7 @@ def test_produce_and_collect_with_connection_from_the_config(
     assert main(["produce", "--config", str(config), "--batch", "p1", str(rollouts)]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"batch": "p1", "pushed": 2, "bad_lines": 1}
     spawn_workers(1)
-    assert main(["collect", "--config", str(config), "--batch", "p1", "--timeout", "30", "--json"]) == 0
+    assert main(["collect", "--config", str(config), "--batch", "p1", "--timeout-s", "30", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     # The config's failure policy (drop) reached the batch: the bad line's row is gone.
     assert out["indices"] == [0, 2] and out["status"] == ["ok", "ok"] and out["scores"] == [1.0, 1.0]

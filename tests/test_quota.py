@@ -18,7 +18,7 @@ import time
 import pytest
 
 from stream_reward.config import QuotaConfig
-from stream_reward.errors import ConfigError
+from stream_reward.errors import ConfigDeprecationWarning, ConfigError
 from stream_reward.scoring.quota import QuotaLimiter
 from stream_reward.wire.keys import Keys
 
@@ -96,8 +96,8 @@ async def test_settle_after_the_lease_ended(redis_url: str, namespace: str) -> N
     await check.aclose()
 
 
-async def test_max_inflight_holds_the_next_request_until_a_release(redis_url: str, namespace: str) -> None:
-    limiter = QuotaLimiter(redis_url, QuotaConfig("v", max_inflight=2), namespace=namespace)
+async def test_max_concurrent_holds_the_next_request_until_a_release(redis_url: str, namespace: str) -> None:
+    limiter = QuotaLimiter(redis_url, QuotaConfig("v", max_concurrent=2), namespace=namespace)
     a = await limiter.acquire()
     b = await limiter.acquire()
     assert (await limiter.state())["in_flight"] == 2
@@ -114,7 +114,7 @@ async def test_max_inflight_holds_the_next_request_until_a_release(redis_url: st
 
 
 async def test_lease_of_a_dead_worker_expires(redis_url: str, namespace: str) -> None:
-    cfg = QuotaConfig("v", max_inflight=1, lease_ttl_s=0.3)
+    cfg = QuotaConfig("v", max_concurrent=1, lease_ttl_s=0.3)
     dead = QuotaLimiter(redis_url, cfg, namespace=namespace)
     await dead.acquire()  # never released, never renewed: its worker "died"
     live = QuotaLimiter(redis_url, cfg, namespace=namespace)
@@ -127,7 +127,7 @@ async def test_lease_of_a_dead_worker_expires(redis_url: str, namespace: str) ->
 
 
 async def test_live_leases_are_renewed(redis_url: str, namespace: str) -> None:
-    cfg = QuotaConfig("v", max_inflight=1, lease_ttl_s=0.3)
+    cfg = QuotaConfig("v", max_concurrent=1, lease_ttl_s=0.3)
     limiter = QuotaLimiter(redis_url, cfg, namespace=namespace)
     other = QuotaLimiter(redis_url, cfg, namespace=namespace)
     async with limiter.lease():
@@ -141,7 +141,7 @@ async def test_live_leases_are_renewed(redis_url: str, namespace: str) -> None:
 
 
 async def test_cancelled_waiter_gives_its_lease_back(redis_url: str, namespace: str) -> None:
-    limiter = QuotaLimiter(redis_url, QuotaConfig("v", max_rpm=60, max_inflight=5), namespace=namespace)
+    limiter = QuotaLimiter(redis_url, QuotaConfig("v", max_rpm=60, max_concurrent=5), namespace=namespace)
     async with limiter.lease():
         pass
     waiter = asyncio.create_task(limiter.acquire())  # reserved ~1 s ahead, sleeping
@@ -213,7 +213,7 @@ async def test_adaptive_rate_drops_after_repeated_429s_and_recovers(redis_url: s
 
 
 async def test_keys_share_one_cluster_slot(redis_url: str, namespace: str) -> None:
-    limiter = QuotaLimiter(redis_url, QuotaConfig("api-key-1", max_rpm=600, max_inflight=3), namespace=namespace)
+    limiter = QuotaLimiter(redis_url, QuotaConfig("api-key-1", max_rpm=600, max_concurrent=3), namespace=namespace)
     prefix = Keys(namespace).quota("api-key-1")
     assert all(key.startswith(prefix) for key in limiter.keys)
     async with limiter.lease():
@@ -240,8 +240,8 @@ def test_config_is_validated() -> None:
         QuotaConfig("a{b}")
     with pytest.raises(ConfigError, match="max_rpm"):
         QuotaConfig("a", max_rpm=0)
-    with pytest.raises(ConfigError, match="max_inflight"):
-        QuotaConfig("a", max_inflight=-1)
+    with pytest.raises(ConfigError, match="max_concurrent"):
+        QuotaConfig("a", max_concurrent=-1)
     with pytest.raises(ConfigError, match="burst"):
         QuotaConfig("a", burst=0.5)
 
@@ -291,3 +291,13 @@ def test_quota_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) 
     assert result["processes"] == 2 and result["quota_rpm"] == 1200
     # Only sanity here (a busy test machine skews short runs); the bench itself targets >= 0.97.
     assert 0.3 < result["utilization"] <= 1.1
+
+
+def test_the_old_max_inflight_keyword_still_works_with_a_warning() -> None:
+    with pytest.warns(ConfigDeprecationWarning, match="max_inflight.*max_concurrent"):
+        cfg = QuotaConfig("v", max_inflight=3)
+    assert cfg.max_concurrent == 3
+    with pytest.warns(ConfigDeprecationWarning):
+        assert cfg.max_inflight == 3
+    with pytest.warns(ConfigDeprecationWarning), pytest.raises(ConfigError, match="old name of max_concurrent"):
+        QuotaConfig("v", max_concurrent=2, max_inflight=3)

@@ -409,9 +409,9 @@ def test_no_network(scorer):
     thread.start()
     try:
         code = (
-            "import socket\nfor addr in [('127.0.0.1', %d), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
+            f"import socket\nfor addr in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
             "    try:\n        socket.create_connection(addr, timeout=0.5)\n        print('connected', addr)\n"
-            "    except OSError as e:\n        print('refused')\n" % port
+            "    except OSError as e:\n        print('refused')\n"
         )
         r = score(scorer, code, stdin_case("refused\nrefused\nrefused"))
         assert r.score == 1.0, r.extra

@@ -23,26 +23,35 @@ the reader's own task: a task per sample would cost more than the scoring.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
+import random
 import socket
+import sys
 import time
 from collections import defaultdict, deque
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
+import anyio
 from redis.exceptions import ResponseError
 
 from stream_reward.config import ConsumerConfig
-from stream_reward.errors import CodecError, ScoringError
+from stream_reward.errors import BrokerError, CodecError, ScoringError
 from stream_reward.scoring.scorer import Scorer
 from stream_reward.wire.codec import PROTOCOL_VERSION, decode_trajectory, encode_result
 from stream_reward.wire.connection import (
     CLUSTER_ERRORS,
     REDIS_ERRORS,
     TRANSIENT_ERRORS,
+    LogLimiter,
     connect,
     is_cluster,
+    is_permanent,
     is_transient,
+    permanent_error,
     with_reconnect,
 )
 from stream_reward.wire.deadletter import encode_dead_letter
@@ -52,6 +61,10 @@ from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
+from workers.watchdog import SampleInfo, scoring
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -98,6 +111,7 @@ class Worker:
         self._url = redis_url
         self._client = client
         self._inline = bool(getattr(scorer, "inline", False))
+        self._scorer_name = str(getattr(scorer, "name", None) or type(scorer).__name__)
         self._pending: dict[int, list[LedgerItem]] = defaultdict(list)
         self._reserved = 0  # room taken by reads in flight (several when partitions are read apart)
         self._have_pending = asyncio.Event()
@@ -108,6 +122,8 @@ class Worker:
         self._reading = asyncio.Event()  # cleared while suspects are scored alone
         self._reading.set()
         self._started = time.time()
+        self._drain_deadline: float | None = None  # loop time; set when the stop is noticed
+        self._give_up = asyncio.Event()  # set past the drain deadline: unwritten results stay pending
         self._beats: deque[tuple[float, int]] = deque()
         self._epoch: str | None = None  # the namespace epoch this worker joined
         self._host = socket.gethostname()
@@ -121,7 +137,7 @@ class Worker:
         self._ledger = LedgerWriter(client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
         for stream in self.keys.streams():
             await with_reconnect(
-                lambda s=stream: ensure_group(client, s, self.config.group),
+                functools.partial(ensure_group, client, stream, self.config.group),
                 what="create group",
                 give_up_after_s=None,
                 stop=stop,
@@ -140,33 +156,42 @@ class Worker:
         )
         writer_stop = asyncio.Event()
         # Background loops end on this event as well as by cancel: a cancel that lands
-        # inside a redis-py command can be swallowed on Python 3.11, and the TaskGroup
+        # inside a redis-py command can be swallowed on Python 3.11, and the task group
         # would then wait for them forever.
         closing = asyncio.Event()
-        # Set once the reader is done: from then on this worker takes no new entries,
-        # including reclaimed ones (it may be releasing its own to others).
+        # Set once this worker takes no new entries, including reclaimed ones (it may
+        # be releasing its own to others): at once on stop, or when a burst is done.
         reading_done = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            writer = tg.create_task(self._writer(writer_stop))
-            housekeeper = tg.create_task(self._housekeeper(closing))
-            reclaimer = tg.create_task(self._reclaimer(reading_done))
-            try:
-                await self._reader(stop, burst)
-                reading_done.set()
-                if burst:
-                    # Pending entries of dead consumers are ours to finish too.
-                    while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
-                        pass
-                await self._drain()
-            finally:
-                reading_done.set()
-                closing.set()
-                reclaimer.cancel()
-                housekeeper.cancel()
-                writer_stop.set()
-                self._have_pending.set()
-                await writer
-                await self._farewell()
+        # The writer is not in the task group: with Redis away it may retry for ever, and
+        # shutdown must not wait on it past the drain deadline (see _stop_writer).
+        writer = asyncio.create_task(self._writer(writer_stop))
+        # The housekeeper, the reclaimer and the stop watcher, cancelled together.
+        background = anyio.CancelScope()
+        try:
+            with _sole_error():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(
+                        _within,
+                        background,
+                        self._housekeeper(closing),
+                        self._reclaimer(reading_done),
+                        self._watch_stop(stop, reading_done),
+                    )
+                    try:
+                        await self._reader(stop, burst)
+                        reading_done.set()
+                        if burst:
+                            # Pending entries of dead consumers are ours to finish too.
+                            while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
+                                pass
+                        await self._drain()
+                    finally:
+                        reading_done.set()
+                        closing.set()
+                        background.cancel()
+        finally:
+            await self._stop_writer(writer, writer_stop)
+            await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
 
     async def _rejoin(self) -> None:
@@ -188,6 +213,15 @@ class Worker:
             await self._client.aclose()
             self._client = None
 
+    async def _watch_stop(self, stop: asyncio.Event, reading_done: asyncio.Event) -> None:
+        """On stop, take nothing more at once: the reclaimer stops, and a reader waiting
+        for room (a saturated worker) or for a quarantine wakes up and sees the stop."""
+        await stop.wait()
+        self._drain_deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
+        reading_done.set()
+        self._room.set()
+        self._reading.set()
+
     # ------------------------------------------------------------------ reading
     async def _reader(self, stop: asyncio.Event, burst: bool) -> None:
         streams = self.keys.streams()
@@ -201,9 +235,10 @@ class Worker:
             await self._read_loop(units[0], stop, burst, share=self.config.concurrency)
             return
         share = -(-self.config.concurrency // len(units))
-        async with asyncio.TaskGroup() as tg:
-            for unit in units:
-                tg.create_task(self._read_loop(unit, stop, burst, share=share))
+        with _sole_error():
+            async with anyio.create_task_group() as tg:
+                for unit in units:
+                    tg.start_soon(functools.partial(self._read_loop, unit, stop, burst, share=share))
 
     async def _read_loop(self, names: list[str], stop: asyncio.Event, burst: bool, *, share: int) -> None:
         """Read ``names`` while there is room. Several loops share ``concurrency``:
@@ -216,6 +251,8 @@ class Worker:
         shared = share < self.config.concurrency
         idle = False
         empty_reads = 0
+        backoff_s = 0.05
+        limiter = LogLimiter(log)
         while not stop.is_set():
             if not self._reading.is_set():
                 await self._reading.wait()
@@ -238,10 +275,14 @@ class Worker:
                         block=self.config.block_ms,
                     )
                 except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+                    if is_permanent(exc):
+                        raise permanent_error(exc, self._url) from None
                     if not is_transient(exc):
                         raise
-                    log.warning("read failed (%s); reconnecting", type(exc).__name__)
-                    await asyncio.sleep(0.2)
+                    # Capped exponential backoff with jitter; one warning, then a summary now and then.
+                    limiter.warning("read failed (%s); reconnecting", type(exc).__name__)
+                    await _sleep_unless(stop, backoff_s * (0.5 + random.random()))
+                    backoff_s = min(backoff_s * 2, 2.0)
                     continue
                 except ResponseError as exc:
                     if "NOGROUP" in str(exc):  # the stream was deleted under us (or Redis restarted without AOF)
@@ -250,6 +291,9 @@ class Worker:
                         await self._rejoin()
                         continue
                     raise
+                if backoff_s > 0.05:
+                    limiter.recovered("reading again")
+                    backoff_s = 0.05
                 idle = not reply
                 if not reply:
                     if burst:
@@ -305,6 +349,8 @@ class Worker:
     # ------------------------------------------------------------------ scoring
     async def _score(self, partition: int, entry_id: bytes, traj: Trajectory) -> None:
         started = time.perf_counter()
+        # What the loop watchdog names if this scorer blocks the loop (see workers.watchdog).
+        token = scoring.set(SampleInfo(self._scorer_name, traj.uid, traj.batch_id, traj.index))
         try:
             scored = await self.scorer.score(traj)
             result = ScoreResult(
@@ -337,6 +383,8 @@ class Worker:
                 scored_at=time.time(),
             )
             self.stats.failed += 1
+        finally:
+            scoring.reset(token)
         if self.hooks is not None:
             self.hooks.on_scored(result, time.perf_counter() - started)
         self._queue(partition, LedgerItem(entry_id, traj.batch_id, traj.uid, encode_result(result)))
@@ -384,12 +432,38 @@ class Worker:
             batch, self._pending = self._pending, defaultdict(list)
             if batch:
                 settled = sum(len(items) for items in batch.values())
-                await with_reconnect(lambda: self._flush(batch), what="write results", give_up_after_s=None)
+                try:
+                    await with_reconnect(
+                        functools.partial(self._flush, batch),
+                        what="write results",
+                        give_up_after_s=None,
+                        stop=self._give_up,
+                    )
+                except BrokerError as exc:
+                    # Past the drain deadline with Redis away: these entries stay pending
+                    # (never acked without a result) and another worker reclaims them.
+                    log.warning("%d results not written before the drain deadline (%s); left pending", settled, exc)
                 self.stats.in_flight -= settled
                 self._room.set()
                 self._writer_idle.set()
             elif stop.is_set():
                 return
+
+    async def _stop_writer(self, writer: asyncio.Task[None], writer_stop: asyncio.Event) -> None:
+        """Let the writer settle what finished, until the drain deadline at the latest."""
+        writer_stop.set()
+        self._have_pending.set()
+        loop = asyncio.get_running_loop()
+        deadline = self._drain_deadline if self._drain_deadline is not None else loop.time()
+        done, _ = await asyncio.wait({writer}, timeout=max(0.5, deadline - loop.time()))
+        if not done:
+            self._give_up.set()
+            done, _ = await asyncio.wait({writer}, timeout=1.0)
+        if not done:
+            writer.cancel()
+            await asyncio.wait({writer}, timeout=1.0)
+        elif writer.exception() is not None:
+            log.error("result writer failed: %r", writer.exception())
 
     async def _flush(self, batch: dict[int, list[LedgerItem]]) -> None:
         # In a cluster a retry gets only the partitions not yet written (see write_partitions).
@@ -405,19 +479,26 @@ class Worker:
         # Sweep at least twice per idle period, so a dead consumer's entries wait
         # at most ~1.5x reclaim_idle_ms before someone takes them.
         interval = max(0.05, min(self.config.reclaim_interval_s, self.config.reclaim_idle_ms / 2000))
+        limiter = LogLimiter(log)
         while not stop.is_set():
             await _sleep_unless(stop, interval)
+            if stop.is_set():
+                return
             try:
-                await self._reclaim_once(self.config.reclaim_idle_ms)
+                await self._reclaim_once(self.config.reclaim_idle_ms, stop)
+                limiter.recovered()
             except REDIS_ERRORS as exc:
-                log.warning("reclaim sweep failed: %s", type(exc).__name__)
+                limiter.warning("reclaim sweep failed: %s", type(exc).__name__)
 
-    async def _reclaim_once(self, min_idle_ms: int) -> int:
-        """Claim entries idle past ``min_idle_ms`` from any consumer; returns how many."""
+    async def _reclaim_once(self, min_idle_ms: int, stop: asyncio.Event | None = None) -> int:
+        """Claim entries idle past ``min_idle_ms`` from any consumer; returns how many.
+        Claims nothing once ``stop`` is set."""
         total = 0
         for partition, stream in enumerate(self.keys.streams()):
             start = "0-0"
             while True:
+                if stop is not None and stop.is_set():
+                    return total
                 room = self.config.concurrency - self.stats.in_flight
                 if room <= 0:
                     return total
@@ -498,33 +579,42 @@ class Worker:
     async def _drain(self) -> None:
         """Finish in-flight samples within drain_timeout_s; release the rest to other workers."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout_s
+        if self._drain_deadline is None:
+            self._drain_deadline = loop.time() + self.config.drain_timeout_s
+        deadline = self._drain_deadline
         while self.stats.in_flight > 0 and loop.time() < deadline:
             self._writer_idle.clear()
             try:
                 await asyncio.wait_for(self._writer_idle.wait(), timeout=max(0.01, deadline - loop.time()))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 break
         unfinished = list(self._task_entries.items())
         for task, _ in unfinished:
             task.cancel()
         if unfinished:
-            await asyncio.gather(*(t for t, _ in unfinished), return_exceptions=True)
+            await asyncio.wait([t for t, _ in unfinished], timeout=1.0)
             by_stream: dict[str, list[bytes]] = defaultdict(list)
             for _, (partition, entry_id) in unfinished:
                 by_stream[self.keys.stream(partition)].append(entry_id)
-            for stream, ids in by_stream.items():
-                # Mark them long idle: the next reclaim sweep of any live worker takes them.
-                await self._client.xclaim(
-                    stream, self.config.group, self.config.consumer, 0, ids, idle=_RELEASED_IDLE_MS, justid=True
-                )
+            try:
+                for stream, ids in by_stream.items():
+                    # Mark them long idle: the next reclaim sweep of any live worker takes them.
+                    await asyncio.wait_for(
+                        self._client.xclaim(
+                            stream, self.config.group, self.config.consumer, 0, ids, idle=_RELEASED_IDLE_MS, justid=True
+                        ),
+                        timeout=2.0,
+                    )
+                log.info("released %d unfinished samples to other workers", len(unfinished))
+            except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
+                # They stay pending under this consumer: reclaimed after reclaim_idle_ms.
+                log.warning("could not release %d unfinished samples (%s)", len(unfinished), type(exc).__name__)
             self.stats.in_flight -= len(unfinished)
-            log.info("released %d unfinished samples to other workers", len(unfinished))
 
     async def _farewell(self) -> None:
         try:
-            await self._client.hdel(self.keys.workers(), self.config.consumer)
-        except REDIS_ERRORS:
+            await asyncio.wait_for(self._client.hdel(self.keys.workers(), self.config.consumer), timeout=1.0)
+        except (asyncio.TimeoutError, *REDIS_ERRORS):
             pass
 
     # ------------------------------------------------------------------ housekeeping
@@ -593,11 +683,35 @@ def _iter_reply(reply: Any) -> Any:
     return [(stream, entries) for stream, entries in reply]
 
 
+async def _within(scope: anyio.CancelScope, *loops: Coroutine[Any, Any, None]) -> None:
+    """Run ``loops`` side by side under ``scope``, so that one ``cancel`` ends them all."""
+    with scope:
+        async with anyio.create_task_group() as tg:
+            for loop in loops:
+                tg.start_soon(_awaited, loop)
+
+
+async def _awaited(work: Coroutine[Any, Any, None]) -> None:
+    await work
+
+
+@contextlib.contextmanager
+def _sole_error() -> Iterator[None]:
+    """Raise a task group's only error as itself, as asyncio.TaskGroup did for an error of its
+    body, so that callers keep catching BrokerError & co. Several errors stay a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
     """Sleep ``seconds``, or less if ``event`` is set meanwhile."""
     try:
         await asyncio.wait_for(event.wait(), seconds)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
         pass
 
 

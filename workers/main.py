@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 from stream_reward.errors import ConfigError, StreamRewardError
@@ -24,10 +25,14 @@ from stream_reward.managers.registry import build_scorer
 from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import configure_logging as _configure_logging
 from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
+from workers.watchdog import LoopWatchdog
 
 __all__ = ["main", "run_worker", "run_from_args"]
 
 log = logging.getLogger(__name__)
+
+# The event loop blocked this long by one callback is logged (see workers.watchdog).
+_LOOP_BLOCK_WARN_S = 1.0
 
 
 async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -> None:
@@ -36,11 +41,11 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
     settings = resolve_args(args)
     url = settings.require_redis()
     stop = asyncio.Event()
+    config = settings.consumer_config(args.consumer)
     if handle_signals:
-        _install_signal_handlers(stop)
+        _install_signal_handlers(stop, config.drain_timeout_s)
     manager = settings.manager_config()
     scorer = build_scorer(manager)
-    config = settings.consumer_config(args.consumer)
     metrics = None
     port = settings["worker.metrics_port"]
     if port is not None:
@@ -56,6 +61,10 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
             heartbeat_interval_s=config.heartbeat_interval_s,
         )
     worker = Worker(url, scorer, config, hooks=metrics)
+    # An async scorer that blocks the loop is named, and its timeout still fires.
+    watchdog = LoopWatchdog(warn_after_s=min(_LOOP_BLOCK_WARN_S, manager.timeout), timeout_s=manager.timeout)
+    if handle_signals:
+        watchdog.start()
     refresher: asyncio.Task[None] | None = None
     refresher_stop = asyncio.Event()
     try:
@@ -74,11 +83,12 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
             )
         await worker.run(stop, burst=args.burst)
     finally:
+        watchdog.stop()
         if refresher is not None:
             refresher_stop.set()
             try:
                 await asyncio.wait_for(asyncio.shield(refresher), 5)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 refresher.cancel()
         if metrics is not None:
             metrics.close()
@@ -88,7 +98,13 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
         await worker.aclose()
 
 
-def _install_signal_handlers(stop: asyncio.Event) -> None:
+# Past the drain deadline, what is still running (a scorer that ignores
+# cancellation, a command to a server gone silent) gets this long before the
+# process leaves on its own; its unwritten entries stay pending for other workers.
+_EXIT_GRACE_S = 5.0
+
+
+def _install_signal_handlers(stop: asyncio.Event, drain_timeout_s: float) -> None:
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
@@ -98,9 +114,19 @@ def _install_signal_handlers(stop: asyncio.Event) -> None:
             os._exit(1)
         log.info("%s: draining in-flight samples, then exiting", signal.Signals(signum).name)
         stop.set()
+        # A hard bound on the whole shutdown, whatever state the loop is in.
+        backstop = threading.Timer(max(0.0, drain_timeout_s) + _EXIT_GRACE_S, _exit_now, (drain_timeout_s,))
+        backstop.daemon = True
+        backstop.start()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+
+
+def _exit_now(drain_timeout_s: float) -> None:
+    log.error("shutdown took longer than the drain timeout (%gs) plus %gs; exiting", drain_timeout_s, _EXIT_GRACE_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 def configure_logging(level: str, fmt: str = "text") -> None:

@@ -43,12 +43,14 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # A scorer's ``stats`` keys with a metric of their own; other numeric keys go to
-# ``stream_reward_verifier_stat{stat=...}``.
+# ``stream_reward_verifier_events_total{event=...}``. Every ``stats`` value is a running
+# count, so all of them are counters (exposed with ``_total``).
 _VERIFIER_COUNTERS = {
     "requests": ("stream_reward_verifier_requests", "requests sent to the verifier"),
     "retries": ("stream_reward_verifier_retries", "retried verifier requests (infrastructure faults)"),
     "http_429": ("stream_reward_verifier_http_429", "429 Too Many Requests replies from the verifier"),
     "quota_wait_s": ("stream_reward_verifier_quota_wait_seconds", "seconds spent waiting for the shared quota"),
+    "tokens": ("stream_reward_verifier_tokens", "tokens charged to the verifier's quota (reported, else estimated)"),
 }
 _WRAPPED = ("inner", "scorer", "_inner", "_scorer")  # where a manager keeps the scorer it wraps
 OTHER = "other"
@@ -174,7 +176,7 @@ class WorkerMetrics:
                 except REDIS_ERRORS as exc:
                     log.debug("metrics refresh skipped: %s", type(exc).__name__)
                     self._snapshot = {**self._snapshot, "failed_at": time.time()}
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # not yet TimeoutError on 3.10
                     await asyncio.wait_for(stop.wait(), interval_s)
         finally:
             await client.aclose()
@@ -220,8 +222,8 @@ class WorkerMetrics:
             "verifier failures by reason (after retries)",
             labels=["verifier", "reason"],
         )
-        other = GaugeMetricFamily(
-            "stream_reward_verifier_stat", "other counters a scorer reports", labels=["verifier", "stat"]
+        other = CounterMetricFamily(
+            "stream_reward_verifier_events", "other counts a scorer reports, by event", labels=["verifier", "event"]
         )
         for verifier, stats in rows:
             for key, value in stats.items():
@@ -293,7 +295,7 @@ class _Collector:
         return self._metrics.collect()
 
 
-def _scorer_stats(scorer: Any, default_name: str, depth: int = 0) -> Iterator[tuple[str, dict[str, Any]]]:
+def _scorer_stats(scorer: Any, default_name: str, depth: int = 0) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """(verifier name, its ``stats`` mapping) for the scorer and the scorers it wraps.
 
     A scorer names itself with ``name``; otherwise the quota key or scorer spec is used.

@@ -46,6 +46,8 @@ from typing import Any
 
 from aiohttp import web
 
+from stream_reward.ops.worker_cli import add_deprecated_flag
+
 __all__ = ["ServerConfig", "VerifierServer", "main"]
 
 _RESPONSE = re.compile(r"<response>(.*?)</response>", re.S)
@@ -59,7 +61,7 @@ class ServerConfig:
     tpm: float | None = None
     rpm_burst: float | None = None  # default: max(1, rpm/60) — one second of headroom
     tpm_burst: float | None = None  # default: tpm/60
-    max_inflight: int | None = None  # concurrent requests over this get a 429
+    max_concurrent: int | None = None  # concurrent requests over this get a 429
     retry_after_s: float | None = None  # fixed Retry-After; default: when the bucket has room again
     latency_ms_p50: float = 0.0
     latency_ms_p99: float | None = None
@@ -299,7 +301,7 @@ class VerifierServer:
     def _over_quota(self) -> web.Response | None:
         cfg, st = self.config, self._stats
         wait = None
-        if cfg.max_inflight is not None and st.in_flight > cfg.max_inflight:
+        if cfg.max_concurrent is not None and st.in_flight > cfg.max_concurrent:
             wait = 0.05
         if wait is None and self._rpm is not None and self._rpm.refill() < 1:
             wait = self._rpm.wait_for(1)
@@ -466,10 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, default=f.default, choices=("exact", "contains", "rules"))
         elif f.name in ("name", "rm_keyword"):
             parser.add_argument(flag, default=f.default)
-        elif f.name in ("max_inflight", "seed", "fail_status"):
+        elif f.name in ("max_concurrent", "seed", "fail_status"):
             parser.add_argument(flag, type=int, default=f.default)
         else:
             parser.add_argument(flag, type=float, default=f.default)
+    add_deprecated_flag(parser, "--max-inflight", "--max-concurrent", type=int)
     return parser
 
 

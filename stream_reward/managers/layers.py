@@ -218,7 +218,7 @@ class RateLimitedScorer(_Wrapper):
                     name=c.quota_key or c.scorer,
                     max_rpm=c.max_rpm,
                     max_tpm=c.max_tpm,
-                    max_inflight=c.max_concurrent,
+                    max_concurrent=c.max_concurrent,
                     estimated_tokens_per_request=c.estimated_tokens_per_request,
                     lease_ttl_s=max(60.0, 2 * c.timeout),
                 ),

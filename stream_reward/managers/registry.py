@@ -93,7 +93,25 @@ def build_scorer(config: ManagerConfig) -> Scorer:
                 raise ConfigError("manager", exc.reason) from None
         else:
             raise ConfigError("manager", f"unknown manager {config.manager!r}; known: {', '.join(manager_names())}")
-    return builder(config)
+    scorer = builder(config)
+    if not getattr(scorer, "name", None):
+        # What `status` and the metrics call this worker's scorer: the name a wrapped scorer gives
+        # itself (a verifier's), else the spec it was built from, never a wrapper's class name.
+        try:
+            setattr(scorer, "name", _given_name(scorer) or config.scorer)  # noqa: B010 - not in the Scorer protocol
+        except AttributeError:  # a custom builder's scorer with __slots__ or a read-only name
+            pass
+    return scorer
+
+
+def _given_name(scorer: Any) -> str | None:
+    seen = 0
+    while scorer is not None and seen < 8:
+        name = getattr(scorer, "name", None)
+        if isinstance(name, str) and name:
+            return name
+        scorer, seen = getattr(scorer, "inner", None), seen + 1
+    return None
 
 
 # ---------------------------------------------------------------- base scorers
@@ -130,7 +148,7 @@ class AsyncFunctionScorer:
                 self._fn(traj.data_source, traj.response, traj.ground_truth, traj.extra_info, **self._kwargs),
                 self._timeout_s,
             )
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
             raise ScorerTimeoutError(
                 f"async scorer ran past its {self._timeout_s:g}s timeout and was cancelled"
             ) from None
@@ -242,7 +260,7 @@ def _async_batch_call(fn: Callable[..., Any], config: ManagerConfig) -> BatchCal
                 ),
                 config.timeout,
             )
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
             raise ScorerTimeoutError(
                 f"batched async scorer ran past its {config.timeout:g}s timeout and was cancelled"
             ) from None

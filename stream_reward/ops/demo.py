@@ -113,10 +113,16 @@ async def run_demo(
 
         pusher = asyncio.create_task(rollouts())
         watcher = asyncio.create_task(landing())
-        rewards = await agg.collect(batch_id, timeout_s=120)
-        done = time.perf_counter()
-        await pusher
-        watcher.cancel()
+        try:
+            rewards = await agg.collect(batch_id, timeout_s=120)
+            done = time.perf_counter()
+            await pusher
+        finally:
+            # Interrupted (Ctrl-C) or failed: stop both before the clients close under
+            # them, and take their errors here rather than as "never retrieved" noise.
+            for task in (pusher, watcher):
+                task.cancel()
+            await asyncio.gather(pusher, watcher, return_exceptions=True)
         # Then the pipeline's capacity: the same number of trajectories pushed at
         # once, timed from the first push to rm_scores.
         burst_id = f"{batch_id}-burst"

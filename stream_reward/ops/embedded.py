@@ -28,7 +28,7 @@ from pathlib import Path
 
 from stream_reward.errors import BrokerError
 
-__all__ = ["EmbeddedServer", "find_server_binary", "die_with_parent"]
+__all__ = ["EmbeddedServer", "find_server_binary", "die_with_parent", "own_group_and_die_with_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,14 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def own_group_and_die_with_parent() -> None:
+    """``die_with_parent``, in a process group of its own: a Ctrl-C at the terminal
+    (SIGINT to the foreground group) reaches only the owner, which stops its
+    children in order (workers drain before the server they write to goes)."""
+    os.setpgid(0, 0)
+    die_with_parent()
 
 
 @dataclass
@@ -153,7 +161,7 @@ class EmbeddedServer:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err_file,
-                preexec_fn=die_with_parent,
+                preexec_fn=own_group_and_die_with_parent,
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

@@ -2,7 +2,7 @@
 
 Precedence, lowest first: built-in defaults < the config file < ``STREAM_REWARD_*``
 environment variables < command-line flags. The file is TOML (``.toml``, read
-with ``tomllib``), YAML (``.yaml``/``.yml``) or JSON, with these sections::
+with ``tomllib``, ``tomli`` before 3.11), YAML (``.yaml``/``.yml``) or JSON, with these sections::
 
     [connection]   redis, namespace, group, partitions
     [reward]       ManagerConfig, by verl's key names: manager, scorer, timeout,
@@ -16,8 +16,9 @@ with ``tomllib``), YAML (``.yaml``/``.yml``) or JSON, with these sections::
 The reward, quota, consumer, policy and producer sections are the fields of the
 library's dataclasses, read from them, so a field added there is configurable
 here without touching this module. Each key has one environment variable,
-``STREAM_REWARD_<KEY>`` (``STREAM_REWARD_<SECTION>_<KEY>`` should two sections
-ever share a key name); dict values are JSON there. ``STREAM_REWARD_CONFIG``
+``STREAM_REWARD_<SECTION>_<KEY>`` (``STREAM_REWARD_QUOTA_MAX_RPM``); dict values are
+JSON there. The section-less names of 0.1 (``STREAM_REWARD_MAX_RPM``) still work, with a
+``ConfigDeprecationWarning``. ``STREAM_REWARD_CONFIG``
 names the file when no ``--config`` is given.
 
 Every value is checked when loaded: a bad one raises ``ConfigError`` naming the
@@ -35,8 +36,10 @@ import json
 import logging
 import os
 import re
+import sys
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -51,7 +54,7 @@ from stream_reward.config import (
     ProducerConfig,
     check_namespace,
 )
-from stream_reward.errors import ConfigError
+from stream_reward.errors import ConfigDeprecationWarning, ConfigError
 from stream_reward.wire.connection import mask_url
 from stream_reward.wire.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE
 
@@ -143,7 +146,17 @@ def schema() -> dict[str, dict[str, _Key]]:
 
 @cache
 def _env_names() -> dict[str, str]:
-    """Dotted key -> its environment variable."""
+    """Dotted key -> its environment variable, always with its section: a key added to another
+    section can then never rename an existing variable."""
+    return {
+        f"{section}.{key}": f"{ENV_PREFIX}{section}_{key}".upper() for section, keys in schema().items() for key in keys
+    }
+
+
+@cache
+def _legacy_env_names() -> dict[str, str]:
+    """Dotted key -> the variable of releases before 0.2, which dropped the section unless two
+    sections shared the key. Still read, with a ConfigDeprecationWarning."""
     counts: dict[str, int] = {}
     for keys in schema().values():
         for key in keys:
@@ -262,7 +275,10 @@ def _read_file(path: Path) -> dict[str, Any]:
         elif suffix == ".json":
             data = json.loads(text)
         else:
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # the same parser, as a package before 3.11
+                import tomli as tomllib
 
             data = tomllib.loads(text)
     except Exception as exc:  # each parser has its own error type; all mean the same here
@@ -332,7 +348,12 @@ class Settings:
     def producer_config(self) -> ProducerConfig:
         conn = self.values["connection"]
         return ProducerConfig(
-            namespace=conn["namespace"], partitions=conn["partitions"], group=conn["group"], **self.values["producer"]
+            namespace=conn["namespace"],
+            partitions=conn["partitions"],
+            group=conn["group"],
+            # One limit for both ends of the stream: a producer must not push what workers refuse.
+            max_message_bytes=self.values["consumer"]["max_message_bytes"],
+            **self.values["producer"],
         )
 
     def as_dict(self, *, masked: bool = True) -> dict[str, dict[str, Any]]:
@@ -368,7 +389,12 @@ def load_settings(
                     _set(values, sources, f"{section}.{key}", value, "file", from_env=False)
                 except ConfigError as exc:
                     raise ConfigError(exc.key, f"{exc.reason} (in {str(path)!r})") from None
+    legacy = _legacy_env_names()
     for dotted, name in _env_names().items():
+        old = legacy[dotted]
+        if name not in env and old != name and old in env:
+            warnings.warn(f"${old} is deprecated; set ${name} instead", ConfigDeprecationWarning, stacklevel=2)
+            name = old
         if name in env:
             try:
                 _set(values, sources, dotted, env[name], "env", from_env=True)

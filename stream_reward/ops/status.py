@@ -235,8 +235,8 @@ def _consumers(streams: list[dict[str, Any]], beats: dict[str, dict[str, Any]]) 
                 row[key] = beat[key]
         row["group"] = row.get("group") or beat.get("group")
     for name, row in merged.items():
-        beat = beats.get(name)
-        row["state"] = "gone" if beat is None else ("alive" if beat["alive"] else "stale")
+        heartbeat = beats.get(name)
+        row["state"] = "gone" if heartbeat is None else ("alive" if heartbeat["alive"] else "stale")
     return sorted(merged.values(), key=lambda r: ({"alive": 0, "stale": 1, "gone": 2}[r["state"]], r["name"]))
 
 
@@ -445,7 +445,7 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
         state = q.get("state")
         if state:
             pause = f", paused {state['blocked_for_s']:.1f}s more" if state.get("blocked_for_s") else ""
-            limits = ", ".join(f"{k}={state[k]:g}" for k in ("max_rpm", "max_tpm", "max_inflight") if state.get(k))
+            limits = ", ".join(f"{k}={state[k]:g}" for k in ("max_rpm", "max_tpm", "max_concurrent") if state.get(k))
             console.print(
                 f"quota {q['name']}: {state.get('requests', 0):,} requests, {state.get('http_429', 0):,} x 429, "
                 f"{state.get('in_flight', 0)} in flight, rate x{state.get('rate_factor', 1.0):.2f}, "
@@ -484,7 +484,7 @@ def _trainer_metrics(registry: Any) -> Any:
             ),
             Counter("stream_reward_batch_samples", "collected samples by status", ["status"], registry=registry),
             Gauge(
-                "stream_reward_batch_valid_fraction", "valid fraction of the last collected batch", registry=registry
+                "stream_reward_batch_valid_ratio", "valid share (0..1) of the last collected batch", registry=registry
             ),
             Counter("stream_reward_batches", "collected batches", registry=registry),
         )

@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from stream_reward.config import ManagerConfig
-from stream_reward.errors import ConfigError
+from stream_reward.errors import ConfigDeprecationWarning, ConfigError
 from stream_reward.ops.logs import LOG_FORMATS
 from stream_reward.ops.settings import Settings, load_settings, schema
 
 __all__ = [
+    "DeprecatedFlag",
+    "add_deprecated_flag",
     "FLAG_KEYS",
     "WORKER_MODULE",
     "worker_command",
@@ -55,7 +58,7 @@ FLAG_KEYS: dict[str, str] = {
     "retries": "reward.retries",
     "max_rpm": "quota.max_rpm",
     "max_tpm": "quota.max_tpm",
-    "max_inflight": "quota.max_concurrent",
+    "max_concurrent": "quota.max_concurrent",
     "quota_key": "quota.quota_key",
     "processes": "worker.processes",
     "concurrency": "consumer.concurrency",
@@ -73,6 +76,27 @@ FLAG_KEYS: dict[str, str] = {
 _MANAGER_KWARG_KEYS = {"redis_url": "connection.redis", "namespace": "connection.namespace"}
 
 
+class DeprecatedFlag(argparse.Action):
+    """An old spelling of a flag: hidden from --help, stores into the new flag's dest, and
+    warns (ConfigDeprecationWarning) naming the new spelling."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        warnings.warn(f"{option} is deprecated; use {self.new}", ConfigDeprecationWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_flag(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+    """Accept ``old`` as a hidden alias of the already added flag ``new``."""
+    dest = next(a.dest for a in parser._actions if new in a.option_strings)
+    parser.add_argument(old, dest=dest, action=DeprecatedFlag, new=new, **kwargs)
+
+
 def _default(dotted: str) -> Any:
     section, _, key = dotted.partition(".")
     return schema()[section][key].default
@@ -86,13 +110,19 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG"
     )
     parser.add_argument(
-        "--redis", default=None, help="Redis URL (redis://, rediss://, unix://); required here or in the config"
+        "--redis",
+        default=None,
+        help="Redis URL: redis://, rediss://, unix://, redis+cluster:// (required: here, in the config or "
+        "$STREAM_REWARD_CONNECTION_REDIS; no default)",
     )
     parser.add_argument("--namespace", default=None, help="key namespace" + d("connection.namespace"))
     parser.add_argument("--group", default=None, help="consumer group, one per scorer pool" + d("connection.group"))
     parser.add_argument("--partitions", type=int, default=None, help=d("connection.partitions").strip())
     parser.add_argument(
-        "--scorer", default=None, help="rules | python:FILE.py:FUNC | module.path:FUNC" + d("reward.scorer")
+        "--scorer",
+        default=None,
+        help="rules | python:FILE.py:FUNC | module.path:FUNC | http:URL | disrm:URL | genrm:URL | sandbox | "
+        "sandbox-fusion:URL" + d("reward.scorer"),
     )
     parser.add_argument(
         "--manager",
@@ -111,17 +141,35 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-deliveries", type=int, default=None, help=d("consumer.max_deliveries").strip())
     parser.add_argument("--drain-timeout-s", type=float, default=None, help=d("consumer.drain_timeout_s").strip())
     parser.add_argument("--timeout-s", type=float, default=None, help="per-sample scorer timeout" + d("reward.timeout"))
-    parser.add_argument("--num-processes", type=int, default=None, help="scorer processes per worker for sync scorers")
-    parser.add_argument("--reward-kwargs", type=json.loads, default=None, help="JSON object passed to compute_score")
+    parser.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        help="scorer processes inside each worker process, for sync scorers (verl's name; default: cores)",
+    )
+    parser.add_argument(
+        "--reward-kwargs", type=json.loads, default=None, help="JSON object passed to compute_score (default: {})"
+    )
     parser.add_argument(
         "--manager-kwargs",
         type=json.loads,
         default={},
-        help='JSON object of manager options by verl key, e.g. {"overlong_buffer_cfg": {...}, "max_resp_len": 4096}',
+        help='JSON object of manager options by verl key, e.g. {"overlong_buffer_cfg": {...}, "max_resp_len": 4096} '
+        "(default: {})",
     )
-    parser.add_argument("--max-rpm", type=float, default=None, help="global requests/minute for the verifier")
-    parser.add_argument("--max-tpm", type=float, default=None, help="global tokens/minute for the verifier")
-    parser.add_argument("--max-inflight", type=int, default=None, help="global max requests in flight for the verifier")
+    parser.add_argument(
+        "--max-rpm", type=float, default=None, help="global requests/minute for the verifier (default: no limit)"
+    )
+    parser.add_argument(
+        "--max-tpm", type=float, default=None, help="global tokens/minute for the verifier (default: no limit)"
+    )
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        help="global requests in flight for the verifier (default: no limit)",
+    )
+    add_deprecated_flag(parser, "--max-inflight", "--max-concurrent", type=int)
     parser.add_argument(
         "--retries",
         type=int,
@@ -139,7 +187,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics on this port (0: any free port; with --processes N, process i uses port+i)",
+        help="serve Prometheus metrics on this port (0: any free port; with --processes N, process i uses port+i; "
+        "default: no endpoint)",
     )
     parser.add_argument(
         "--metrics-addr", default=None, help="address of the metrics endpoint" + d("worker.metrics_addr")
@@ -217,6 +266,8 @@ def worker_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:
         # The config file or environment may ask for several processes: a child is one.
         argv += ["--processes", "1"]
     for action in template._actions:
+        if isinstance(action, DeprecatedFlag):
+            continue  # the child gets the current spelling
         value = values.get(action.dest)
         if action.dest == "processes" or value is None or value == action.default:
             continue

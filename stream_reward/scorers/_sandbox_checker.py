@@ -58,7 +58,7 @@ def send(obj):
         view = view[os.write(1, view) :]
 
 
-_RAISED = set()  # ids of exceptions rebuilt from the candidate's: a crash, not a wrong answer
+_RAISED: set[int] = set()  # ids of exceptions rebuilt from the candidate's: a crash, not a wrong answer
 
 
 class CandidateGone(BaseException):
@@ -95,11 +95,11 @@ def _rpc(kind, name, handle, args, kwargs):
         cls = getattr(builtins, rep[1], None)
         # Only ordinary exceptions are rebuilt (a test may expect ValueError);
         # SystemExit & co. from the candidate must not end the checker.
-        exc = (
+        rebuilt = (
             cls(rep[2]) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(f"{rep[1]}: {rep[2]}")
         )
-        _RAISED.add(id(exc))
-        raise exc
+        _RAISED.add(id(rebuilt))
+        raise rebuilt
     if tag == "bad" and len(rep) == 2 and type(rep[1]) is str:
         raise CandidateFault(rep[1])
     raise CandidateFault("malformed reply")

@@ -34,7 +34,7 @@ decodes and judges; the candidate's exit code means only "exited".
 """
 
 # Startup cost is per slot, not per sample, but keep the import list to the stdlib.
-import _signal as signal
+import _signal as signal  # type: ignore[import-not-found]  # signal would import enum
 import builtins
 import ctypes
 import fcntl

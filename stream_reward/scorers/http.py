@@ -284,7 +284,11 @@ def build_http_scorer(spec: str, config: ManagerConfig) -> HttpScorer:
     kind, urls = parse_spec(spec)
     options = HttpOptions.from_kwargs(config.reward_kwargs)
     redis_url = config.redis_url
-    limits = {"max_rpm": config.max_rpm, "max_tpm": config.max_tpm, "max_inflight": config.max_concurrent}
+    limits: dict[str, Any] = {
+        "max_rpm": config.max_rpm,
+        "max_tpm": config.max_tpm,
+        "max_concurrent": config.max_concurrent,
+    }
     limiter = None
     if redis_url:
         limiter = QuotaLimiter(

@@ -264,8 +264,8 @@ class _UidPool:
         if self._pid != os.getpid():
             # A forked child shares our lock files' open descriptions, so flock would
             # not keep it from the parent's uids: it opens its own.
-            for fd in self._fds.values():
-                os.close(fd)
+            for inherited in self._fds.values():
+                os.close(inherited)
             self._fds, self._busy, self._pid = {}, set(), os.getpid()
         for uid in range(base, base + count):
             if uid in self._busy:

@@ -37,6 +37,7 @@ class SlotOwner(Protocol):
     backend: str
     root: bool
     checker_code: bytes
+    harness_code: bytes
 
     def boot_base(self) -> dict[str, Any]: ...
 

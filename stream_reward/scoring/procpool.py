@@ -103,7 +103,7 @@ class ProcessPool:
         self._all.add(child)
         try:
             ready = await asyncio.wait_for(child.request(["ping"]), self.start_timeout_s)
-        except (asyncio.IncompleteReadError, TimeoutError, BrokenPipeError, ConnectionResetError) as exc:
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, BrokenPipeError, ConnectionResetError) as exc:
             self._discard(child)
             raise ScorerCrashedError(
                 f"scorer process for {self.spec!r} failed to start ({type(exc).__name__})", reason="scorer_start"
@@ -126,7 +126,7 @@ class ProcessPool:
             child = self._idle.pop() if self._idle else await self._spawn()
             try:
                 reply = await asyncio.wait_for(child.request(message), timeout_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 self.kills += 1
                 self._discard(child)
                 raise ScorerTimeoutError(f"scorer ran past its {timeout_s:g}s timeout and was killed") from None
@@ -171,6 +171,6 @@ class ProcessPool:
 
 
 async def _exit_code(child: _Child) -> int | None:
-    with contextlib.suppress(TimeoutError):
+    with contextlib.suppress(asyncio.TimeoutError):  # not yet TimeoutError on 3.10
         return await asyncio.wait_for(child.proc.wait(), 1.0)
     return None

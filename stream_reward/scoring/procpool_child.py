@@ -107,4 +107,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (BrokenPipeError, KeyboardInterrupt):
+        # The worker went away (or was stopped) mid-request: nothing to report, and
+        # a traceback here would land on the terminal after the shell prompt.
+        os._exit(0)

@@ -189,7 +189,7 @@ class _Done:
     __slots__ = ()
 
     def __await__(self) -> Generator[Any, None, None]:
-        return iter(())
+        yield from ()
 
 
 _DONE = _Done()
@@ -230,7 +230,7 @@ class _LeaseContext:
 
     async def __aenter__(self) -> Lease:
         self._lease = await self._limiter.acquire(self._tokens)
-        if self._limiter.config.max_inflight:
+        if self._limiter.config.max_concurrent:
             self._renewer = asyncio.create_task(self._limiter._renew_forever(self._lease))
         return self._lease
 
@@ -334,7 +334,7 @@ class QuotaLimiter:
             self._tpm_t_us,
             self._tpm_tau_us,
             tokens,
-            cfg.max_inflight or 0,
+            cfg.max_concurrent or 0,
             lease_id,
             int(cfg.lease_ttl_s * _US),
             int(cfg.adaptive),
@@ -348,7 +348,7 @@ class QuotaLimiter:
                 granted, wait_us, code, start_us, f_ppm = await self._call("acquire", args, what="quota acquire")
             except asyncio.CancelledError:
                 # The script may have run: do not leave a lease behind to block others until its TTL.
-                if cfg.max_inflight:
+                if cfg.max_concurrent:
                     self._background(self._release_call(lease_id, 0, 1.0))
                 raise
             if granted:
@@ -387,7 +387,7 @@ class QuotaLimiter:
             timeout = min(inflight_poll_s, max(wait_us / _US, 0.001))
             try:
                 await asyncio.wait_for(self._freed.wait(), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 pass
             inflight_poll_s = min(inflight_poll_s * 2, 0.1)
 
@@ -406,7 +406,7 @@ class QuotaLimiter:
         delta = 0 if lease.actual_tokens is None else lease.actual_tokens - lease.tokens
         if lease.actual_tokens is not None:
             lease.tokens = lease.actual_tokens
-        lease_id = lease.id if self.config.max_inflight else ""
+        lease_id = lease.id if self.config.max_concurrent else ""
         if lease_id or delta:
             await self._release_call(lease_id, delta, lease.rate_factor)
         self._wake_waiters()
@@ -462,7 +462,7 @@ class QuotaLimiter:
             "name": cfg.name,
             "max_rpm": cfg.max_rpm,
             "max_tpm": cfg.max_tpm,
-            "max_inflight": cfg.max_inflight,
+            "max_concurrent": cfg.max_concurrent,
             "rate_factor": factor,
             "effective_rpm": cfg.max_rpm * factor if cfg.max_rpm else None,
             "effective_tpm": cfg.max_tpm * factor if cfg.max_tpm else None,

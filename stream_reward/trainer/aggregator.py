@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from stream_reward.config import DEFAULT_GROUP, DEFAULT_NAMESPACE, BatchPolicy
 from stream_reward.errors import CodecError, CollectTimeoutError, ConfigError, StateLostError
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
+from stream_reward.trainer.tensors import import_torch
 from stream_reward.wire.codec import decode_result, result_header
 from stream_reward.wire.connection import (
     connect,
@@ -115,7 +116,7 @@ def place_scores(scores: list[float], lengths: list[int | None], response_len: i
     An unknown length (None) puts the score on the last column; a length past
     ``response_len`` is clamped to it.
     """
-    import torch
+    torch = import_torch()
 
     tensor = torch.zeros((len(scores), response_len), dtype=torch.float32)
     if not scores:
@@ -145,7 +146,7 @@ class RewardAggregator:
         # torch is imported here, not at module level (workers import this package
         # and must start fast), and not at the first collect (its ~1 s import would
         # land in the reward tail of the first batch).
-        import torch  # noqa: F401
+        import_torch("the reward aggregator")
 
         self._url = redis_url
         self._namespace = namespace
@@ -350,7 +351,9 @@ class RewardAggregator:
         left = end - asyncio.get_running_loop().time()
         return max(1, min(self.block_ms, int(left * 1000))) if left > 0 else None
 
-    async def _pages_together(self, batch_id: str, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
+    async def _pages_together(
+        self, batch_id: str, done: list[str], end: float | None
+    ) -> AsyncGenerator[list[Any], None]:
         """Entries of every done stream, one XREAD over all of them (a single node).
 
         Past ``end`` it still reads, without blocking, until the streams are drained:
@@ -368,7 +371,7 @@ class RewardAggregator:
                 cursors[stream.decode()] = entries[-1][0]
                 yield entries
 
-    async def _pages_apart(self, batch_id: str, done: list[str], end: float | None) -> AsyncIterator[list[Any]]:
+    async def _pages_apart(self, batch_id: str, done: list[str], end: float | None) -> AsyncGenerator[list[Any], None]:
         """The same from a cluster, where the done streams of a batch live in
         different slots: one blocking reader per partition, merged as they land."""
         queue: asyncio.Queue[list[Any]] = asyncio.Queue()
@@ -490,7 +493,7 @@ class RewardAggregator:
 
 def build_rewards(batch_id: str, meta: BatchMeta, results: list[ScoreResult]) -> BatchRewards:
     """Apply the failure policy and lay the scores out as verl expects."""
-    import torch
+    torch = import_torch()
 
     policy = meta.policy
     kept = [r for r in results if not (policy.on_failure == "drop" and r.status == "failed")]

@@ -26,6 +26,7 @@ Listeners are shared per (event loop, Redis URL, namespace) and counted:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import uuid
@@ -125,8 +126,8 @@ class _Reader:
                 self.woken = False
                 try:
                     reply = await with_reconnect(
-                        lambda cursors=cursors: read_streams(
-                            listener.client, cursors, count=PAGE_COUNT, block=listener.block_ms
+                        functools.partial(
+                            read_streams, listener.client, cursors, count=PAGE_COUNT, block=listener.block_ms
                         ),
                         what="read results",
                     )
@@ -328,7 +329,7 @@ def acquire_listener(url: str | None, client: Any, namespace: str) -> ResultList
     listener = mine.get(key)
     if listener is None:
         own = url is not None
-        listener = mine[key] = ResultListener(connect(url) if own else client, namespace, owns_client=own)
+        listener = mine[key] = ResultListener(connect(url) if url is not None else client, namespace, owns_client=own)
         listener._release_key = key  # type: ignore[attr-defined]
     listener.refs += 1
     return listener

@@ -235,7 +235,7 @@ def to_plain(value: Any, unknown: Callable[[Any], Any] = repr) -> Any:
                 continue
     for plain in (bool, str, bytes, float, int):  # subclasses (numpy.str_, enum values, ...)
         if isinstance(value, plain):
-            return plain(value)
+            return plain(value)  # type: ignore[arg-type]  # value is an instance of plain
     return unknown(value)
 
 

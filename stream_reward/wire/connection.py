@@ -13,13 +13,24 @@ import logging
 import random
 import re
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    ClusterDownError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -32,6 +43,9 @@ __all__ = [
     "is_cluster_url",
     "is_cluster",
     "is_transient",
+    "is_permanent",
+    "permanent_error",
+    "LogLimiter",
     "with_reconnect",
     "TRANSIENT_ERRORS",
     "CLUSTER_ERRORS",
@@ -47,7 +61,8 @@ T = TypeVar("T")
 # (a restarted server replaying its AOF) is a ConnectionError subclass in redis-py.
 # In a cluster, CLUSTERDOWN / TRYAGAIN and an uncovered slot are what a failover
 # or a resharding looks like from a client: transient too.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+# Unannotated on purpose: mypy then knows each member, and accepts ``except (RedisError, *TRANSIENT_ERRORS)``.
+TRANSIENT_ERRORS = (
     RedisConnectionError,
     RedisTimeoutError,
     OSError,
@@ -58,15 +73,75 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 # With every node of a cluster away, redis-py raises a plain RedisClusterException
 # (not a RedisError): told apart from a programming error (a cross-slot command)
 # by its message. Catch these together with TRANSIENT_ERRORS, then ask is_transient.
-CLUSTER_ERRORS: tuple[type[BaseException], ...] = (RedisClusterException,)
+CLUSTER_ERRORS = (RedisClusterException,)
 # Everything a Redis command can raise: what the boundary translates into BrokerError.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS)
+REDIS_ERRORS = (RedisError, *TRANSIENT_ERRORS, *CLUSTER_ERRORS)
+
+
+# Errors no retry can fix: wrong credentials, or a user without the rights. redis-py
+# makes the first two ConnectionError subclasses, so they must be told apart from
+# a server that is merely away before any "is it transient?" test.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    AuthenticationError,
+    AuthorizationError,
+    AuthenticationWrongNumberOfArgsError,
+    NoPermissionError,
+)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    if isinstance(exc, PERMANENT_ERRORS):
+        return True
+    text = str(exc)
+    return text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")) or "invalid username-password" in text
 
 
 def is_transient(exc: BaseException) -> bool:
+    if is_permanent(exc):
+        return False
     if isinstance(exc, TRANSIENT_ERRORS):
         return True
     return isinstance(exc, RedisClusterException) and "cannot be connected" in str(exc)
+
+
+def permanent_error(exc: BaseException, url: str | None = None) -> BrokerError:
+    """The one clear line for a refusal no retry fixes (credentials never in it)."""
+    where = f" at {mask_url(url)}" if url else ""
+    if isinstance(exc, (NoPermissionError,)) or str(exc).startswith("NOPERM"):
+        return BrokerError(f"Redis{where} refused the command: the user lacks the permission ({type(exc).__name__})")
+    return BrokerError(
+        f"Redis{where} refused authentication: wrong or missing password/user in the URL ({type(exc).__name__})"
+    )
+
+
+class LogLimiter:
+    """One WARNING when a fault starts, then at most one summary every ``every_s``
+    (with how many times it happened meanwhile): a fault that lasts minutes is a
+    few lines, not one per retry."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 30.0) -> None:
+        self._log = logger
+        self._every_s = every_s
+        self._last = 0.0
+        self._suppressed = 0
+        self._active = False
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if not self._active or now - self._last >= self._every_s:
+            if self._suppressed:
+                msg += f" ({self._suppressed} more since the last report)"
+            self._log.warning(msg, *args)
+            self._last, self._suppressed, self._active = now, 0, True
+        else:
+            self._suppressed += 1
+
+    def recovered(self, msg: str | None = None, *args: Any) -> None:
+        """The fault is over: the next one logs at once again."""
+        if self._active and msg:
+            self._log.info(msg, *args)
+        self._active = False
+        self._suppressed = 0
 
 
 _KEEPALIVE = {
@@ -140,6 +215,9 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
         raise BrokerError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
 
 
+_LIMITERS: dict[str, LogLimiter] = {}
+
+
 async def with_reconnect(
     op: Callable[[], Awaitable[T]],
     *,
@@ -156,21 +234,41 @@ async def with_reconnect(
     loop = asyncio.get_running_loop()
     start = loop.time()
     delay = 0.05
-    attempt = 0
+    # Shared by every call doing ``what``: a hundred samples retrying their quota check
+    # during one outage are one warning, then a summary now and then.
+    limiter = _LIMITERS.setdefault(what, LogLimiter(log))
+    failed = False
     while True:
         try:
-            return await op()
+            result = await op()
+            if failed:
+                limiter.recovered("%s: Redis reachable again", what)
+            return result
         except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+            if is_permanent(exc):
+                raise permanent_error(exc) from None
             if not is_transient(exc):
                 raise
-            attempt += 1
             elapsed = loop.time() - start
             if (give_up_after_s is not None and elapsed >= give_up_after_s) or (stop is not None and stop.is_set()):
                 raise BrokerError(f"{what}: Redis unreachable for {elapsed:.1f}s ({type(exc).__name__})") from None
-            if attempt == 1 or attempt % 20 == 0:
-                log.warning("%s: Redis unreachable (%s), retrying", what, type(exc).__name__)
-            await asyncio.sleep(delay * (0.5 + random.random()))
+            failed = True
+            limiter.warning("%s: Redis unreachable (%s), retrying", what, type(exc).__name__)
+            pause = delay * (0.5 + random.random())
+            if give_up_after_s is not None:
+                pause = min(pause, max(0.0, give_up_after_s - elapsed))
+            if stop is None:
+                await asyncio.sleep(pause)
+            else:
+                try:
+                    await asyncio.wait_for(stop.wait(), pause)
+                except asyncio.TimeoutError:
+                    pass
             delay = min(delay * 2, 2.0)
+        except Exception as exc:
+            if is_permanent(exc):  # NOAUTH / WRONGPASS / NOPERM arrive as a ResponseError
+                raise permanent_error(exc) from None
+            raise
 
 
 @contextlib.contextmanager
@@ -183,4 +281,6 @@ def redis_errors(what: str) -> Iterator[None]:
     try:
         yield
     except REDIS_ERRORS as exc:
+        if is_permanent(exc):
+            raise BrokerError(f"{what}: {permanent_error(exc)}") from exc
         raise BrokerError(f"{what}: {type(exc).__name__}: Redis unreachable or refused") from exc

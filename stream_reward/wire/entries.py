@@ -54,6 +54,8 @@ def read_header(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
     """(batch id, index, uid) from an entry's header; (None, -1, None) where it is
     missing or garbled. Accepts bytes or str field names (dead letters keep str)."""
     raw = fields.get(FIELD_HEADER, fields.get("h"))
+    if not isinstance(raw, (bytes, bytearray)):  # missing; garbage of another type is caught below
+        return None, -1, None
     try:
         batch, index, uid = msgpack.unpackb(raw, raw=False)
     except Exception:  # any garbage: the header is only a best effort for recovery
