@@ -18,7 +18,7 @@ __all__ = ["call_with_reward_model", "acall_with_reward_model"]
 def _tokenizer(path: str | None) -> Any:
     if not path:
         return None
-    from verl.utils import hf_tokenizer
+    from verl.utils import hf_tokenizer  # type: ignore[import-not-found]
 
     return hf_tokenizer(path, trust_remote_code=True)
 

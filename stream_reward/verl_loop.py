@@ -186,7 +186,8 @@ class StreamRewardLoopManager:
                     with_prompt=self._remote_scorer,
                 )
             except Exception as exc:  # bad input: the caller gets the precise error
-                caller_loop.call_soon_threadsafe(_settle, [(future, None, exc)])
+                failed: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = [(future, None, exc)]
+                caller_loop.call_soon_threadsafe(_settle, failed)
                 continue
             _submit(self, traj, _Reply(caller_loop, future))
 
@@ -199,6 +200,7 @@ class StreamRewardLoopManager:
                 # a flagged failure, not a crash of verl's whole step.
                 log.warning("sample not scored: %s", outcome)
                 outcome = ScoreResult("", "", 0, 0.0, "failed", reason="unreachable", error=str(outcome))
+            item: tuple[Any, Any, BaseException | None]
             if isinstance(outcome, BaseException):
                 item = (reply.future, None, outcome)
             else:
@@ -353,8 +355,8 @@ class _Windows:
             # (The one private call: the aggregator has no public "forget this batch".)
             await aggregator._expire(batch_id, await aggregator.meta(batch_id))
         except Exception as exc:
-            error = exc if isinstance(exc, StreamRewardError) else StreamRewardError(f"{type(exc).__name__}: {exc}")
-            manager._deliver([(reply, error) for reply in replies if reply is not None])
+            failure = exc if isinstance(exc, StreamRewardError) else StreamRewardError(f"{type(exc).__name__}: {exc}")
+            manager._deliver([(reply, failure) for reply in replies if reply is not None])
 
     async def _follow(self, aggregator: RewardAggregator, batch_id: str, replies: list[_Reply | None]) -> None:
         async for result in aggregator.stream(batch_id):

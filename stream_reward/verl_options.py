@@ -149,7 +149,7 @@ class LoopOptions:
             )
         deadline = kwargs.get("deadline_s", 600.0)
         policy = BatchPolicy(
-            on_failure=on_failure,
+            on_failure="fallback" if on_failure == "fallback" else "mask",
             fallback_score=float(kwargs.get("fallback_score") or 0.0),
             deadline_s=float(deadline) if deadline else None,
         )
@@ -222,7 +222,7 @@ def _container(node: Any) -> Any:
     if node is None:
         return None
     try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
+        from omegaconf import DictConfig, ListConfig, OmegaConf  # type: ignore[import-not-found]
     except ImportError:
         return node
     if isinstance(node, (DictConfig, ListConfig)):

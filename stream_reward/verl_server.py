@@ -96,8 +96,8 @@ def shared_name(options: LoopOptions, job_id: str) -> str:
 
 
 def _attach_shared(options: LoopOptions) -> Placement:
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    import ray  # type: ignore[import-not-found]
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # type: ignore[import-not-found]
 
     context = ray.get_runtime_context()
     node_id = context.get_node_id()
