@@ -12,7 +12,7 @@ VENV=${VERL_VENV:-.venv-verl}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" >&2 || true; }
 pip "torch==2.13.0" "verl==0.9.1"
-pip -e ".[dev]"
+pip -e ".[trainer,dev]"
 "$VENV/bin/python" - <<'PY'
 from importlib.metadata import version
 assert version("verl") == "0.9.1", version("verl")
