@@ -151,6 +151,14 @@ class StreamRewardLoopManager:
         self._loop_thread.stop()
 
     async def _aclose_clients(self) -> None:
+        # Windows still finishing (their last step expires the batch's keys) get a
+        # moment; what is left is cancelled, not destroyed pending with the loop.
+        tasks = set(self._windows._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=5.0)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         if self._producer is not None:
             await self._producer.aclose()
         if self._aggregator is not None:
