@@ -242,7 +242,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
                 watcher = _watch_batch(args.redis, args.namespace, args.batch, progress) if progress.drawn else None
                 return await _with_watcher(agg.collect(args.batch, timeout_s=args.timeout_s), watcher)
 
-        rewards = asyncio.run(_bounded(run(), args.timeout, f"collect {args.batch!r}", args.redis))
+        rewards = asyncio.run(_bounded(run(), args.timeout_s, f"collect {args.batch!r}", args.redis))
     if args.out:
         from stream_reward.trainer.tensors import import_torch
 

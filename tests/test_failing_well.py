@@ -185,7 +185,7 @@ def test_score_with_an_unloadable_scorer_fails_in_seconds(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"data_source": "openai/gsm8k", "response": "#### 1", "ground_truth": "1"}\n' * 2)
     for spec in ("python:missing.py:f", "python:tests/data/failwell_scorers.py:nope", "no_such_module_x:f"):
-        done, took = cli("score", str(src), "--scorer", spec, "--processes", "1", "--timeout", "120", timeout_s=150)
+        done, took = cli("score", str(src), "--scorer", spec, "--processes", "1", "--timeout-s", "120", timeout_s=150)
         assert done.returncode == 2, (spec, done.stderr)
         assert took < 15, (spec, took)
         assert "Traceback" not in done.stderr, done.stderr
@@ -196,7 +196,7 @@ def test_score_notices_its_workers_died(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"data_source": "test", "response": "poison", "ground_truth": "1"}\n')
     scorer = "python:tests/data/reliability_scorers.py:slow"
-    done, took = cli("score", str(src), "--scorer", scorer, "--processes", "1", "--timeout", "120", timeout_s=150)
+    done, took = cli("score", str(src), "--scorer", scorer, "--processes", "1", "--timeout-s", "120", timeout_s=150)
     assert done.returncode == 2 and took < 20, (done.returncode, took, done.stderr)
     assert "worker" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
@@ -241,7 +241,7 @@ def test_expected_faults_are_one_line_exit_2_and_debug_shows_the_traceback(tmp_p
 
 
 def test_collect_timeout_is_honoured_when_nothing_listens(tmp_path):
-    done, took = cli("collect", "--redis", f"unix://{tmp_path}/nothing.sock", "--batch", "b", "--timeout", "3")
+    done, took = cli("collect", "--redis", f"unix://{tmp_path}/nothing.sock", "--batch", "b", "--timeout-s", "3")
     assert done.returncode == 2 and took < 3 + 4, (done.returncode, took, done.stderr)
     assert "Traceback" not in done.stderr and "timeout" in done.stderr.splitlines()[-1], done.stderr
 
@@ -270,8 +270,8 @@ def test_oversized_line_fails_alone_with_its_line_number_and_the_setting(tmp_pat
     src = tmp_path / "in.jsonl"
     src.write_text(f"{ok}\n{huge}\n{ok}\n\n")  # and a trailing blank line
     out = tmp_path / "out.jsonl"
-    env = {**os.environ, "STREAM_REWARD_MAX_MESSAGE_BYTES": "10000"}
-    done, _ = cli("score", str(src), "--out", str(out), "--processes", "1", "--timeout", "60", env=env)
+    env = {**os.environ, "STREAM_REWARD_CONSUMER_MAX_MESSAGE_BYTES": "10000"}
+    done, _ = cli("score", str(src), "--out", str(out), "--processes", "1", "--timeout-s", "60", env=env)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok", "failed", "ok"], rows  # no phantom row for the blank line

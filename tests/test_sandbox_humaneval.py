@@ -49,7 +49,7 @@ def test_humaneval_canonical_pass_and_broken_fail(tmp_path):
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "scores.jsonl"
 
-    assert main(["score", str(src), "--scorer", "sandbox", "--out", str(out), "--timeout", "600"]) == 0
+    assert main(["score", str(src), "--scorer", "sandbox", "--out", str(out), "--timeout-s", "600"]) == 0
 
     results = {r["uid"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert len(results) == len(rows)

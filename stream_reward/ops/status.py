@@ -23,6 +23,7 @@ import msgpack
 from redis.exceptions import ResponseError
 
 from stream_reward.config import DEFAULT_GROUP, DEFAULT_NAMESPACE
+from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.connection import connect, mask_url
 from stream_reward.wire.deadletter import decode_dead_letter
 from stream_reward.wire.entries import group_state
@@ -93,27 +94,31 @@ async def _batches(client: Any, keys: Keys, limit: int, now: float) -> tuple[int
     batches = []
     for raw_id, created in reversed(ids):  # newest first
         batch_id = _s(raw_id)
-        meta = {_s(k): _s(v) for k, v in (await client.hgetall(keys.batch_meta(batch_id))).items()}
-        parts = int(meta.get("partitions", 1) or 1)
+        raw = await client.hgetall(keys.batch_meta(batch_id))
+        try:
+            meta: BatchMeta | None = BatchMeta.decode(raw)
+        except (KeyError, ValueError):
+            meta = None  # expired meanwhile, or not a batch's record: listed with what is known
+        parts = meta.partitions if meta else 1
         bkeys = Keys(keys.namespace, parts)
         done = 0
         for p in range(parts):
-            done += int(await client.hlen(bkeys.results(batch_id, p, meta.get("group", DEFAULT_GROUP))))
-        size = int(meta["size"]) if "size" in meta else None
-        deadline = float(meta.get("deadline", 0) or 0)
+            done += int(await client.hlen(bkeys.results(batch_id, p, meta.group if meta else DEFAULT_GROUP)))
+        size = meta.size if meta else None
+        deadline = meta.deadline if meta else 0.0
         batches.append(
             {
                 "batch": batch_id,
                 "size": size,
                 "done": done,
                 "complete": round(done / size, 4) if size else (1.0 if size == 0 else None),
-                "created": float(meta.get("created", created) or created),
+                "created": meta.created if meta and meta.created else float(created),
                 "age_s": round(now - float(created), 3),
                 "deadline_in_s": round(deadline - now, 3) if deadline else None,
-                "on_failure": meta.get("on_failure"),
-                "response_len": int(meta["response_len"]) if "response_len" in meta else None,
+                "on_failure": meta.policy.on_failure if meta else None,
+                "response_len": meta.response_len if meta else None,
                 "partitions": parts,
-                "meta": bool(meta),
+                "meta": meta is not None,
             }
         )
     return int(total), batches

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from stream_reward.config import DEFAULT_GROUP, DEFAULT_NAMESPACE, BatchPolicy
+from stream_reward.config import DEFAULT_NAMESPACE
 from stream_reward.errors import CodecError, CollectTimeoutError, ConfigError, StateLostError
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.tensors import import_torch
+from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.codec import decode_result, result_header
 from stream_reward.wire.connection import (
     connect,
@@ -56,18 +57,6 @@ __all__ = ["RewardAggregator", "BatchRewards", "BatchMeta", "merge_extra_info", 
 log = logging.getLogger(__name__)
 
 MISSING = None  # the explicit fill for a reward_extra_info key a sample did not report
-
-
-@dataclass(slots=True)
-class BatchMeta:
-    size: int
-    response_len: int
-    policy: BatchPolicy
-    created: float
-    deadline: float  # epoch seconds, 0 = none
-    partitions: int = 1
-    group: str = DEFAULT_GROUP  # the consumer group whose results this batch collects
-    collected: float = 0.0  # epoch seconds of the first collect, 0 = not yet
 
 
 @dataclass
@@ -204,19 +193,7 @@ class RewardAggregator:
                 )
             hint = "" if epoch is not None else " (the namespace holds no state: never used, or Redis lost it)"
             raise ConfigError("batch_id", f"batch {batch_id!r} was never opened in namespace {self._namespace!r}{hint}")
-        m = {k.decode(): v.decode() for k, v in raw.items()}
-        return BatchMeta(
-            size=int(m["size"]),
-            response_len=int(m["response_len"]),
-            policy=BatchPolicy(
-                on_failure=m.get("on_failure", "mask"), fallback_score=float(m.get("fallback_score", 0.0))
-            ),  # type: ignore[arg-type]
-            created=float(m.get("created", 0)),
-            deadline=float(m.get("deadline", 0) or 0),
-            partitions=int(m.get("partitions", 1)),
-            group=m.get("group", DEFAULT_GROUP),
-            collected=float(m.get("collected", 0) or 0),
-        )
+        return BatchMeta.decode(raw)
 
     def _notice_epoch(self, epoch: bytes | str | None, batch_id: str) -> None:
         """Raise StateLostError when the namespace epoch this aggregator saw is gone or changed."""

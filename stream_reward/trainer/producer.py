@@ -30,7 +30,8 @@ from stream_reward.errors import (
 from stream_reward.trainer.coalescer import Coalescer
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.loop_thread import LoopThread
-from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result, encode_trajectory
+from stream_reward.wire.batch_meta import BatchMeta
+from stream_reward.wire.codec import encode_result, encode_trajectory
 from stream_reward.wire.connection import connect, is_cluster, mask_url, redis_errors
 from stream_reward.wire.entries import XADD_MANY_CHUNK, ensure_group, entry_header
 from stream_reward.wire.keys import Keys
@@ -190,18 +191,15 @@ class RolloutProducer:
             raise ConfigError("response_len", f"must be >= 1, got {response_len}")
         policy = policy or BatchPolicy()
         now = time.time()
-        meta = {
-            "v": PROTOCOL_VERSION,
-            "size": size,
-            "response_len": response_len,
-            "on_failure": policy.on_failure,
-            "fallback_score": policy.fallback_score,
-            "deadline_s": policy.deadline_s or 0,
-            "created": now,
-            "deadline": now + policy.deadline_s if policy.deadline_s else 0,
-            "partitions": self.keys.partitions,
-            "group": self.config.group,
-        }
+        meta = BatchMeta(
+            size=size,
+            response_len=response_len,
+            policy=policy,
+            created=now,
+            deadline=now + policy.deadline_s if policy.deadline_s else 0,
+            partitions=self.keys.partitions,
+            group=self.config.group,
+        ).fields()
         with redis_errors(f"open_batch {batch_id!r} on {mask_url(self._url)}"):
             await self._join()
             await self._ensure_groups()
