@@ -462,6 +462,7 @@ BENCHES = (
     "latency",
     "memory",
     "vs_verl",
+    "verl_loop",
     "quota",
     "sandbox",
     "faults",

@@ -54,10 +54,11 @@ from stream_reward.ops.pipeline import LocalPipeline
 from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.trainer.tensors import import_numpy
+from stream_reward.verl_loop import StreamRewardLoopManager
 from stream_reward.wire.keys import DEFAULT_NAMESPACE
 from stream_reward.wire.trajectory import Trajectory
 
-__all__ = ["StreamRewardManager", "scorer_spec", "decode_batch", "FINAL_SCORES_KEY"]
+__all__ = ["StreamRewardLoopManager", "StreamRewardManager", "scorer_spec", "decode_batch", "FINAL_SCORES_KEY"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,14 @@ class StreamRewardManager:
         self.collect_timeout_s = collect_timeout_s
         self.last_rewards: BatchRewards | None = None
 
+        if "config" in manager_kwargs or "reward_router_address" in manager_kwargs:
+            # verl 0.9.1's load_reward_manager(config, tokenizer, ...) built this class:
+            # its reward loop calls run_single, which the batch drop-in does not have.
+            raise ConfigError(
+                "reward.reward_manager.name",
+                "StreamRewardManager is the batch-call drop-in; verl's reward loop needs "
+                "reward.reward_manager.name=StreamRewardLoopManager",
+            )
         spec, fn_kwargs = scorer_spec(compute_score)
         options = _manager_options(manager_kwargs, fn_kwargs)
         self.config = ManagerConfig(manager=manager, scorer=spec, **options)
