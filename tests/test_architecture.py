@@ -60,8 +60,7 @@ def _stage(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != LIBRARY or len(parts) < 2:
         return None  # the package root re-exports the public API; workers/ is outside the library
-    # The verl integration is one stage in several modules beside verl.py (verl_loop, ...).
-    return "verl" if parts[1].startswith("verl_") else parts[1]
+    return parts[1]
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 

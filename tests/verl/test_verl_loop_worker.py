@@ -263,7 +263,7 @@ def test_options_from_verls_keys_only(compose) -> None:
     from omegaconf import OmegaConf
 
     from stream_reward.errors import ConfigError
-    from stream_reward.verl_options import LoopOptions
+    from stream_reward.verl.options import LoopOptions
 
     config = compose(*STREAM_OVERRIDES, "+reward.reward_kwargs.manager=dapo", "+reward.reward_kwargs.max_rpm=60")
     assert OmegaConf.is_missing(config.reward.reward_model.rollout, "name")  # a ??? left in verl's config: harmless

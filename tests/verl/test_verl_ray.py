@@ -11,7 +11,7 @@ import torch
 from verl.experimental.reward_loop import RewardLoopManager
 from verl_support import ROWS, STREAM_OVERRIDES, make_batch
 
-from stream_reward.verl_server import RAY_NAMESPACE
+from stream_reward.verl.server import RAY_NAMESPACE
 
 
 @pytest.fixture(scope="module")

@@ -263,4 +263,4 @@ def _with_reward_model(spec: str, address: str, config: Any) -> tuple[str, dict[
         "_sr_tokenizer_path": _select(config, "reward.reward_model.model_path"),
         "reward_router_address": address,
     }
-    return f"stream_reward.verl_compute:{wrapper}", extra
+    return f"stream_reward.verl.compute:{wrapper}", extra

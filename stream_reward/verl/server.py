@@ -38,7 +38,7 @@ from typing import Any
 
 from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.ops.pipeline import LocalPipeline
-from stream_reward.verl_options import LoopOptions
+from stream_reward.verl.options import LoopOptions
 
 __all__ = ["Placement", "attach", "SharedPipeline", "RAY_NAMESPACE"]
 

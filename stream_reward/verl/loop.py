@@ -17,7 +17,7 @@ read, so it never reaches a scorer or a worker's command line, and a ``???`` lef
 elsewhere in it does no harm. verl's ``compute_score`` argument is not used either:
 the worker processes load the function themselves, from the same config keys.
 
-Where the worker processes run: see ``stream_reward.verl_server``.
+Where the worker processes run: see ``stream_reward.verl.server``.
 
 verl itself is never imported here: a DataProto is read through ``data.batch``,
 ``data.non_tensor_batch``; the config through ``.get``.
@@ -41,7 +41,7 @@ from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.managers.registry import build_scorer
 from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.loop_thread import LoopThread
-from stream_reward.verl_options import LoopOptions
+from stream_reward.verl.options import LoopOptions
 from stream_reward.wire.codec import to_plain
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
@@ -69,7 +69,7 @@ class StreamRewardLoopManager:
         reward_model_tokenizer: Any = None,
         **_unused: Any,
     ) -> None:
-        from stream_reward.verl_server import attach
+        from stream_reward.verl.server import attach
 
         self.config = config
         self.tokenizer = tokenizer

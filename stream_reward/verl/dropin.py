@@ -54,11 +54,10 @@ from stream_reward.ops.pipeline import LocalPipeline
 from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.trainer.tensors import import_numpy
-from stream_reward.verl_loop import StreamRewardLoopManager
 from stream_reward.wire.keys import DEFAULT_NAMESPACE
 from stream_reward.wire.trajectory import Trajectory
 
-__all__ = ["StreamRewardLoopManager", "StreamRewardManager", "scorer_spec", "decode_batch", "FINAL_SCORES_KEY"]
+__all__ = ["StreamRewardManager", "scorer_spec", "decode_batch", "FINAL_SCORES_KEY"]
 
 log = logging.getLogger(__name__)
 
