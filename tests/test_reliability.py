@@ -405,3 +405,48 @@ async def test_dlq_commands_list_and_redrive(redis_url, namespace, capsys):
     assert await asyncio.to_thread(main, ["dlq", "redrive", "--redis", redis_url, "--namespace", namespace]) == 0
     assert _json.loads(capsys.readouterr().out)["redriven"] == 1
     assert await list_dead_letters(redis_url, namespace=namespace) == []
+
+
+async def test_no_worker_reclaims_an_entry_a_live_worker_is_still_scoring(redis_url: str, namespace: str) -> None:
+    """A scorer slower than reclaim_idle_ms: its entries stay with the live worker scoring
+    them. Reclaimed (by itself or a peer) they were scored twice, and the climbing delivery
+    count made an innocent sample a poison suspect."""
+    from stream_reward.config import ConsumerConfig
+    from stream_reward.scoring.scorer import Scored
+    from workers.consumer import Worker
+
+    class Slow:
+        async def score(self, traj: Trajectory) -> Scored:
+            await asyncio.sleep(1.0)
+            return Scored(1.0)
+
+    def config(name: str) -> ConsumerConfig:
+        return ConsumerConfig(
+            namespace=namespace,
+            consumer=name,
+            block_ms=20,
+            reclaim_idle_ms=300,
+            reclaim_interval_s=0.05,
+            heartbeat_interval_s=0.1,
+            drain_timeout_s=5,
+        )
+
+    workers = [Worker(redis_url, Slow(), config(name)) for name in ("a", "b")]
+    stop = asyncio.Event()
+    running = [asyncio.create_task(w.run(stop)) for w in workers]
+    try:
+        async with (
+            RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
+            await producer.open_batch("slow", 4, 4)
+            await producer.push_many([Trajectory("slow", i, "test", response="a") for i in range(4)])
+            rewards = await agg.collect("slow", timeout_s=20)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*running), 20)
+        for w in workers:
+            await w.aclose()
+    assert rewards.status == ["ok"] * 4 and rewards.scores == [1.0] * 4
+    for w in workers:
+        assert (w.stats.reclaimed, w.stats.duplicates, w.stats.dead_letters) == (0, 0, 0)

@@ -117,6 +117,12 @@ class Worker:
         self._have_pending = asyncio.Event()
         self._room = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Entries this worker is scoring or writing: never reclaimed from itself. An entry
+        # held longer than reclaim_idle_ms (a slow scorer) would otherwise come back to its
+        # own worker, be scored twice, and its delivery count would make it a suspect.
+        # The housekeeper also renews them (XCLAIM JUSTID: idle reset, delivery count kept),
+        # so that no other worker takes a slow sample from a live one.
+        self._held: dict[bytes, int] = {}  # entry id -> partition
         self._task_entries: dict[asyncio.Task[None], tuple[int, bytes]] = {}
         self._writer_idle = asyncio.Event()
         self._reading = asyncio.Event()  # cleared while suspects are scored alone
@@ -319,6 +325,7 @@ class Worker:
     ) -> None:
         for entry_id, fields in entries:
             self.stats.in_flight += 1
+            self._held[entry_id] = partition
             if deliveries is not None and deliveries.get(entry_id, 0) > self.config.max_deliveries:
                 self._dead_letter(
                     partition,
@@ -443,6 +450,9 @@ class Worker:
                     # Past the drain deadline with Redis away: these entries stay pending
                     # (never acked without a result) and another worker reclaims them.
                     log.warning("%d results not written before the drain deadline (%s); left pending", settled, exc)
+                for items in batch.values():
+                    for item in items:
+                        self._held.pop(item.entry_id, None)  # type: ignore[arg-type]
                 self.stats.in_flight -= settled
                 self._room.set()
                 self._writer_idle.set()
@@ -514,7 +524,7 @@ class Worker:
                 deleted = reply[2] if len(reply) > 2 else []
                 if deleted:  # pending entries whose data was trimmed: nothing left to score
                     await self._client.xack(stream, self.config.group, *deleted)
-                claimed = [(eid, fields) for eid, fields in claimed if fields]
+                claimed = [(eid, fields) for eid, fields in claimed if fields and eid not in self._held]
                 if claimed:
                     deliveries = await self._deliveries(stream, [eid for eid, _ in claimed])
                     self.stats.reclaimed += len(claimed)
@@ -624,6 +634,7 @@ class Worker:
         while not stop.is_set():
             try:
                 await self._heartbeat()
+                await self._renew_held()
                 if loop.time() >= next_trim:
                     await self._trim()
                     next_trim = loop.time() + self.config.trim_interval_s
@@ -632,6 +643,15 @@ class Worker:
             except Exception:  # housekeeping must never take the worker down
                 log.exception("housekeeping failed")
             await _sleep_unless(stop, self.config.heartbeat_interval_s)
+
+    async def _renew_held(self) -> None:
+        """Keep the entries this worker is scoring idle-fresh, so peers leave them alone."""
+        by_partition: dict[int, list[bytes]] = {}
+        for entry_id, partition in list(self._held.items()):
+            by_partition.setdefault(partition, []).append(entry_id)
+        streams = self.keys.streams()
+        for partition, ids in by_partition.items():
+            await self._client.xclaim(streams[partition], self.config.group, self.config.consumer, 0, ids, justid=True)
 
     async def _heartbeat(self) -> None:
         now = time.time()
