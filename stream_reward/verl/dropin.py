@@ -42,7 +42,6 @@ import itertools
 import json
 import logging
 import sys
-import threading
 import uuid
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
@@ -52,8 +51,10 @@ from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.managers.registry import build_scorer
 from stream_reward.ops.pipeline import LocalPipeline
 from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
+from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.trainer.tensors import import_numpy
+from stream_reward.wire.codec import to_plain
 from stream_reward.wire.keys import DEFAULT_NAMESPACE
 from stream_reward.wire.trajectory import Trajectory
 
@@ -141,9 +142,7 @@ class StreamRewardManager:
         self._aggregator: RewardAggregator | None = None
 
         # One private loop owns every Redis client; sync and async callers both go through it.
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="stream-reward-verl", daemon=True)
-        self._thread.start()
+        self._thread = LoopThread("stream-reward-verl")
         self._closed = False
         try:
             # Build the scorer once here, so that a bad option fails in the trainer
@@ -167,10 +166,8 @@ class StreamRewardManager:
         self._closed = True
         atexit.unregister(self.close)
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._aclose_clients(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+            self._thread.run(self._aclose_clients(), timeout_s=10)
+        self._thread.stop()
         self._pipeline.stop()
 
     def __enter__(self) -> StreamRewardManager:
@@ -189,7 +186,7 @@ class StreamRewardManager:
         if self._closed:
             coro.close()
             raise StreamRewardError("StreamRewardManager is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._thread.run(coro)
 
     async def _arun(self, coro: Coroutine[Any, Any, T]) -> T:
         # Every Redis client lives on the manager's own loop; callers on any other
@@ -197,7 +194,7 @@ class StreamRewardManager:
         if self._closed:
             coro.close()
             raise StreamRewardError("StreamRewardManager is closed")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._thread.loop))
 
     def _clients(self) -> tuple[RolloutProducer, RewardAggregator]:
         if self._producer is None:
@@ -385,18 +382,12 @@ def _column(nt: Mapping[str, Any], key: str, i: int) -> Any:
 
 def _plain(value: Any) -> Any:
     """numpy / torch / OmegaConf values as the plain Python msgpack and JSON carry."""
-    if value is None or type(value) in (bool, int, float, str, bytes):
-        return value
-    plains: tuple[type, ...] = (str, bytes, float, int)
-    for plain in plains:  # numpy.str_, numpy.float64 and other subclasses
-        if isinstance(value, plain):
-            return plain(value)
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    tolist = getattr(value, "tolist", None)  # numpy arrays and scalars, tensors
-    if callable(tolist):
-        return _plain(tolist())
-    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and hasattr(value, "__len__")):
+    return to_plain(value, unknown=_sequence_or_self)
+
+
+def _sequence_or_self(value: Any) -> Any:
+    # OmegaConf's ListConfig and other sized iterables become lists; anything else stays.
+    if hasattr(value, "__iter__") and hasattr(value, "__len__"):
         return [_plain(v) for v in value]
     return value
 
