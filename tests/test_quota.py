@@ -206,7 +206,9 @@ async def test_adaptive_rate_drops_after_repeated_429s_and_recovers(redis_url: s
     await asyncio.sleep(0.05)
     a = await limiter.acquire()
     b = await limiter.acquire()
-    assert b.start_at - a.start_at >= 0.010 / 0.6 - EPS  # the interval grew with the lower rate
+    # The interval grew with the lower rate (the factor recovers as time passes: read it off the leases).
+    assert max(a.rate_factor, b.rate_factor) < 1.0
+    assert b.start_at - a.start_at >= 0.010 / max(a.rate_factor, b.rate_factor) - EPS
     await asyncio.sleep(0.7)
     assert (await limiter.state())["rate_factor"] == 1.0
     await limiter.aclose()
