@@ -33,7 +33,7 @@ from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.codec import encode_result, encode_trajectory
 from stream_reward.wire.connection import connect, is_cluster, mask_url, redis_errors
-from stream_reward.wire.entries import XADD_MANY_CHUNK, ensure_group, entry_header
+from stream_reward.wire.entries import XADD_MANY_CHUNK, ensure_group, entry_header, group_state
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
@@ -473,19 +473,16 @@ class RolloutProducer:
             for reply in (groups, length):
                 if isinstance(reply, Exception):
                     raise reply
-            mine = [
-                g for g in groups if g.get(b"name", g.get("name")) in (self.config.group.encode(), self.config.group)
-            ]
+            mine = [g for g in map(group_state, groups) if g["name"] == self.config.group]
             if not mine:
                 # The stream or its group is gone (Redis restarted without persistence,
                 # or someone deleted them): recreated by the next _ensure_groups.
                 self._groups_ready = False
             for group in mine:
-                lag = group.get(b"lag", group.get("lag"))
+                lag = group["lag"]
                 if lag is None:
-                    pending = int(group.get(b"pending", group.get("pending")) or 0)
-                    lag = max(0, int(length) - pending)
-                total += int(lag)
+                    lag = max(0, int(length) - group["pending"])
+                total += lag
         return total
 
     def _room_known(self, incoming: int) -> bool:

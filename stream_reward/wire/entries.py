@@ -27,8 +27,6 @@ __all__ = [
     "group_state",
     "ensure_group",
     "entry_fields",
-    "xadd_many_args",
-    "XADD_MANY_SCRIPT",
     "XADD_MANY_CHUNK",
     "read_group",
     "read_streams",
@@ -64,27 +62,9 @@ def read_header(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
     return (batch, index, uid) if ok else (None, -1, None)
 
 
-# Many XADDs in one command. A redis-py pipeline of N XADDs costs the client a
-# packed command and a parsed reply (each under its own timeout context) per
-# entry: ~18 us of CPU for a 2 KB trajectory, more than encoding it; and packing
-# one argument per field still costs ~2 us a field. So the entries travel as one
-# msgpack blob (C-speed on both sides) and the script XADDs them. The script also
-# makes each call all-or-nothing on the server, which a pipeline is not. Fields
-# as in ``entry_fields``.
-XADD_MANY_SCRIPT = """
-local items = cmsgpack.unpack(ARGV[1])
-for _, it in ipairs(items) do
-  redis.call('XADD', KEYS[1], '*', 'd', it[1], 'h', it[2])
-end
-return #items
-"""
-# Entries per script call: bounds how long one call holds the server (~2 ms at 2 KB).
+# Entries per push-script call (wire/push.py): bounds how long one call holds the
+# server (~2 ms at 2 KB); the entries of a call travel as one msgpack blob.
 XADD_MANY_CHUNK = 256
-
-
-def xadd_many_args(rows: list[tuple[bytes, bytes]]) -> list[bytes]:
-    """ARGV for XADD_MANY_SCRIPT: rows of (payload, header)."""
-    return [msgpack.packb(rows, use_bin_type=False)]
 
 
 async def ensure_group(client: Any, stream: str, group: str) -> None:
