@@ -18,8 +18,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from stream_reward._version import __version__
 from stream_reward.errors import StreamRewardError
@@ -183,6 +183,46 @@ async def _produce(url: str, rollouts: Any, response_len: int, settings: Any, ra
     )
 
 
+T = TypeVar("T")
+
+
+def _run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run``, with Python 3.11's Ctrl-C on 3.10 too: the interrupt cancels the
+    main task (so its ``finally`` blocks run) and surfaces here as KeyboardInterrupt.
+    3.10's own asyncio.run lets the interrupt escape from inside a task, which then
+    logs its traceback ("Task exception was never retrieved") after the one-line message."""
+    if sys.version_info >= (3, 11):
+        return asyncio.run(coro)
+    interrupted = False
+
+    async def main() -> T:
+        nonlocal interrupted
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+
+        def on_sigint() -> None:
+            nonlocal interrupted
+            interrupted = True
+            if task is not None:
+                task.cancel()
+
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if in_main_thread:
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            return await coro
+        finally:
+            if in_main_thread:
+                loop.remove_signal_handler(signal.SIGINT)
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+
+
 # ---------------------------------------------------------------------- commands
 def cmd_server(args: argparse.Namespace) -> int:
     from stream_reward.ops.embedded import EmbeddedServer
@@ -210,7 +250,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Check the settings here (one clear line on a mistake), then become the worker program."""
     settings = resolve_args(args)
     if args.check:
-        healthy, message = asyncio.run(check_health(settings, consumer=args.consumer))
+        healthy, message = _run_async(check_health(settings, consumer=args.consumer))
         print(message, file=sys.stdout if healthy else sys.stderr)
         return 0 if healthy else 1
     settings.require_redis()
@@ -227,7 +267,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     rollouts = read_rollouts(args.file, args.batch)
     for error in rollouts.bad_lines.values():
         print(f"{args.file}: {error}", file=sys.stderr)
-    asyncio.run(_produce(args.redis, rollouts, args.response_len, settings, args.rate))
+    _run_async(_produce(args.redis, rollouts, args.response_len, settings, args.rate))
     print(json.dumps({"batch": args.batch, "pushed": len(rollouts.trajectories), "bad_lines": len(rollouts.bad_lines)}))
     return 0
 
@@ -242,7 +282,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
                 watcher = _watch_batch(args.redis, args.namespace, args.batch, progress) if progress.drawn else None
                 return await _with_watcher(agg.collect(args.batch, timeout_s=args.timeout_s), watcher)
 
-        rewards = asyncio.run(_bounded(run(), args.timeout_s, f"collect {args.batch!r}", args.redis))
+        rewards = _run_async(_bounded(run(), args.timeout_s, f"collect {args.batch!r}", args.redis))
     if args.out:
         from stream_reward.trainer.tensors import import_torch
 
@@ -305,7 +345,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
         # Workers that die (an unloadable scorer, a wrong password) fail the command
         # in seconds, naming the cause, instead of at --timeout.
-        rewards = asyncio.run(pipeline.guard(run()))
+        rewards = _run_async(pipeline.guard(run()))
     rows = result_rows(rewards)
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
@@ -331,7 +371,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ) as pipeline,
         progress_bar("scoring as rollouts stream", total=args.n, enabled=not args.json) as progress,
     ):
-        report = asyncio.run(
+        report = _run_async(
             pipeline.guard(
                 run_demo(
                     pipeline.url,
@@ -375,7 +415,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "max_concurrent": quota.get("max_concurrent"),
             "estimated_tokens_per_request": quota.get("estimated_tokens_per_request"),
         }
-    status = asyncio.run(
+    status = _run_async(
         read_status(
             args.redis,
             args.namespace,
@@ -427,7 +467,7 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
     from stream_reward.ops.deadletters import list_dead_letters
 
     _settings(args)
-    letters = asyncio.run(
+    letters = _run_async(
         list_dead_letters(args.redis, namespace=args.namespace, partitions=args.partitions, count=args.count)
     )
     rows = [letter.summary() for letter in letters]
@@ -448,7 +488,7 @@ def cmd_dlq_redrive(args: argparse.Namespace) -> int:
     from stream_reward.ops.deadletters import redrive_dead_letters
 
     _settings(args)
-    moved = asyncio.run(
+    moved = _run_async(
         redrive_dead_letters(args.redis, namespace=args.namespace, partitions=args.partitions, ids=args.ids or None)
     )
     print(json.dumps({"namespace": args.namespace, "redriven": moved}))
