@@ -216,11 +216,14 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
                 loop.remove_signal_handler(signal.SIGINT)
 
     try:
-        return asyncio.run(main())
+        result = asyncio.run(main())
     except asyncio.CancelledError:
         if interrupted:
             raise KeyboardInterrupt from None
         raise
+    if interrupted:  # the coroutine took the cancel and returned: still an interrupt
+        raise KeyboardInterrupt
+    return result
 
 
 # ---------------------------------------------------------------------- commands
