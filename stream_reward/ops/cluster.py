@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stream_reward.errors import BrokerError
-from stream_reward.ops.embedded import die_with_parent, find_server_binary
+from stream_reward.ops.embedded import die_with_parent, find_server_binary, server_args
 
 __all__ = ["LocalCluster", "HASH_SLOTS"]
 
@@ -169,18 +169,7 @@ class LocalCluster:
             os.path.join(node_dir, "nodes.conf"),
             "--cluster-node-timeout",
             "5000",
-            "--dir",
-            node_dir,
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if self.appendonly else "no",
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
-            "--logfile",
-            os.path.join(node_dir, "server.log"),
+            *server_args(node_dir, os.path.join(node_dir, "server.log"), appendonly=self.appendonly),
             *self.extra_args,
         ]
         with open(os.path.join(node_dir, "stderr.log"), "ab") as err_file:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from stream_reward.errors import BrokerError
 
-__all__ = ["EmbeddedServer", "find_server_binary", "die_with_parent", "own_group_and_die_with_parent"]
+__all__ = ["EmbeddedServer", "find_server_binary", "server_args", "die_with_parent", "own_group_and_die_with_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,25 @@ def own_group_and_die_with_parent() -> None:
     die_with_parent()
 
 
+def server_args(data_dir: str, logfile: str, *, appendonly: bool) -> list[str]:
+    """The arguments every server we run as our own child shares: a data dir, no RDB
+    snapshots, AOF only when asked, in the foreground, warnings to a log file."""
+    return [
+        "--dir",
+        data_dir,
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if appendonly else "no",
+        "--daemonize",
+        "no",
+        "--loglevel",
+        "warning",
+        "--logfile",
+        logfile,
+    ]
+
+
 @dataclass
 class EmbeddedServer:
     """``with EmbeddedServer() as server: server.url``; or ``start()`` / ``stop()``."""
@@ -140,18 +159,7 @@ class EmbeddedServer:
             self.socket_path,
             "--unixsocketperm",
             "700",
-            "--dir",
-            data_dir,
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if self.appendonly else "no",
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
-            "--logfile",
-            os.path.join(self._tmp, "server.log"),
+            *server_args(data_dir, os.path.join(self._tmp, "server.log"), appendonly=self.appendonly),
             *self.extra_args,
         ]
         # stderr goes to a file, not a pipe: nobody drains a pipe for the server's lifetime.
