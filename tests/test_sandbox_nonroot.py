@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,6 +59,29 @@ def _runnable() -> str | None:
     return None
 
 
+def _run_as_nobody(repo: Path, cases: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            "setpriv",
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            SYSTEM_PYTHON,
+            "-c",
+            SCRIPT,
+            str(repo),
+            str(repo),
+        ],
+        input=cases,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp"},
+    )
+
+
 @pytest.mark.skipif(_runnable() is not None, reason=str(_runnable()))
 def test_non_root_sandbox_scores_hacks_zero():
     table = [(f"{n}-{f}", p, e.get("gt", hacks.FORMS[f])) for n, f, p, e in hacks.HACKS if "prompt" not in e]
@@ -71,26 +94,16 @@ def test_non_root_sandbox_scores_hacks_zero():
         ("honest-stdin", hacks.RIGHT_STDIN, hacks.FORMS["stdin"]),
         ("honest-check", "def add(a, b):\n    return a + b\n", hacks.FORMS["check"]),
     ]
-    proc = subprocess.run(
-        [
-            "setpriv",
-            "--reuid",
-            "65534",
-            "--regid",
-            "65534",
-            "--clear-groups",
-            SYSTEM_PYTHON,
-            "-c",
-            SCRIPT,
-            str(REPO),
-            sysconfig.get_path("purelib"),
-        ],
-        input=json.dumps(honest + table),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp"},
-    )
+    # uid 65534 must read the scorer's source: the checkout (a CI clone in a 0700 temp dir,
+    # say) may be closed to it, so it gets a world-readable copy. The scorer needs only
+    # the stdlib, so no site-packages is put on its path.
+    shown = Path(tempfile.mkdtemp(prefix="sr-nonroot-"))
+    try:
+        os.chmod(shown, 0o755)
+        shutil.copytree(REPO / "stream_reward", shown / "stream_reward", ignore=shutil.ignore_patterns("__pycache__"))
+        proc = _run_as_nobody(shown, json.dumps(honest + table))
+    finally:
+        shutil.rmtree(shown, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["backend"] == "bwrap"
