@@ -37,6 +37,7 @@ from stream_reward.wire.entries import XADD_MANY_CHUNK, ensure_group, entry_head
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
+from stream_reward.wire.packed import can_send_packed, pack_command, send_packed
 from stream_reward.wire.push import CONFLICT_REASONS, DUPLICATE, FRESH, PUSH_SCRIPT, digest, push_args
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
@@ -397,6 +398,8 @@ class RolloutProducer:
         with redis_errors(f"push of {len(entries)} trajectories failed"):
             replies = await self._call_push(calls, cluster)
         for (chunk, _, _), reply in zip(calls, replies):
+            if isinstance(reply, int):  # the script's fast path: every entry fresh
+                continue
             for at, verdict in zip(chunk, reply):
                 verdicts[at] = int(verdict)
         if cluster:
@@ -419,6 +422,16 @@ class RolloutProducer:
             )
         for attempt in (1, 2):
             try:
+                if can_send_packed(self.client):
+                    # The calls carry every payload as an argument: packed here in one join.
+                    packed = [
+                        pack_command("EVALSHA", self._push_sha, len(keys), *keys, *args) for _, keys, args in calls
+                    ]
+                    replies = await send_packed(self.client, packed)
+                    for reply in replies:
+                        if isinstance(reply, Exception):
+                            raise reply
+                    return replies
                 # EVALSHA in a plain pipeline: redis-py's Script objects would first ask
                 # SCRIPT EXISTS, a second round trip on every flush.
                 async with self.client.pipeline(transaction=False) as pipe:

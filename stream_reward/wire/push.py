@@ -17,9 +17,20 @@ command per entry), and then
 
 The check and the XADD run in one script, so two producers racing on one
 index cannot both win, and the verdict comes back in the push's own round trip.
-Entries travel as one msgpack blob (packing an argument per field costs the
-client more than the whole call); the digest is of the encoded trajectory,
-which is deterministic for equal trajectories.
+
+The common call is all fresh: no index or uid twice in the call (the client
+checks) and none of them in the batch yet (one HMGET per batch checks). It
+takes a fast path that runs no Lua per entry beyond its XADD: the client lays
+out the fields to look up, the claims and the lengths as ready argument
+ranges, which the script hands to HMGET / HSET whole, and the answer is the
+entry count (every entry ``FRESH``). Anything else takes the slow path, entry
+by entry, from a msgpack list of the rows. The push's server time is on the
+producer's critical path (it waits for the verdict): measured here, a call of
+256 entries of 2 KB went from 8.5 to 6.3 us of server CPU an entry (2.5 ms ->
+1.7 ms a call in ``bench throughput``). Payloads travel as arguments of their
+own: inside a msgpack blob the script had to copy each out with ``unpack``.
+The digest is of the encoded trajectory, which is deterministic for equal
+trajectories.
 """
 
 from __future__ import annotations
@@ -50,10 +61,58 @@ CONFLICT_REASONS = {
 }
 
 PUSH_SCRIPT = """
+-- KEYS[1]: the stream; KEYS[k], KEYS[k + 1]: a batch's claims and lengths hashes.
+-- ARGV: ttl, '1' to write lengths, the plan, the rows (read on the slow path
+-- only), then each row's payload and header.
+-- The plan: {quick (1: no index or uid twice in the call), rows,
+--            {k, claim fields to look up, claims (field, value, ...), lengths (index, length, ...)}, ...}.
 local ttl = tonumber(ARGV[1])
 local write_lens = ARGV[2] == '1'
-local rows = cmsgpack.unpack(ARGV[3])
-local SLICE = 500  -- unpack() is bounded by the Lua stack
+local plan = cmsgpack.unpack(ARGV[3])
+local nrows = plan[2]
+local P = 4  -- row n's payload is ARGV[P + 2n - 1], its header ARGV[P + 2n]
+local SLICE = 1000  -- unpack() is bounded by the Lua stack; even, so pairs stay whole
+local function sliced(cmd, key, list)
+  local out = {}
+  for a = 1, #list, SLICE do
+    out[#out + 1] = redis.call(cmd, key, unpack(list, a, math.min(a + SLICE - 1, #list)))
+  end
+  return out
+end
+local function xadd(n)
+  redis.call('XADD', KEYS[1], '*', 'd', ARGV[P + 2 * n - 1], 'h', ARGV[P + 2 * n])
+end
+
+-- The fast path: nothing of the call is in its batches yet.
+local quick = plan[1] == 1
+for b = 3, #plan do
+  if not quick then break end
+  for _, got in ipairs(sliced('HMGET', KEYS[plan[b][1]], plan[b][2])) do
+    for j = 1, #got do
+      if got[j] then
+        quick = false
+        break
+      end
+    end
+  end
+end
+if quick then
+  for b = 3, #plan do
+    local p = plan[b]
+    sliced('HSET', KEYS[p[1]], p[3])
+    redis.call('EXPIRE', KEYS[p[1]], ttl, 'NX')
+    if write_lens then
+      sliced('HSET', KEYS[p[1] + 1], p[4])
+    end
+  end
+  for n = 1, nrows do
+    xadd(n)
+  end
+  return nrows
+end
+
+-- The slow path, entry by entry. A row: {k, index, uid, digest, length, implied}.
+local rows = cmsgpack.unpack(ARGV[4])
 local status = {}
 local by_batch, order = {}, {}
 for n, row in ipairs(rows) do
@@ -74,7 +133,7 @@ for _, k in ipairs(order) do
     for i = lo, math.min(lo + SLICE - 1, #list) do
       local row = rows[list[i]]
       fields[#fields + 1] = 'i' .. row[2]
-      if row[8] == 0 then fields[#fields + 1] = 'u' .. row[3] end
+      if row[6] == 0 then fields[#fields + 1] = 'u' .. row[3] end
     end
     local got = redis.call('HMGET', KEYS[k], unpack(fields))
     for j = 1, #fields do
@@ -84,7 +143,7 @@ for _, k in ipairs(order) do
   local claims, lens = {}, {}
   for _, n in ipairs(list) do
     local row = rows[n]
-    local index, uid, implied = row[2], row[3], row[8] == 1
+    local index, uid, implied = row[2], row[3], row[6] == 1
     local at = tostring(index)
     local fi, fu = 'i' .. at, 'u' .. uid
     local mine = row[4] .. ' ' .. uid
@@ -115,21 +174,21 @@ for _, k in ipairs(order) do
       status[n] = 4
     end
   end
-  for lo = 1, #claims, 2 * SLICE do
-    redis.call('HSET', KEYS[k], unpack(claims, lo, math.min(lo + 2 * SLICE - 1, #claims)))
+  for lo = 1, #claims, SLICE do
+    redis.call('HSET', KEYS[k], unpack(claims, lo, math.min(lo + SLICE - 1, #claims)))
   end
   if #claims > 0 then
     redis.call('EXPIRE', KEYS[k], ttl, 'NX')
   end
   if write_lens then
-    for lo = 1, #lens, 2 * SLICE do
-      redis.call('HSET', KEYS[k + 1], unpack(lens, lo, math.min(lo + 2 * SLICE - 1, #lens)))
+    for lo = 1, #lens, SLICE do
+      redis.call('HSET', KEYS[k + 1], unpack(lens, lo, math.min(lo + SLICE - 1, #lens)))
     end
   end
 end
-for n, row in ipairs(rows) do
+for n = 1, nrows do
   if status[n] == 0 then
-    redis.call('XADD', KEYS[1], '*', 'd', row[6], 'h', row[7])
+    xadd(n)
   end
 end
 return status
@@ -156,12 +215,34 @@ def push_args(
     ``claims_key(batch)`` / ``lengths_key(batch)`` name the batch's hashes."""
     keys = [stream]
     slot: dict[str, int] = {}
+    layout: dict[int, tuple[list[Any], list[Any], list[Any]]] = {}
     packed = []
+    blobs: list[bytes] = []
+    named = 0
     for batch, index, uid, dig, length, payload, header, implied in rows:
         k = slot.get(batch)
         if k is None:
             k = slot[batch] = len(keys) + 1  # Lua is 1-based
             keys.append(claims_key(batch))
             keys.append(lengths_key(batch))
-        packed.append((k, index, uid, dig, length, payload, header, implied))
-    return keys, [ttl_s, "1" if write_lengths else "0", msgpack.packb(packed, use_bin_type=False)]
+            layout[k] = ([], [], [])
+        fields, claims, lengths = layout[k]
+        field = f"i{index}"
+        fields.append(field)
+        claims += (field, f"{dig} {uid}")
+        if not implied:
+            field = f"u{uid}"
+            fields.append(field)
+            claims += (field, index)
+        if length >= 0:
+            lengths += (index, length)
+        packed.append((k, index, uid, dig, length, implied))
+        blobs += (payload, header)
+    plan: list[Any] = [0, len(rows)]
+    for k, (fields, claims, lengths) in layout.items():
+        named += len(set(fields))
+        plan.append((k, fields, claims, lengths))
+    # The fast path needs every claim field once in the call (a batch's fields are told apart by it).
+    plan[0] = 1 if named == sum(len(f) for f, _, _ in layout.values()) else 0
+    pack = msgpack.packb
+    return keys, [ttl_s, "1" if write_lengths else "0", pack(plan, use_bin_type=False), pack(packed, use_bin_type=False), *blobs]
