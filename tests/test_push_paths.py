@@ -102,6 +102,6 @@ async def test_a_long_push_many_cancelled_midway_can_be_pushed_again_whole(redis
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.2)  # a slice already handed to Redis still lands
+        await asyncio.sleep(0.2)  # a call already handed to Redis still lands
         assert await producer.push_many(batch) == 2000
         assert await queued(redis_url, producer) == [(f"b/{i}", i) for i in range(2000)]

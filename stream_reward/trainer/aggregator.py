@@ -240,13 +240,15 @@ class RewardAggregator:
         ``collect`` for policy handling of what is missing.
         """
         meta = await self.meta(batch_id)
-        async for result in self._results(batch_id, meta, timeout_s):
-            yield result
+        async for page in self._results(batch_id, meta, timeout_s):
+            for result in page:
+                yield result
 
     async def _results(
         self, batch_id: str, meta: BatchMeta, timeout_s: float | None, ended: dict[str, bool] | None = None
-    ) -> AsyncIterator[ScoreResult]:
-        """The batch's results, each uid once. When it stops short, ``ended["deadline"]``
+    ) -> AsyncIterator[list[ScoreResult]]:
+        """The batch's results, each uid once, a page at a time (one async step per
+        result cost more than decoding it). When it stops short, ``ended["deadline"]``
         says whether the batch deadline (rather than ``timeout_s``) was the limit."""
         keys = Keys(self._namespace, self._partitions or meta.partitions)
         loop = asyncio.get_running_loop()
@@ -268,6 +270,7 @@ class RewardAggregator:
             pages = self._pages_together(batch_id, done, end)
         try:
             async for entries in pages:
+                page: list[ScoreResult] = []
                 for _entry_id, fields in entries:  # one entry per worker flush: uid -> result
                     for uid, payload in fields.items():
                         if uid in seen:
@@ -296,7 +299,9 @@ class RewardAggregator:
                             )
                             continue
                         filled.add(result.index)
-                        yield result
+                        page.append(result)
+                if page:
+                    yield page
                 if len(filled) >= meta.size:
                     return
         finally:
@@ -403,8 +408,9 @@ class RewardAggregator:
         meta = await self.meta(batch_id)
         by_index: dict[int, ScoreResult] = {}
         ended = {"deadline": False}
-        async for result in self._results(batch_id, meta, timeout_s, ended):
-            by_index[result.index] = result  # one per index: _results counts by index
+        async for page in self._results(batch_id, meta, timeout_s, ended):
+            for result in page:
+                by_index[result.index] = result  # one per index: _results counts by index
         if len(by_index) < meta.size:
             overdue = ended["deadline"]
             if not overdue and on_timeout == "raise":
@@ -486,7 +492,7 @@ def build_rewards(batch_id: str, meta: BatchMeta, results: list[ScoreResult]) ->
         # A fallback score counts as a real reward only where we know which token it
         # belongs to; a sample never pushed (unknown length) stays masked.
         valid.append((ok or (policy.on_failure == "fallback" and length is not None)) and length != 0)
-    extras = [dict(r.extra) for r in kept]
+    extras = [r.extra for r in kept]  # read, never changed: no copies
     return BatchRewards(
         batch_id=batch_id,
         rm_scores=place_scores(scores, lengths, meta.response_len),
