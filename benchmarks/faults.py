@@ -23,6 +23,7 @@ from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.ops.pipeline import spawn_worker
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import done_rows
 
 SCORER = "benchmarks._fault_scorer:jittery"
 
@@ -84,7 +85,7 @@ async def run(n: int, workers: int, kills: int, kill_every_s: float, reclaim_idl
             client = connect(url)
             try:
                 ledger = await client.hlen(keys.results(batch))
-                done = sum(len(fields) for _, fields in await client.xrange(keys.done(batch)))  # uid -> result
+                done = sum(len(done_rows(fields)[0]) for _, fields in await client.xrange(keys.done(batch)))
                 dead = await client.xlen(keys.dead_letters())
             finally:
                 await client.aclose()

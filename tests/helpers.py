@@ -39,3 +39,17 @@ async def score_batch(
         await producer.open_batch(batch_id, len(trajs), width, policy=policy)
         await producer.push_many(trajs)
         return await agg.collect(batch_id, timeout_s=timeout_s)
+
+
+async def done_results(client, done_key: str) -> list:
+    """Every result record in a done stream, in order, as ScoreResults (a done-stream
+    entry holds one worker flush's records back to back, see wire/ledger.py)."""
+    from stream_reward.wire.codec import result_from_row
+    from stream_reward.wire.ledger import done_rows
+
+    out = []
+    for _, fields in await client.xrange(done_key):
+        rows, broken = done_rows(fields)
+        assert broken is None, broken
+        out += [result_from_row(row) for row in rows]
+    return out

@@ -7,14 +7,14 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from helpers import wait_until
+from helpers import done_results, wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
 from stream_reward.managers.registry import RuleScorer
 from stream_reward.ops.cluster import LocalCluster
 from stream_reward.ops.deadletters import list_dead_letters, redrive_dead_letters
-from stream_reward.wire.codec import decode_result, encode_trajectory
+from stream_reward.wire.codec import encode_trajectory
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_fields
 from stream_reward.wire.keys import Keys, key_slot
@@ -58,8 +58,8 @@ async def ledger_uids(client, keys: Keys, batch_id: str) -> list[set[str]]:
     out = []
     for p in range(keys.partitions):
         ledger = await client.hgetall(keys.results(batch_id, p))
-        done = await client.xrange(keys.done(batch_id, p))
-        assert sorted(decode_result(v).uid for _, f in done for v in f.values()) == sorted(u.decode() for u in ledger)
+        done = await done_results(client, keys.done(batch_id, p))
+        assert sorted(r.uid for r in done) == sorted(u.decode() for u in ledger)
         out.append({u.decode() for u in ledger})
     return out
 

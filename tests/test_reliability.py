@@ -11,7 +11,7 @@ import time
 
 import msgpack
 import pytest
-from helpers import wait_until
+from helpers import done_results, wait_until
 
 from stream_reward import BatchPolicy, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -57,7 +57,7 @@ async def ledger_sizes(url: str, namespace: str, batch_id: str) -> tuple[int, in
     client = connect(url)
     keys = Keys(namespace)
     try:
-        done = sum(len(fields) for _, fields in await client.xrange(keys.done(batch_id)))  # uid -> result fields
+        done = len(await done_results(client, keys.done(batch_id)))
         return await client.hlen(keys.results(batch_id)), done
     finally:
         await client.aclose()

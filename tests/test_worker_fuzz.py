@@ -7,12 +7,13 @@ import asyncio
 import uuid
 
 import msgpack
+from helpers import done_results
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stream_reward.config import ConsumerConfig
 from stream_reward.managers.registry import RuleScorer
-from stream_reward.wire.codec import decode_result, decode_trajectory, encode_trajectory
+from stream_reward.wire.codec import decode_trajectory, encode_trajectory
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_fields
 from stream_reward.wire.keys import Keys
@@ -89,7 +90,8 @@ async def _run(url: str, entries: list[tuple[bytes, bool]]) -> None:
             for _, f in await client.xrange(keys.dead_letters())
         }
         assert all(d["reason"] and d["error"] for d in dead.values())
-        ledger = {k.decode(): decode_result(v) for k, v in (await client.hgetall(keys.results("B"))).items()}
+        ledger = {r.uid: r for r in await done_results(client, keys.done("B"))}
+        assert sorted(ledger) == sorted(k.decode() for k in await client.hkeys(keys.results("B")))
         for (entry_id, plain_fields, n), (data, _) in zip(ids, entries):
             if entry_id in dead:
                 if plain_fields:  # its batch is known from the plain fields: resolved as failed

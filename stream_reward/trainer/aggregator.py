@@ -33,11 +33,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from stream_reward.config import DEFAULT_NAMESPACE
-from stream_reward.errors import CodecError, CollectTimeoutError, ConfigError, StateLostError
+from stream_reward.errors import CollectTimeoutError, ConfigError, StateLostError
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.tensors import import_torch
 from stream_reward.wire.batch_meta import BatchMeta
-from stream_reward.wire.codec import decode_result, result_header
+from stream_reward.wire.codec import stored_result
 from stream_reward.wire.connection import (
     connect,
     is_cluster,
@@ -46,6 +46,7 @@ from stream_reward.wire.connection import (
 )
 from stream_reward.wire.entries import read_streams
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import done_rows
 from stream_reward.wire.namespace import check_protocol
 from stream_reward.wire.trajectory import ScoreResult
 
@@ -260,7 +261,7 @@ class RewardAggregator:
         if ended is not None:
             ended["deadline"] = deadline_end is not None and deadline_end == end
         done = [keys.done(batch_id, p, meta.group) for p in range(keys.partitions)]
-        seen: set[bytes] = set()  # uids (done stream field names) already read
+        seen: set[str] = set()  # uids already read
         filled: set[int] = set()  # indices resolved: the batch is complete when all are
         if meta.size <= 0:
             return
@@ -271,14 +272,24 @@ class RewardAggregator:
         try:
             async for entries in pages:
                 page: list[ScoreResult] = []
-                for _entry_id, fields in entries:  # one entry per worker flush: uid -> result
-                    for uid, payload in fields.items():
-                        if uid in seen:
-                            continue
-                        seen.add(uid)
-                        result = self._decode(batch_id, payload)
+                for entry_id, fields in entries:  # one entry per worker flush: its result records
+                    rows, broken = done_rows(fields)
+                    if broken is not None:
+                        log.warning(
+                            "batch %r: done-stream entry %r holds bytes that are not result records (%s); "
+                            "its samples from there on resolve as missing",
+                            batch_id,
+                            entry_id,
+                            broken,
+                        )
+                    for row in rows:
+                        result = stored_result(row)
                         if result is None:
+                            log.warning("batch %r: a result record that names no sample ignored: %.80r", batch_id, row)
                             continue
+                        if result.uid in seen:
+                            continue
+                        seen.add(result.uid)
                         if not 0 <= result.index < meta.size:
                             log.warning(
                                 "batch %r: result for uid %r has index %d outside the batch size %d; ignored",
@@ -306,21 +317,6 @@ class RewardAggregator:
                     return
         finally:
             await pages.aclose()
-
-    @staticmethod
-    def _decode(batch_id: str, payload: bytes) -> ScoreResult | None:
-        """A stored result; one that cannot be read (another protocol version) fails its own sample."""
-        try:
-            return decode_result(payload)
-        except CodecError as exc:
-            header = result_header(payload)
-            if header is None:
-                log.warning("batch %r: unreadable result record ignored: %s", batch_id, exc)
-                return None
-            uid, index = header
-            return ScoreResult(
-                uid, batch_id, index, 0.0, "failed", reason=exc.reason, error=f"unreadable result: {exc}"
-            )
 
     async def _read(self, cursors: dict[str, Any], block: int | None) -> Any:
         """One XREAD of the done streams; ``block`` None reads what is there without waiting."""

@@ -14,8 +14,8 @@ once and the next read includes the new stream. That costs one XADD per new
 batch, not per sample.
 
 A done stream holds each uid's first result once, so a result read before
-anyone asked for it (``result()`` called after it landed) is kept, as raw
-bytes, while its stream is followed; a stream nobody has waited on for
+anyone asked for it (``result()`` called after it landed) is kept, as its
+unpacked record, while its stream is followed; a stream nobody has waited on for
 ``linger_s`` is dropped with what was kept, and read again from the start if
 asked for later.
 
@@ -37,10 +37,11 @@ from typing import Any
 
 from stream_reward.config import DEFAULT_GROUP
 from stream_reward.errors import BrokerError, ResultTimeoutError
-from stream_reward.wire.codec import decode_result
+from stream_reward.wire.codec import row_header, stored_result
 from stream_reward.wire.connection import REDIS_ERRORS, connect, is_cluster, with_reconnect
 from stream_reward.wire.entries import read_streams
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import done_rows
 from stream_reward.wire.trajectory import ScoreResult
 
 __all__ = ["ResultListener", "acquire_listener", "release_listener"]
@@ -56,12 +57,12 @@ class _Followed:
     """A done stream being read: where the reader is, what landed, who waits."""
 
     cursor: bytes | str = "0-0"
-    # uid -> result payload, kept only once someone asked for a result that may have
+    # uid -> result record, kept only once someone asked for a result that may have
     # landed already (result()); score() registers before its push and needs none.
     keep: bool = False
     epoch: int = 0
-    landed: dict[bytes, bytes] = field(default_factory=dict)
-    waiters: dict[bytes, list[asyncio.Future[ScoreResult]]] = field(default_factory=dict)
+    landed: dict[str, Any] = field(default_factory=dict)
+    waiters: dict[str, list[asyncio.Future[ScoreResult]]] = field(default_factory=dict)
     idle_since: float = 0.0
 
 
@@ -142,7 +143,7 @@ class _Reader:
                     if followed is None or followed.epoch != epochs.get(name):
                         continue  # dropped, or to be read again from the start
                     followed.cursor = entries[-1][0]
-                    self._land(followed, entries)
+                    self._land(name, followed, entries)
                 if reply and listener.read_interval_s > 0:
                     # Let a few worker flushes gather before the next read: at thousands of
                     # results a second this turns many one-flush pages into a few fuller ones,
@@ -160,21 +161,29 @@ class _Reader:
             self.streams.clear()
 
     @staticmethod
-    def _land(followed: _Followed, entries: list[Any]) -> None:
+    def _land(name: str, followed: _Followed, entries: list[Any]) -> None:
         waiters = followed.waiters
         landed = followed.landed
         keep = followed.keep
-        for _entry_id, fields in entries:  # one entry per worker flush: uid -> result
-            if keep:
-                landed.update(fields)
-            if not waiters:
+        for entry_id, fields in entries:  # one entry per worker flush: its result records
+            if not keep and not waiters:
                 continue
-            for uid in fields.keys() & waiters.keys():
-                futures = waiters.pop(uid)
-                result = decode_result(fields[uid])
-                for fut in futures:
-                    if not fut.done():
-                        fut.set_result(result)
+            rows, broken = done_rows(fields)
+            if broken is not None:
+                log.warning("%s entry %r: bytes that are not result records (%s)", name, entry_id, broken)
+            for row in rows:
+                header = row_header(row)
+                if header is None:
+                    continue
+                uid = header[0]
+                if keep:
+                    landed[uid] = row
+                futures = waiters.pop(uid, None)
+                if futures:
+                    result = stored_result(row)
+                    for fut in futures:
+                        if not fut.done():
+                            fut.set_result(result)  # type: ignore[arg-type]  # a record with a header has one
 
     def _drop_idle(self, now: float) -> None:
         linger = self.listener.linger_s
@@ -273,15 +282,15 @@ class ResultListener:
         yet (its result cannot have been read), which spares keeping what lands."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ScoreResult] = loop.create_future()
-        key = uid.encode()
+        key = uid
         fut._sr_where = []  # type: ignore[attr-defined]  # (followed, uid) pairs to clean up
         for p in partitions:
             followed = self._reader(p, keys).follow(keys.done(batch_id, p, group))
             if landed and not followed.keep:
                 self._reader(p, keys).reread(followed)
-            payload = followed.landed.get(key)
-            if payload is not None:
-                fut.set_result(decode_result(payload))
+            row = followed.landed.get(key)
+            if row is not None:
+                fut.set_result(stored_result(row))  # type: ignore[arg-type]  # kept only with a header
                 return fut
             followed.waiters.setdefault(key, []).append(fut)
             fut._sr_where.append((followed, key))  # type: ignore[attr-defined]

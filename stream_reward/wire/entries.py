@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 from redis.exceptions import ResponseError
 
+from stream_reward.wire.codec import packb
 from stream_reward.wire.connection import is_cluster
 
 __all__ = [
@@ -41,7 +42,7 @@ FIELD_HEADER = b"h"
 
 
 def entry_header(batch_id: str, index: int, uid: str) -> bytes:
-    return msgpack.packb((batch_id, index, uid))
+    return packb((batch_id, index, uid))
 
 
 def entry_fields(payload: bytes, batch_id: str, index: int, uid: str) -> dict[str, Any]:

@@ -1,12 +1,21 @@
 """Write-once results: the exactly-once half of "at-least-once delivery, exactly-once results".
 
-One Lua call per flush does, for every scored entry: store the result in the
-batch's ledger of this consumer group under the sample's uid unless one is there
-(results are kept per (group, uid), see ``Keys.results``); only if it was the first write, add it
-to the batch's ``done`` stream (one entry per flush, fields uid -> result, which
-the aggregator blocks on); dead-letter if asked; and XACK the entry. Running it as one script makes "result durable, then
-ack" atomic, and makes a redelivered sample (a reclaimed entry whose first
-worker died after writing) a no-op instead of a second count.
+One Lua call per flush does, for every scored entry: mark the sample's uid in
+the batch's ledger of this consumer group unless it is marked already (results
+are kept per (group, uid), see ``Keys.results``); only if it was the first
+write, add the result to the batch's ``done`` stream, which the aggregator and
+the result listener read; dead-letter if asked; and XACK the entry. Running it
+as one script makes "result durable, then ack" atomic, and makes a redelivered
+sample (a reclaimed entry whose first worker died after writing) a no-op
+instead of a second count.
+
+Each result is stored once, in the done stream: the ledger hash holds a mark
+per uid (all the write-once check needs; status counts read its length), not a
+second copy of the record. A done-stream entry is one flush of one batch: a
+single field, ``r``, holding that flush's result records back to back (each a
+msgpack array, ``wire.codec.encode_result``), which a reader unpacks in one
+pass (``done_rows``). Field pairs uid -> record cost the server a field each
+and every reader a bytes object and a dict slot each.
 
 Every key one call touches belongs to one partition (its stream, dead-letter
 stream, and the batches' ledgers and done streams under that partition's tag),
@@ -21,15 +30,27 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
+from stream_reward.wire.codec import packb, result_rows
 from stream_reward.wire.connection import is_cluster
 from stream_reward.wire.keys import Keys
 
-__all__ = ["LedgerItem", "LedgerWriter", "DLQ_MAXLEN"]
+__all__ = ["LedgerItem", "LedgerWriter", "DLQ_MAXLEN", "DONE_FIELD", "done_rows"]
 
 # Dead letters are kept for inspection and redrive, but not without bound.
 DLQ_MAXLEN = 100_000
+
+# The one field of a done-stream entry: the flush's result records, back to back.
+DONE_FIELD = b"r"
+
+
+def done_rows(fields: dict[Any, Any]) -> tuple[list[Any], str | None]:
+    """The unpacked result records of one done-stream entry, in order; and, when
+    the entry holds bytes that are not records, what stopped the reading there."""
+    data = fields.get(DONE_FIELD, fields.get("r"))
+    if not isinstance(data, (bytes, bytearray)):
+        return [], "no results field"
+    return result_rows(bytes(data))
+
 
 _WRITE_SCRIPT = """
 local group = ARGV[1]
@@ -59,11 +80,13 @@ for _, item in ipairs(items) do
   end
 end
 -- Write-once per uid, a few commands per batch rather than one per sample (each
--- redis.call costs more than the work it does): HMGET which uids already have a
--- result, HSET the others, and add those to the done stream as one entry.
+-- redis.call costs more than the work it does): HMGET which uids are marked
+-- already, mark the others, and add their results to the done stream as one
+-- entry, the records back to back.
 local written = 0
 for k, list in pairs(by_batch) do
-  local fresh = {}
+  local marks = {}
+  local records = {}
   local taken = {}
   for lo = 1, #list, SLICE do
     local hi = math.min(lo + SLICE - 1, #list)
@@ -76,17 +99,19 @@ for k, list in pairs(by_batch) do
       local uid = list[i][3]
       if not existing[i - lo + 1] and not taken[uid] then
         taken[uid] = true
-        fresh[#fresh + 1] = uid
-        fresh[#fresh + 1] = list[i][4]
+        marks[#marks + 1] = uid
+        marks[#marks + 1] = '1'
+        records[#records + 1] = list[i][4]
       end
     end
   end
-  for lo = 1, #fresh, 2 * SLICE do
-    local hi = math.min(lo + 2 * SLICE - 1, #fresh)
-    redis.call('HSET', KEYS[k], unpack(fresh, lo, hi))
-    redis.call('XADD', KEYS[k + 1], '*', unpack(fresh, lo, hi))
+  for lo = 1, #marks, 2 * SLICE do
+    redis.call('HSET', KEYS[k], unpack(marks, lo, math.min(lo + 2 * SLICE - 1, #marks)))
   end
-  written = written + #fresh / 2
+  if #records > 0 then
+    redis.call('XADD', KEYS[k + 1], '*', 'r', table.concat(records))
+  end
+  written = written + #records
   redis.call('EXPIRE', KEYS[k], ttl, 'NX')
   redis.call('EXPIRE', KEYS[k + 1], ttl, 'NX')
 end
@@ -133,7 +158,7 @@ class LedgerWriter:
                     keys.append(self._keys.done(item.batch_id, partition, self._group))
                     slot_of[item.batch_id] = k
             rows.append((item.entry_id, k, item.uid or "", item.result or b"", item.dead_letter or b""))
-        return keys, [self._group, self._ttl, DLQ_MAXLEN, msgpack.packb(rows, use_bin_type=False)]
+        return keys, [self._group, self._ttl, DLQ_MAXLEN, packb(rows, bin_type=False)]
 
     async def write(self, partition: int, items: list[LedgerItem]) -> int:
         """Settle ``items`` of one partition in one round trip; returns how many results were new."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-import msgpack
+from stream_reward.wire.codec import packb
 
 __all__ = [
     "PUSH_SCRIPT",
@@ -244,5 +244,10 @@ def push_args(
         plan.append((k, fields, claims, lengths))
     # The fast path needs every claim field once in the call (a batch's fields are told apart by it).
     plan[0] = 1 if named == sum(len(f) for f, _, _ in layout.values()) else 0
-    pack = msgpack.packb
-    return keys, [ttl_s, "1" if write_lengths else "0", pack(plan, use_bin_type=False), pack(packed, use_bin_type=False), *blobs]
+    return keys, [
+        ttl_s,
+        "1" if write_lengths else "0",
+        packb(plan, bin_type=False),
+        packb(packed, bin_type=False),
+        *blobs,
+    ]
