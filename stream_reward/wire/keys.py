@@ -93,11 +93,12 @@ class Keys:
     # rewards. A batch names the group it collects (batch meta ``group``); a
     # composite reward later names several and reads each group's ledger.
     def results(self, batch_id: str, partition: int = 0, group: str = DEFAULT_GROUP) -> str:
-        """Hash uid -> result payload: one group's write-once ledger of a batch."""
+        """Hash uid -> mark: one group's write-once ledger of a batch (the records are in ``done``)."""
         return f"{self.tag(partition)}:res:{group}:{batch_id}"
 
     def done(self, batch_id: str, partition: int = 0, group: str = DEFAULT_GROUP) -> str:
-        """Stream of one group's first results of a batch, in landing order; the aggregator blocks on it."""
+        """Stream of one group's first results of a batch, in landing order, an entry per worker
+        flush (see wire/ledger.py); the aggregator and the result listener read it."""
         return f"{self.tag(partition)}:done:{group}:{batch_id}"
 
     def claims(self, batch_id: str, partition: int = 0) -> str:
