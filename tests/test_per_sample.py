@@ -72,6 +72,36 @@ async def test_score_times_out_with_a_clear_error_and_the_sample_stays_queued(re
             await client.aclose()
 
 
+async def test_timeouts_fire_on_time_never_early(redis_url, namespace):
+    from stream_reward.trainer.listener import TIMEOUT_TICK_S
+
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        await producer.open_batch("nobody", 3, 4)  # no worker: nothing is scored
+        loop = asyncio.get_running_loop()
+
+        async def timed(i: int, timeout_s: float) -> float:
+            started = loop.time()
+            with pytest.raises(ResultTimeoutError):
+                await producer.score(traj("nobody", i, True), timeout_s=timeout_s)
+            return loop.time() - started
+
+        took = await asyncio.gather(timed(0, 0.3), timed(1, 0.45), timed(2, 0.7))
+    for timeout_s, t in zip((0.3, 0.45, 0.7), took):
+        assert timeout_s <= t <= timeout_s + TIMEOUT_TICK_S + 0.2, (timeout_s, t)
+
+
+async def test_resolved_samples_leave_no_timeout_behind(redis_url, namespace, spawn_workers):
+    spawn_workers(1, "--scorer", SCORER)
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        await producer.open_batch("t", 200, 4)
+        results = await asyncio.gather(*(producer.score(traj("t", i, True), timeout_s=600) for i in range(200)))
+        assert all(r.status == "ok" for r in results)
+        listener = producer._listener
+        assert listener is not None
+        # Each of them was due to time out in 10 minutes: none is still held for it.
+        assert sum(len(due) for due in listener._due.values()) == 0
+
+
 async def test_result_of_a_sample_pushed_by_another_process(redis_url, namespace, spawn_workers):
     spawn_workers(1, "--scorer", SCORER)
     code = textwrap.dedent(
@@ -272,3 +302,22 @@ async def test_conflicts_between_default_and_custom_uids(redis_url, namespace):
             assert await client.xlen(a.keys.stream()) == 2
         finally:
             await client.aclose()
+
+
+async def test_a_stale_backlog_estimate_with_room_lets_pushes_go_and_catches_up_in_the_background(redis_url, namespace):
+    """The backlog estimate (last reading + own pushes) only errs high for one producer;
+    another producer's pushes it learns from the reading it starts in the background."""
+    from stream_reward.errors import BackpressureError
+
+    config = ProducerConfig(namespace=namespace, max_backlog=10, on_backlog="raise", backlog_poll_s=0.05)
+    async with (
+        RolloutProducer(redis_url, config) as mine,
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as other,
+    ):
+        await other.open_batch("o", 20, 4)
+        await other.push_many(traj("o", i, True) for i in range(20))  # the backlog is now 20, over our limit
+        await mine.open_batch("m", 5, 4)
+        await mine.push(traj("m", 0, True))  # our estimate says 0: it goes, and a reading starts
+        await asyncio.sleep(0.1)
+        with pytest.raises(BackpressureError, match="backlog 2[01] \\+ 1 exceeds max_backlog 10"):
+            await mine.push(traj("m", 1, True))
