@@ -343,7 +343,7 @@ def plot(path: str, result: dict[str, Any]) -> None:
 
 def goals(result: dict[str, Any]) -> dict[str, bool]:
     ratio = result["ratio"]
-    return {"ratio >= 0.7": ratio is not None and ratio >= 0.7, "every trajectory scored": result["all_scored"]}
+    return {"ratio >= 0.8": ratio is not None and ratio >= 0.8, "every trajectory scored": result["all_scored"]}
 
 
 def main(argv: list[str] | None = None) -> int:

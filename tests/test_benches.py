@@ -32,7 +32,7 @@ def test_throughput(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert r["processes"] == 2
     assert r["scored"] == r["ok"] == 3000
     assert r["all_scored"] is True
-    assert set(r["goals"]) == {"ratio >= 0.7", "every trajectory scored"}
+    assert set(r["goals"]) == {"ratio >= 0.8", "every trajectory scored"}
     assert png.stat().st_size > 0
 
 
