@@ -250,15 +250,18 @@ class ResultListener:
         that a result landing during the push cannot slip by; its errors propagate.
         """
         fut = self.expect(batch_id, uid, partitions, keys, group=group, landed=before is None)
-        # A timeout on the future itself, not wait_for(shield(...)): that costs a task and
-        # two more futures per sample, which at thousands of samples a second shows.
-        if timeout_s is not None and not fut.done():
-            self._arm(fut, batch_id, uid, timeout_s)
         try:
+            # A timeout on the future itself, not wait_for(shield(...)): that costs a task and
+            # two more futures per sample, which at thousands of samples a second shows.
+            if timeout_s is not None and not fut.done():
+                self._arm(fut, batch_id, uid, timeout_s)
             if before is not None:
-                await before
+                pushing, before = before, None
+                await pushing
             return await fut
         finally:
+            if before is not None and hasattr(before, "close"):
+                before.close()  # never started: no "never awaited" warning
             if not fut.done():
                 fut.cancel()
             self.forget(fut)
@@ -268,7 +271,10 @@ class ResultListener:
         One timer per tick for every sample due in it: a timer per sample (call_later,
         then cancel) was a tenth of the per-sample path's cost in this process."""
         loop = asyncio.get_running_loop()
-        tick = math.ceil((loop.time() + timeout_s) / TIMEOUT_TICK_S)
+        at = (loop.time() + timeout_s) / TIMEOUT_TICK_S
+        if not math.isfinite(at):
+            return  # an infinite (or NaN) timeout never comes: none
+        tick = math.ceil(at)
         due = self._due.get(tick)
         if due is None:
             due = self._due[tick] = {}

@@ -86,7 +86,8 @@ def _default_index(batch_id: str, uid: str) -> int | None:
     prefix = f"{batch_id}/"
     if uid.startswith(prefix):
         rest = uid[len(prefix) :]
-        if rest.isdigit() and (rest == "0" or not rest.startswith("0")):
+        # ASCII digits only: str.isdigit() also takes "²" and "٣", which int() reads or refuses.
+        if rest.isascii() and rest.isdigit() and (rest == "0" or not rest.startswith("0")):
             return int(rest)
     return None
 
@@ -141,6 +142,7 @@ class RolloutProducer:
         self._push_sha: str | None = None  # PUSH_SCRIPT, loaded on the first push
         self._coalescer: Coalescer[_Entry, int] | None = None
         self._backlog_reading: asyncio.Future[None] | None = None
+        self._counted_while_reading = 0  # see _read_backlog
         self._listener: ResultListener | None = None  # the process's result listener, on first score()
 
     @property
@@ -307,6 +309,7 @@ class RolloutProducer:
         """
         entries: list[_Entry] = []
         reserved: list[tuple[set[str], str]] = []
+        counted = 0  # entries counted into the backlog estimate
         try:
             for traj in trajs:
                 named = _default_index(traj.batch_id, traj.uid)
@@ -338,12 +341,18 @@ class RolloutProducer:
             if not entries:
                 return 0
             # Only a push that must ask Redis first pays for the error context (one push per sample).
-            if (self.config.max_backlog and not self._room_known(len(entries))) or not self._groups_ready:
+            if not self._groups_ready:
                 with redis_errors(f"push of {len(entries)} trajectories failed"):
-                    if self.config.max_backlog and not self._room_known(len(entries)):
+                    await self._ensure_groups()
+            if self.config.max_backlog:
+                if not self._room_known(len(entries)):
+                    with redis_errors(f"push of {len(entries)} trajectories failed"):
                         await self._wait_for_room(len(entries))
-                    if not self._groups_ready:
-                        await self._ensure_groups()
+                # Counted before the flush, with no await since the check: the pushes of one
+                # loop turn see each other, so together they never pass max_backlog.
+                self._backlog += len(entries)
+                self._counted_while_reading += len(entries)
+                counted = len(entries)
             if self._coalescer is None:
                 self._coalescer = Coalescer(
                     self._flush,
@@ -355,12 +364,13 @@ class RolloutProducer:
         except BaseException:
             for seen, uid in reserved:
                 seen.discard(uid)
+            self._backlog = max(0, self._backlog - counted)
             raise
         conflict = None
         for entry, verdict, (seen, uid) in zip(entries, verdicts, reserved):
-            if verdict == FRESH:
-                self._backlog += 1
-            elif verdict != DUPLICATE:
+            if verdict != FRESH and counted:
+                self._backlog = max(0, self._backlog - 1)  # not queued by this call after all
+            if verdict not in (FRESH, DUPLICATE):
                 seen.discard(uid)
                 conflict = conflict or PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
         if conflict is not None:
@@ -518,6 +528,7 @@ class RolloutProducer:
             return False
         if asyncio.get_running_loop().time() - self._backlog_checked_at >= self.config.backlog_poll_s:
             if self._backlog_reading is None or self._backlog_reading.done():
+                self._counted_while_reading = 0
                 self._backlog_reading = asyncio.ensure_future(self._read_backlog())
                 # Its error (Redis away) is the next waiting push's to raise, not a stray log line.
                 self._backlog_reading.add_done_callback(_retrieve)
@@ -534,7 +545,8 @@ class RolloutProducer:
         while True:
             if loop.time() - self._backlog_checked_at >= self.config.backlog_poll_s:
                 if self._backlog_reading is None or self._backlog_reading.done():
-                    self._backlog_reading = asyncio.ensure_future(self._read_backlog())
+                    self._counted_while_reading = 0
+                self._backlog_reading = asyncio.ensure_future(self._read_backlog())
                 await asyncio.shield(self._backlog_reading)
             if self._backlog + incoming <= limit or self._backlog == 0:
                 return
@@ -544,7 +556,10 @@ class RolloutProducer:
 
     async def _read_backlog(self) -> None:
         await self._ensure_groups()
-        self._backlog = await self.backlog()
+        # Pushes counted since the reading was started may land after the server
+        # answered it: they are added on top (at worst counted twice: erring high).
+        reading = await self.backlog()
+        self._backlog = reading + self._counted_while_reading
         if not self._groups_ready:
             log.warning("stream or consumer group %r missing (Redis lost its state?): recreating", self.config.group)
             await self._ensure_groups()

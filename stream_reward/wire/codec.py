@@ -294,6 +294,25 @@ def result_from_row(row: Any) -> ScoreResult:
         version, uid, batch_id, index, score, status, attempts, scored_at, extra, reason, error, vl, ds, group = row
     except ValueError as exc:
         raise CodecError(f"not a result record: {exc}") from exc
+    # Every field's type, as for a trajectory: a record a foreign writer garbled fails
+    # its own sample here, never a collect (or every waiter of the listener) later.
+    # One expression for the common case (this runs per result on the trainer).
+    if not (
+        type(uid) is str
+        and type(batch_id) is str
+        and type(index) is int
+        and type(score) in _NUMBER
+        and (status == "ok" or status == "failed")
+        and type(attempts) is int
+        and type(scored_at) in _NUMBER
+        and (extra is None or type(extra) is dict)
+        and (reason is None or type(reason) is str)
+        and (error is None or type(error) is str)
+        and (vl is None or type(vl) is int)
+        and (ds is None or type(ds) is str)
+        and (group is None or type(group) is str)
+    ):
+        raise CodecError(_bad_result_field(row))
     return ScoreResult(
         uid=uid,
         batch_id=batch_id,
@@ -309,6 +328,31 @@ def result_from_row(row: Any) -> ScoreResult:
         group=group,
         scored_at=scored_at,
     )
+
+
+_NUMBER = (int, float)
+_RESULT_FIELDS: tuple[tuple[str, tuple[type, ...]], ...] = (
+    ("uid", (str,)),
+    ("batch_id", (str,)),
+    ("index", (int,)),
+    ("score", _NUMBER),
+    ("status", (str,)),
+    ("attempts", (int,)),
+    ("scored_at", _NUMBER),
+    ("extra", (dict, type(None))),
+    ("reason", (str, type(None))),
+    ("error", (str, type(None))),
+    ("valid_response_length", (int, type(None))),
+    ("data_source", (str, type(None))),
+    ("group", (str, type(None))),
+)
+
+
+def _bad_result_field(row: list[Any]) -> str:
+    for (name, types), value in zip(_RESULT_FIELDS, row[1:]):
+        if type(value) not in types:
+            return f"result field {name!r} must be {_type_names(types)}, got {type(value).__name__}"
+    return f"result field 'status' must be 'ok' or 'failed', got {row[5]!r}"
 
 
 def result_header(data: bytes) -> tuple[str, int] | None:

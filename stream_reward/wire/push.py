@@ -112,6 +112,8 @@ if quick then
 end
 
 -- The slow path, entry by entry. A row: {k, index, uid, digest, length, implied}.
+-- Indices and lengths come as decimal strings, as the fast path writes them: Lua
+-- would print a number of 15 digits or more as 1e+14, and miss or refuse its claim.
 local rows = cmsgpack.unpack(ARGV[4])
 local status = {}
 local by_batch, order = {}, {}
@@ -143,8 +145,7 @@ for _, k in ipairs(order) do
   local claims, lens = {}, {}
   for _, n in ipairs(list) do
     local row = rows[n]
-    local index, uid, implied = row[2], row[3], row[6] == 1
-    local at = tostring(index)
+    local at, uid, implied = row[2], row[3], row[6] == 1
     local fi, fu = 'i' .. at, 'u' .. uid
     local mine = row[4] .. ' ' .. uid
     local ci = known[fi]
@@ -159,8 +160,8 @@ for _, k in ipairs(order) do
         claims[#claims + 1] = fu
         claims[#claims + 1] = at
       end
-      if row[5] >= 0 then
-        lens[#lens + 1] = index
+      if row[5] ~= '' then
+        lens[#lens + 1] = at
         lens[#lens + 1] = row[5]
       end
       status[n] = 0
@@ -227,16 +228,18 @@ def push_args(
             keys.append(lengths_key(batch))
             layout[k] = ([], [], [])
         fields, claims, lengths = layout[k]
-        field = f"i{index}"
+        at = str(index)  # numbers as strings: the script never formats one (see the slow path)
+        size = str(length) if length >= 0 else ""
+        field = "i" + at
         fields.append(field)
         claims += (field, f"{dig} {uid}")
         if not implied:
             field = f"u{uid}"
             fields.append(field)
-            claims += (field, index)
-        if length >= 0:
-            lengths += (index, length)
-        packed.append((k, index, uid, dig, length, implied))
+            claims += (field, at)
+        if size:
+            lengths += (at, size)
+        packed.append((k, at, uid, dig, size, implied))
         blobs += (payload, header)
     plan: list[Any] = [0, len(rows)]
     for k, (fields, claims, lengths) in layout.items():
