@@ -104,10 +104,10 @@ class _Entry:
     length: int  # valid response tokens, -1 unknown
     payload: bytes
     header: bytes
+    implied: int  # 1: the uid is the default uid of its index (no uid claim needed)
 
     def row(self) -> tuple[str, int, str, str, int, bytes, bytes, int]:
-        implied = 1 if self.uid == default_uid(self.batch, self.index) else 0
-        return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, implied)
+        return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, self.implied)
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -312,7 +312,9 @@ class RolloutProducer:
         counted = 0  # entries counted into the backlog estimate
         try:
             for traj in trajs:
-                named = _default_index(traj.batch_id, traj.uid)
+                # Most samples carry their default uid: one comparison, not a parse.
+                implied = traj.uid == default_uid(traj.batch_id, traj.index)
+                named = None if implied else _default_index(traj.batch_id, traj.uid)
                 if named is not None and named != traj.index:
                     # The push script records no uid for a sample under its default uid (the uid
                     # names the index); a custom uid naming another index would slip past it.
@@ -336,6 +338,7 @@ class RolloutProducer:
                         -1 if length is None else length,
                         payload,
                         entry_header(traj.batch_id, traj.index, traj.uid),
+                        1 if implied else 0,
                     )
                 )
             if not entries:
