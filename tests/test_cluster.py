@@ -257,3 +257,20 @@ async def test_a_master_killed_and_restarted_mid_batch_loses_nothing(namespace, 
                 await client.aclose()
     assert rewards.status == ["ok"] * n and rewards.scores == expected
     assert sum(len(u) for u in ledgers) == n
+
+
+async def test_a_cluster_client_never_loses_the_node_its_url_named(cluster):
+    """redis-py drops a startup node on each connection error; with every one dropped
+    (a killed master under concurrent commands) it never reconnects (redis-py#3693)."""
+    from stream_reward.wire.connection import connect
+
+    client = connect(cluster.url)
+    try:
+        await client.ping()
+        startup = client.nodes_manager.startup_nodes
+        for name in list(startup):
+            startup.pop(name, None)  # what a burst of connection errors does
+        await client.nodes_manager.initialize()  # finds the cluster again from the URL's node
+        assert await client.ping()
+    finally:
+        await client.aclose()

@@ -204,7 +204,9 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
             options.setdefault("socket_timeout", None)
             options.setdefault("socket_keepalive", True)
             options.setdefault("socket_keepalive_options", _KEEPALIVE)
-            return RedisCluster.from_url(plain, **options)
+            client = RedisCluster.from_url(plain, **options)
+            _keep_startup_nodes(client)
+            return client
         # A blocking pool: past max_connections a command waits for a free
         # connection instead of failing with MaxConnectionsError (a worker may have
         # hundreds of samples acquiring quota at once).
@@ -213,6 +215,33 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
         return aredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
     except ValueError as exc:
         raise BrokerError(f"bad Redis URL {mask_url(url)!r}: {exc}") from None
+
+
+class _KeptNodes(dict):  # type: ignore[type-arg]
+    """A cluster client's startup nodes that never lose the ones the URL named.
+
+    redis-py's asyncio cluster drops a node from its startup nodes on every
+    connection error, and a failing command closes every node's connections, so
+    the commands in flight on the other nodes fail and drop theirs too: with all
+    dropped, it raises "Redis Cluster cannot be connected ... None" for ever, even
+    once the nodes are back (redis/redis-py#3693; hit here with redis-py 6.2 when
+    a master was killed under a worker's concurrent writes)."""
+
+    def __init__(self, nodes: dict[str, Any], keep: set[str]) -> None:
+        super().__init__(nodes)
+        self.keep = keep
+
+    def pop(self, name: str, *default: Any) -> Any:
+        if name in self.keep and name in self:
+            return self[name]  # handed out, as a pop would, but kept
+        return super().pop(name, *default)
+
+
+def _keep_startup_nodes(client: Any) -> None:
+    manager = getattr(client, "nodes_manager", None)
+    nodes = getattr(manager, "startup_nodes", None)
+    if isinstance(nodes, dict) and nodes:
+        manager.startup_nodes = _KeptNodes(nodes, set(nodes))  # type: ignore[union-attr]
 
 
 _LIMITERS: dict[str, LogLimiter] = {}
