@@ -174,3 +174,31 @@ def test_interleavings_match_the_reference_model(
     redis_url: str, ops: list[Push | Score], on_failure: str, deadline: bool, late: bool
 ) -> None:
     asyncio.run(play(redis_url, ops, on_failure, deadline, late))
+
+
+def test_a_burst_worker_of_concurrency_one_finishes_every_entry_a_dead_consumer_held(redis_url: str) -> None:
+    """Found by the property test above (flaky in CI): a burst worker's last reclaim
+    pass took one entry (its room), then found no room and stopped, leaving the rest."""
+
+    async def run() -> list[str]:
+        namespace = f"p{uuid.uuid4().hex[:10]}"
+        keys = Keys(namespace)
+        client = connect(redis_url)
+        async with (
+            RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
+            await producer.open_batch("b", 4, 8)
+            await producer.push_many(Trajectory("b", i, "test", response="a", ground_truth="a") for i in range(4))
+            # A consumer takes every entry and dies holding them.
+            await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=4)
+            # The reader is done long before the background reclaimer's first sweep (50 ms).
+            consumer = ConsumerConfig(namespace=namespace, block_ms=1, concurrency=1, reclaim_idle_ms=0)
+            worker = Worker(redis_url, Exact(), consumer)
+            await asyncio.wait_for(worker.run(asyncio.Event(), burst=True), 20)
+            await worker.aclose()
+            rewards = await agg.collect("b", timeout_s=0.5, on_timeout="resolve")
+        await client.aclose()
+        return rewards.status
+
+    assert asyncio.run(run()) == ["ok"] * 4

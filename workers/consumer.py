@@ -187,9 +187,14 @@ class Worker:
                         await self._reader(stop, burst)
                         reading_done.set()
                         if burst:
-                            # Pending entries of dead consumers are ours to finish too.
-                            while await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
-                                pass
+                            # Pending entries of dead consumers are ours to finish too. Each pass
+                            # starts with room: a pass that found none (the writer had not yet
+                            # settled the last one's) claimed nothing and would end the burst
+                            # with entries left behind.
+                            while True:
+                                await self._wait_idle()
+                                if not await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
+                                    break
                         await self._drain()
                     finally:
                         reading_done.set()
