@@ -321,3 +321,24 @@ async def test_a_stale_backlog_estimate_with_room_lets_pushes_go_and_catches_up_
         await asyncio.sleep(0.1)
         with pytest.raises(BackpressureError, match="backlog 2[01] \\+ 1 exceeds max_backlog 10"):
             await mine.push(traj("m", 1, True))
+
+
+async def test_pushes_waiting_for_room_share_one_backlog_reading(redis_url, namespace):
+    from stream_reward.errors import BackpressureError
+
+    config = ProducerConfig(namespace=namespace, max_backlog=10, on_backlog="raise", backlog_poll_s=0.05)
+    async with RolloutProducer(redis_url, config) as mine:
+        await mine.open_batch("w", 60, 4)
+        await mine.push_many(traj("w", i, True) for i in range(10))  # our estimate is at the limit
+        await asyncio.sleep(0.06)  # and stale
+        client = connect(redis_url)
+        try:
+            await client.config_resetstat()
+            replies = await asyncio.gather(
+                *(mine.push(traj("w", i, True)) for i in range(10, 60)), return_exceptions=True
+            )
+            stats = await client.info("commandstats")
+        finally:
+            await client.aclose()
+    assert all(isinstance(r, BackpressureError) for r in replies)
+    assert stats["cmdstat_xinfo|groups"]["calls"] <= 2  # one reading for all 50, not one each

@@ -530,12 +530,17 @@ class RolloutProducer:
         if self._backlog + incoming > self.config.max_backlog:
             return False
         if asyncio.get_running_loop().time() - self._backlog_checked_at >= self.config.backlog_poll_s:
-            if self._backlog_reading is None or self._backlog_reading.done():
-                self._counted_while_reading = 0
-                self._backlog_reading = asyncio.ensure_future(self._read_backlog())
-                # Its error (Redis away) is the next waiting push's to raise, not a stray log line.
-                self._backlog_reading.add_done_callback(_retrieve)
+            self._start_backlog_reading()
         return True
+
+    def _start_backlog_reading(self) -> asyncio.Future[None]:
+        """The backlog reading in flight, started if there is none: one for every push waiting on it."""
+        if self._backlog_reading is None or self._backlog_reading.done():
+            self._counted_while_reading = 0
+            self._backlog_reading = asyncio.ensure_future(self._read_backlog())
+            # Its error (Redis away) is the waiting push's to raise, not a stray log line.
+            self._backlog_reading.add_done_callback(_retrieve)
+        return self._backlog_reading
 
     async def _wait_for_room(self, incoming: int) -> None:
         limit = self.config.max_backlog
@@ -547,10 +552,7 @@ class RolloutProducer:
         # since) is good enough between.
         while True:
             if loop.time() - self._backlog_checked_at >= self.config.backlog_poll_s:
-                if self._backlog_reading is None or self._backlog_reading.done():
-                    self._counted_while_reading = 0
-                self._backlog_reading = asyncio.ensure_future(self._read_backlog())
-                await asyncio.shield(self._backlog_reading)
+                await asyncio.shield(self._start_backlog_reading())
             if self._backlog + incoming <= limit or self._backlog == 0:
                 return
             if self.config.on_backlog == "raise":

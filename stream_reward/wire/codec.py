@@ -40,7 +40,6 @@ __all__ = [
     "result_from_row",
     "stored_result",
     "result_rows",
-    "result_header",
     "row_header",
     "pack_ids",
     "unpack_ids",
@@ -353,15 +352,6 @@ def _bad_result_field(row: list[Any]) -> str:
         if type(value) not in types:
             return f"result field {name!r} must be {_type_names(types)}, got {type(value).__name__}"
     return f"result field 'status' must be 'ok' or 'failed', got {row[5]!r}"
-
-
-def result_header(data: bytes) -> tuple[str, int] | None:
-    """(uid, index) of a result record of any protocol version (the fixed prefix), or None."""
-    try:
-        row = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception:
-        return None
-    return row_header(row)
 
 
 def row_header(row: Any) -> tuple[str, int] | None:
