@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -450,3 +451,54 @@ async def test_no_worker_reclaims_an_entry_a_live_worker_is_still_scoring(redis_
     assert rewards.status == ["ok"] * 4 and rewards.scores == [1.0] * 4
     for w in workers:
         assert (w.stats.reclaimed, w.stats.duplicates, w.stats.dead_letters) == (0, 0, 0)
+
+
+async def test_two_reclaim_sweeps_of_one_worker_never_make_an_innocent_sample_poison(
+    redis_url: str, namespace: str
+) -> None:
+    """Found by the interleavings property test (flaky in CI): a burst worker's last
+    reclaim pass ran while its background sweep was still between XAUTOCLAIM and
+    scoring. Both claimed the same entry (each claim counts a delivery), both made it a
+    suspect, and the second quarantine found the first's note and dead-lettered the
+    sample as ``poison``. The first claim's XPENDING round trip is held open for the second."""
+
+    from stream_reward.scoring.scorer import Scored
+
+    class Right:  # slow enough that the other sweep comes back while it scores
+        async def score(self, traj: Trajectory) -> Scored:
+            await asyncio.sleep(0.4)
+            return Scored(1.0)
+
+    keys = Keys(namespace)
+    client = connect(redis_url)
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
+        await producer.open_batch("b", 1, 4)
+        await producer.push(Trajectory("b", 0, "test", response="a"))
+        # A consumer takes the entry and dies holding it.
+        await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
+        config = ConsumerConfig(namespace=namespace, block_ms=100, concurrency=1, reclaim_idle_ms=0)
+        worker = Worker(redis_url, Right(), config)
+        deliveries = worker._deliveries
+        calls: list[bytes] = []
+        second = asyncio.Event()
+
+        async def slow_deliveries(stream: str, ids: list[bytes]) -> dict[bytes, int]:
+            # The first sweep to claim waits (up to 1 s) for a second one to claim too.
+            calls.extend(ids)
+            if len(calls) > 1:
+                second.set()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(second.wait(), 1.0)
+            return await deliveries(stream, ids)
+
+        worker._deliveries = slow_deliveries  # type: ignore[method-assign]
+        await asyncio.wait_for(worker.run(asyncio.Event(), burst=True), 20)
+        await worker.aclose()
+        rewards = await agg.collect("b", timeout_s=2, on_timeout="resolve")
+    await client.aclose()
+    assert (rewards.status, rewards.results[0].reason) == (["ok"], None)
+    assert worker.stats.dead_letters == 0

@@ -123,6 +123,11 @@ class Worker:
         # The housekeeper also renews them (XCLAIM JUSTID: idle reset, delivery count kept),
         # so that no other worker takes a slow sample from a live one.
         self._held: dict[bytes, int] = {}  # entry id -> partition
+        # One reclaim sweep at a time: two (the background one and a burst's last pass)
+        # could claim the same entry between XAUTOCLAIM and _process, both count it a
+        # delivery, both quarantine it, and the second quarantine would find the first's
+        # note and dead-letter an innocent sample as poison.
+        self._sweeping = asyncio.Lock()
         self._task_entries: dict[asyncio.Task[None], tuple[int, bytes]] = {}
         self._writer_idle = asyncio.Event()
         self._reading = asyncio.Event()  # cleared while suspects are scored alone
@@ -188,13 +193,15 @@ class Worker:
                         reading_done.set()
                         if burst:
                             # Pending entries of dead consumers are ours to finish too. Each pass
-                            # starts with room: a pass that found none (the writer had not yet
-                            # settled the last one's) claimed nothing and would end the burst
-                            # with entries left behind.
+                            # starts with room, and with the background sweep out of the way: a
+                            # pass that found no room (the writer had not yet settled the last
+                            # pass's entries, or the sweep had just taken them) claimed nothing
+                            # and would end the burst with entries left behind.
                             while True:
-                                await self._wait_idle()
-                                if not await self._reclaim_once(min_idle_ms=self.config.reclaim_idle_ms):
-                                    break
+                                async with self._sweeping:
+                                    await self._wait_idle()
+                                    if not await self._reclaim_sweep(self.config.reclaim_idle_ms, None):
+                                        break
                         await self._drain()
                     finally:
                         reading_done.set()
@@ -508,6 +515,10 @@ class Worker:
     async def _reclaim_once(self, min_idle_ms: int, stop: asyncio.Event | None = None) -> int:
         """Claim entries idle past ``min_idle_ms`` from any consumer; returns how many.
         Claims nothing once ``stop`` is set."""
+        async with self._sweeping:
+            return await self._reclaim_sweep(min_idle_ms, stop)
+
+    async def _reclaim_sweep(self, min_idle_ms: int, stop: asyncio.Event | None) -> int:
         total = 0
         for partition, stream in enumerate(self.keys.streams()):
             start = "0-0"
