@@ -491,7 +491,7 @@ async def test_two_reclaim_sweeps_of_one_worker_never_make_an_innocent_sample_po
             if len(calls) > 1:
                 second.set()
             else:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # not the builtin before 3.11
                     await asyncio.wait_for(second.wait(), 1.0)
             return await deliveries(stream, ids)
 
