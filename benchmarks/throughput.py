@@ -12,6 +12,11 @@ rm_scores), which is exactly what the ratio prices.
 Runs alternate (baseline, pipeline, baseline, ...) ``--repeats`` times, each on a
 fresh private server, and the medians are reported: the machine is noisy, and
 interleaving spreads the noise over both sides.
+
+``--bare-bundle K`` adds a third side to the alternation: the same bare loop with K
+trajectories packed into each stream entry. It prices the per-entry cost of a Redis
+stream (XADD, the pending-entries list, XACK, the client's reply parsing), which the
+pipeline and the plain baseline both pay once per trajectory.
 """
 
 from __future__ import annotations
@@ -66,6 +71,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--gc-freeze",
         action="store_true",
         help="gc.freeze() the producer process's start-up heap (torch) before the runs, as a tuned trainer would",
+    )
+    parser.add_argument(
+        "--bare-bundle",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run the bare loop with K trajectories per stream entry (what bundling could buy)",
     )
     parser.add_argument("--skip-baseline", action="store_true", help=argparse.SUPPRESS)
     add_torch_threads(parser)
@@ -135,8 +147,9 @@ BL_STREAM, BL_GROUP, BL_RESULTS, BL_READY = "bl:traj", "bl:group", "bl:results",
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
-def baseline_consumer(url: str, name: str) -> int:
-    """The bare consumer loop (a separate process): no project code at all."""
+def baseline_consumer(url: str, name: str, bundle: int = 1) -> int:
+    """The bare consumer loop (a separate process): no project code at all. With
+    ``bundle`` > 1 each entry holds a list of that many trajectories."""
     import msgpack
     import redis
 
@@ -149,16 +162,17 @@ def baseline_consumer(url: str, name: str) -> int:
         pass  # BUSYGROUP: the other consumer made it
     client.incr(BL_READY)
     while not stop["flag"]:
-        reply = client.xreadgroup(BL_GROUP, name, {BL_STREAM: ">"}, count=256, block=100)
+        reply = client.xreadgroup(BL_GROUP, name, {BL_STREAM: ">"}, count=max(1, 256 // bundle), block=100)
         if not reply:
             continue
         entries = reply[0][1]
         results, ids = [], []
         for entry_id, fields in entries:
-            obj = msgpack.unpackb(fields[b"d"])
-            matches = _STRICT.findall(obj["r"][-300:])
-            answer = matches[-1].replace(",", "") if matches else None
-            results.append((obj["u"], 1.0 if answer == obj["gt"] else 0.0))
+            unpacked = msgpack.unpackb(fields[b"d"])
+            for obj in unpacked if bundle > 1 else (unpacked,):
+                matches = _STRICT.findall(obj["r"][-300:])
+                answer = matches[-1].replace(",", "") if matches else None
+                results.append((obj["u"], 1.0 if answer == obj["gt"] else 0.0))
             ids.append(entry_id)
         pipe = client.pipeline(transaction=False)
         pipe.xadd(BL_RESULTS, {"r": msgpack.packb(results)})
@@ -168,7 +182,9 @@ def baseline_consumer(url: str, name: str) -> int:
     return 0
 
 
-async def run_baseline(args: argparse.Namespace, pool: list[dict[str, Any]], bar: Progress) -> dict[str, Any]:
+async def run_baseline(
+    args: argparse.Namespace, pool: list[dict[str, Any]], bar: Progress, bundle: int = 1
+) -> dict[str, Any]:
     import msgpack
     import redis.asyncio as aredis
 
@@ -176,7 +192,7 @@ async def run_baseline(args: argparse.Namespace, pool: list[dict[str, Any]], bar
     with quiet_server() as server:
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.throughput", "_consumer", server.url, f"c{k}"],
+                [sys.executable, "-m", "benchmarks.throughput", "_consumer", server.url, f"c{k}", str(bundle)],
                 stdin=subprocess.DEVNULL,
                 env=child_env(),
             )
@@ -198,9 +214,10 @@ async def run_baseline(args: argparse.Namespace, pool: list[dict[str, Any]], bar
                 async def produce() -> None:
                     for lo in range(0, n, args.push_chunk):
                         pipe = client.pipeline(transaction=False)
+                        objs = []
                         for i in range(lo, min(n, lo + args.push_chunk)):
                             s = pool[i % POOL]
-                            payload = msgpack.packb(
+                            objs.append(
                                 {
                                     "u": f"b/{i}",
                                     "r": s["response"],
@@ -209,7 +226,12 @@ async def run_baseline(args: argparse.Namespace, pool: list[dict[str, Any]], bar
                                     "vl": s["valid_response_length"],
                                 }
                             )
-                            pipe.xadd(BL_STREAM, {"d": payload})
+                        if bundle > 1:
+                            for at in range(0, len(objs), bundle):
+                                pipe.xadd(BL_STREAM, {"d": msgpack.packb(objs[at : at + bundle])})
+                        else:
+                            for obj in objs:
+                                pipe.xadd(BL_STREAM, {"d": msgpack.packb(obj)})
                         await pipe.execute()
 
                 async def collect() -> None:
@@ -248,8 +270,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         gc.freeze()
     rng = random.Random(args.seed)
     pool = gsm8k_pool(rng, POOL, args.bytes)
-    runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "pipeline": []}
+    if args.bare_bundle < 0 or args.bare_bundle == 1:
+        raise SystemExit("--bare-bundle takes K >= 2 (trajectories per stream entry)")
+    runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "pipeline": [], "bundled": []}
     sides = ["pipeline"] if args.skip_baseline else ["baseline", "pipeline"]
+    if args.bare_bundle:
+        sides.append("bundled")
     with Progress(args, "throughput", total=args.n * args.repeats * len(sides)) as bar:
         for rep in range(args.repeats):
             for side in sides:
@@ -257,8 +283,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     completed=(rep * len(sides) + sides.index(side)) * args.n,
                     description=f"{side} {rep + 1}/{args.repeats}",
                 )
-                fn = run_baseline if side == "baseline" else run_pipeline
-                runs[side].append(await fn(args, pool, bar))
+                if side == "pipeline":
+                    runs[side].append(await run_pipeline(args, pool, bar))
+                else:
+                    bundle = args.bare_bundle if side == "bundled" else 1
+                    runs[side].append(await run_baseline(args, pool, bar, bundle))
                 say(args, f"{side} run {rep + 1}: {runs[side][-1]['traj_per_s']:,.0f} traj/s")
     rate = statistics.median(r["traj_per_s"] for r in runs["pipeline"])
     base = statistics.median(r["traj_per_s"] for r in runs["baseline"]) if runs["baseline"] else float("nan")
@@ -292,6 +321,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_s": last["cpu_s"],
         "baseline_cpu_s": runs["baseline"][-1]["cpu_s"] if runs["baseline"] else None,
         "all_scored": all(r["scored"] == args.n for side in runs.values() for r in side),
+        **(_bundled(args, runs["bundled"], base) if runs["bundled"] else {}),
+    }
+
+
+def _bundled(args: argparse.Namespace, runs: list[dict[str, Any]], base: float) -> dict[str, Any]:
+    rate = statistics.median(r["traj_per_s"] for r in runs)
+    return {
+        "bare_bundle": args.bare_bundle,
+        "bundled_traj_per_s": round(rate, 1),
+        "bundled_over_baseline": round(rate / base, 3) if base == base else None,
+        "bundled_cpu_us_per_traj": round(statistics.median(sum(r["cpu_s"].values()) for r in runs) / args.n * 1e6, 1),
+        "runs_bundled_traj_per_s": [round(r["traj_per_s"]) for r in runs],
     }
 
 
@@ -352,5 +393,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "_consumer":
-        sys.exit(baseline_consumer(sys.argv[2], sys.argv[3]))
+        sys.exit(baseline_consumer(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 1))
     sys.exit(main(sys.argv[1:]))

@@ -36,6 +36,18 @@ def test_throughput(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert png.stat().st_size > 0
 
 
+def test_throughput_prices_bundling_against_the_bare_loop(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--n", "3000", "--batch-size", "1000", "--repeats", "1", "--bare-bundle", "16"]
+    r = run_json(capsys, throughput, argv)
+    assert r["bare_bundle"] == 16
+    for key in ("bundled_traj_per_s", "bundled_over_baseline", "bundled_cpu_us_per_traj"):
+        assert is_num(r[key]) and r[key] > 0, key
+    assert len(r["runs_bundled_traj_per_s"]) == 1
+    assert r["all_scored"] is True  # every side scored all 3,000, the bundled one included
+    with pytest.raises(SystemExit, match="K >= 2"):
+        throughput.main(["--n", "10", "--bare-bundle", "1", "--json"])
+
+
 def test_per_sample(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png = tmp_path / "per_sample.png"
     argv = ["--n", "600", "--tasks", "64", "--batch-size", "300", "--repeats", "1", "--rate", "400"]
