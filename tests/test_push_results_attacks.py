@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, Trajectory
-from stream_reward.errors import BackpressureError, BrokerError, PushConflictError, ResultTimeoutError
+from stream_reward.errors import BackpressureError, BrokerError, ConfigError, PushConflictError, ResultTimeoutError
 from stream_reward.wire.codec import decode_trajectory, encode_result
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import FIELD_PAYLOAD
@@ -417,7 +417,7 @@ async def test_many_waiters_on_one_uid_some_cancelled_all_others_resolved_nothin
 
 
 async def test_an_infinite_timeout_is_no_timeout(redis_url, namespace) -> None:
-    """``timeout_s=math.inf`` worked with call_later; in ResultListener._arm ``math.ceil(inf)`` raises
+    """``timeout_s=math.inf`` worked with call_later; in ResultListener.arm ``math.ceil(inf)`` raises
     OverflowError after expect() registered the waiter (never forgotten). Through score() the push
     coroutine is then never awaited: the sample is not even queued."""
     async with (
@@ -532,3 +532,90 @@ async def test_partitions_two_odd_uids_retries_and_mixed_batches_score_each_samp
         assert [r.uid for r in rewards.results] == [sample(rewards.batch_id, i).uid for i in range(n)]
     got = await queued(redis_url, a.keys)
     assert len(got) == 2 * n and len(set(got)) == 2 * n
+
+
+# --------------------------------------------------------------------------------------
+# score(): one wait per sample, the push's verdict delivered by a callback
+
+
+async def test_a_refused_score_raises_the_conflict_not_a_timeout_and_frees_nothing_it_did_not_take(
+    redis_url, namespace
+) -> None:
+    """score() awaits only the result; the push's verdict reaches it by a callback. A refused
+    sample must still raise PushConflictError (even with a timeout of 0, which must never
+    claim a refused sample is queued), and the uid of the sample already queued stays taken."""
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.open_batch("r", 4, 8)
+        await p.push(traj("r", 0, uid="x"))
+        for timeout_s in (None, 0.0, 600.0):
+            with pytest.raises(PushConflictError, match="already pushed under another uid"):
+                await p.score(traj("r", 0, uid=f"y{timeout_s}"), timeout_s=timeout_s)
+        # A push slower than the timeout: the refusal still wins (the timeout starts once queued).
+        flush = p._flush
+
+        async def slow(entries: list) -> list[int]:
+            await asyncio.sleep(0.2)
+            return await flush(entries)
+
+        p._coalescer, p._flush = None, slow  # type: ignore[method-assign]  # made again at the next push
+        with pytest.raises(PushConflictError, match="already pushed under another uid"):
+            await p.score(traj("r", 0, uid="slow"), timeout_s=0.01)
+        p._coalescer, p._flush = None, flush  # type: ignore[method-assign]
+        # Many at once, coalesced with good ones: each refused call raises, each good one times out queued.
+        got = await asyncio.gather(
+            *(p.score(traj("r", 0, uid=f"z{k}"), timeout_s=0.05) for k in range(20)),
+            p.score(traj("r", 1), timeout_s=0.05),
+            return_exceptions=True,
+        )
+        assert all(isinstance(g, PushConflictError) for g in got[:20]), got[:20]
+        assert isinstance(got[20], ResultTimeoutError)
+        with pytest.raises(ConfigError, match="pushed twice"):  # x is still this producer's
+            await p.push(traj("r", 2, uid="x"))
+        # A refused uid is free again: pushed right, it is queued.
+        await p.push(traj("r", 3, uid="y0.0"))
+        assert sorted(i for _, _, i in await queued(redis_url, p.keys)) == [0, 1, 3]
+        listener = p._listener
+        assert listener is not None and sum(len(d) for d in listener._due.values()) == 0
+        assert all(not f.waiters for r in listener._readers.values() for f in r.streams.values())
+
+
+async def test_a_broker_error_in_the_push_fails_score_and_the_sample_can_be_scored_again(redis_url, namespace) -> None:
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.open_batch("e", 2, 8)
+        flush = p._flush
+
+        async def broken(entries: list) -> list[int]:
+            raise BrokerError("push of 1 trajectories failed: injected")
+
+        p._flush = broken  # type: ignore[method-assign]  # the coalescer is made at the first push
+        with pytest.raises(BrokerError, match="injected"):
+            await p.score(traj("e", 0), timeout_s=600)
+        assert await queued(redis_url, p.keys) == []
+        p._coalescer = None
+        p._flush = flush  # type: ignore[method-assign]
+        with pytest.raises(ResultTimeoutError):  # pushed this time (no worker): queued, not yet scored
+            await p.score(traj("e", 0), timeout_s=0.05)
+        assert [i for _, _, i in await queued(redis_url, p.keys)] == [0]
+
+
+async def test_cancelled_score_calls_release_their_uids_and_queue_each_sample_at_most_once(
+    redis_url, namespace
+) -> None:
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.open_batch("k", 200, 8)
+        for i in range(0, 200, 4):
+            tasks = [asyncio.ensure_future(p.score(traj("k", j), timeout_s=600)) for j in range(i, i + 4)]
+            for _ in range(i % 5):
+                await asyncio.sleep(0)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.05)  # flushes already under way land
+        landed = {i for _, _, i in await queued(redis_url, p.keys)}
+        for i in range(200):
+            try:
+                await p.push(traj("k", i))
+            except ConfigError:  # still reserved: only a sample whose push landed before the cancel
+                assert i in landed, f"sample {i} was never queued but its uid stayed reserved"
+        got = await queued(redis_url, p.keys)
+        assert sorted(i for _, _, i in got) == list(range(200))

@@ -45,6 +45,13 @@ class Coalescer(Generic[E, R]):
         self._flushes: set[asyncio.Task[None]] = set()
 
     async def submit(self, entries: list[E]) -> list[R]:
+        # Not shielded: a cancelled caller whose entries are already in a flush still
+        # has them sent (the flush is the runner's); one not yet taken is skipped.
+        return await self.submit_nowait(entries)
+
+    def submit_nowait(self, entries: list[E]) -> asyncio.Future[list[R]]:
+        """Queue ``entries`` for the next flush; the future gets their verdicts. Cancelling
+        it skips entries not yet taken into a flush."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[list[R]] = loop.create_future()
         self._pending.append((entries, fut))
@@ -54,9 +61,7 @@ class Coalescer(Generic[E, R]):
             self._runner = asyncio.ensure_future(self._run())
         if self._count >= self.max_entries and self._full is not None:
             self._full.set()
-        # Not shielded: a cancelled caller whose entries are already in a flush still
-        # has them sent (the flush is the runner's); one not yet taken is skipped.
-        return await fut
+        return fut
 
     async def _run(self) -> None:
         flushes = self._flushes  # the runner ends when nothing is pending; flushes finish on their own

@@ -32,7 +32,6 @@ import math
 import os
 import uuid
 import weakref
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,31 +241,21 @@ class ResultListener:
         *,
         group: str = DEFAULT_GROUP,
         timeout_s: float | None = None,
-        before: Awaitable[Any] | None = None,
     ) -> ScoreResult:
-        """The result of ``uid`` in ``batch_id``, from consumer ``group``'s done streams of ``partitions``.
-
-        ``before`` (the push of the sample) runs once the future is registered, so
-        that a result landing during the push cannot slip by; its errors propagate.
-        """
-        fut = self.expect(batch_id, uid, partitions, keys, group=group, landed=before is None)
+        """The result of ``uid`` in ``batch_id``, from consumer ``group``'s done streams of ``partitions``."""
+        fut = self.expect(batch_id, uid, partitions, keys, group=group)
         try:
             # A timeout on the future itself, not wait_for(shield(...)): that costs a task and
             # two more futures per sample, which at thousands of samples a second shows.
             if timeout_s is not None and not fut.done():
-                self._arm(fut, batch_id, uid, timeout_s)
-            if before is not None:
-                pushing, before = before, None
-                await pushing
+                self.arm(fut, batch_id, uid, timeout_s)
             return await fut
         finally:
-            if before is not None and hasattr(before, "close"):
-                before.close()  # never started: no "never awaited" warning
             if not fut.done():
                 fut.cancel()
             self.forget(fut)
 
-    def _arm(self, fut: asyncio.Future[ScoreResult], batch_id: str, uid: str, timeout_s: float) -> None:
+    def arm(self, fut: asyncio.Future[ScoreResult], batch_id: str, uid: str, timeout_s: float) -> None:
         """Time ``fut`` out after ``timeout_s`` (up to TIMEOUT_TICK_S later, never sooner).
         One timer per tick for every sample due in it: a timer per sample (call_later,
         then cancel) was a tenth of the per-sample path's cost in this process."""

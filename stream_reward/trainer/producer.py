@@ -10,6 +10,7 @@ client splits by node and sends to the nodes concurrently.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -108,6 +109,17 @@ class _Entry:
 
     def row(self) -> tuple[str, int, str, str, int, bytes, bytes, int]:
         return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, self.implied)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A push handed to the coalescer: its entries, the uids it reserved, how many it
+    counted into the backlog estimate, and the future of its verdicts."""
+
+    entries: list[_Entry]
+    reserved: list[tuple[set[str], str]]
+    counted: int
+    verdicts: asyncio.Future[list[int]]
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -277,21 +289,62 @@ class RolloutProducer:
         For agent loops that act on each sample's reward: many concurrent calls cost
         about what one ``push_many`` + ``collect`` of the same samples costs, since
         the results come from the process's one listener (see trainer/listener.py).
-        Raises ResultTimeoutError past ``timeout_s``; the sample stays queued and its
-        result still lands in the batch.
+        Raises ResultTimeoutError past ``timeout_s``, counted from when the sample is
+        queued; it stays queued and its result still lands in the batch. A refused push
+        raises PushConflictError, a failed one BrokerError, whatever the timeout.
         """
         if self._listener is None:
             self._listener = acquire_listener(self._url, self._client, self.config.namespace)
+        listener = self._listener
         part = self.keys.partition_of(traj.uid, traj.group)
-        return await self._listener.wait(
-            traj.batch_id,
-            traj.uid,
-            [part],
-            self.keys,
-            group=self.config.group,
-            timeout_s=timeout_s,
-            before=self.push(traj),
-        )
+        # Registered before the push, so that a result landing meanwhile cannot slip by.
+        fut = listener.expect(traj.batch_id, traj.uid, [part], self.keys, group=self.config.group, landed=False)
+        sent: _Sent | None = None
+        try:
+            sent = await self._submit((traj,))
+            if sent is None:  # pragma: no cover  # one trajectory always makes one entry
+                raise AssertionError("nothing to push")
+            # One wait per sample, not two: the push's verdict reaches the result future by a
+            # callback (a refusal or a broker error fails it), and its timeout starts only once
+            # the sample is queued, so ResultTimeoutError always means "queued, not yet scored".
+            sent.verdicts.add_done_callback(
+                functools.partial(self._pushed_for_score, sent, fut, traj.batch_id, traj.uid, timeout_s)
+            )
+            return await fut
+        finally:
+            if sent is not None and not sent.verdicts.done():
+                sent.verdicts.cancel()  # not yet in a flush: skipped (the callback releases its uid)
+            if not fut.done():
+                fut.cancel()
+            listener.forget(fut)
+
+    def _pushed_for_score(
+        self,
+        sent: _Sent,
+        fut: asyncio.Future[ScoreResult],
+        batch_id: str,
+        uid: str,
+        timeout_s: float | None,
+        verdicts: asyncio.Future[list[int]],
+    ) -> None:
+        error: BaseException | None
+        if verdicts.cancelled():
+            self._unreserve(sent)
+            return
+        error = verdicts.exception()
+        if error is None:
+            try:
+                self._settle(sent, verdicts.result())
+            except PushConflictError as exc:
+                error = exc
+        else:
+            self._unreserve(sent)
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        elif timeout_s is not None and self._listener is not None:
+            self._listener.arm(fut, batch_id, uid, timeout_s)
 
     async def push(self, traj: Trajectory) -> None:
         """Queue one trajectory; returns once Redis holds it. Concurrent calls share a round trip."""
@@ -307,6 +360,20 @@ class RolloutProducer:
         samples of the call are. Pushing a sample again unchanged is a no-op in Redis,
         so a call that failed with BrokerError may be retried as a whole.
         """
+        sent = await self._submit(trajs)
+        if sent is None:
+            return 0
+        try:
+            verdicts = await sent.verdicts
+        except BaseException:
+            self._unreserve(sent)
+            raise
+        self._settle(sent, verdicts)
+        return len(sent.entries)
+
+    async def _submit(self, trajs: Iterable[Trajectory]) -> _Sent | None:
+        """Check and encode ``trajs`` and hand them to the coalescer; returns before the
+        flush, with the future of their verdicts (None for no trajectories)."""
         entries: list[_Entry] = []
         reserved: list[tuple[set[str], str]] = []
         counted = 0  # entries counted into the backlog estimate
@@ -342,7 +409,7 @@ class RolloutProducer:
                     )
                 )
             if not entries:
-                return 0
+                return None
             # Only a push that must ask Redis first pays for the error context (one push per sample).
             if not self._groups_ready:
                 with redis_errors(f"push of {len(entries)} trajectories failed"):
@@ -363,22 +430,30 @@ class RolloutProducer:
                     max_delay_s=self.config.coalesce_delay_s,
                     max_in_flight=self.config.coalesce_in_flight,
                 )
-            verdicts = await self._coalescer.submit(entries)
+            return _Sent(entries, reserved, counted, self._coalescer.submit_nowait(entries))
         except BaseException:
             for seen, uid in reserved:
                 seen.discard(uid)
             self._backlog = max(0, self._backlog - counted)
             raise
+
+    def _unreserve(self, sent: _Sent) -> None:
+        """The push failed or was given up: its uids may be pushed again, its count leaves the backlog."""
+        for seen, uid in sent.reserved:
+            seen.discard(uid)
+        self._backlog = max(0, self._backlog - sent.counted)
+
+    def _settle(self, sent: _Sent, verdicts: list[int]) -> None:
+        """Apply the push script's verdicts; raises PushConflictError for the first refused sample."""
         conflict = None
-        for entry, verdict, (seen, uid) in zip(entries, verdicts, reserved):
-            if verdict != FRESH and counted:
+        for entry, verdict, (seen, uid) in zip(sent.entries, verdicts, sent.reserved):
+            if verdict != FRESH and sent.counted:
                 self._backlog = max(0, self._backlog - 1)  # not queued by this call after all
             if verdict not in (FRESH, DUPLICATE):
                 seen.discard(uid)
                 conflict = conflict or PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
         if conflict is not None:
             raise conflict
-        return len(entries)
 
     def _uids(self, batch_id: str) -> set[str]:
         seen = self._seen.get(batch_id)
