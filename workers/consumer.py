@@ -197,10 +197,14 @@ class Worker:
                             # pass that found no room (the writer had not yet settled the last
                             # pass's entries, or the sweep had just taken them) claimed nothing
                             # and would end the burst with entries left behind.
-                            while True:
+                            # A stop ends them: shutdown then goes by the drain deadline, as in a
+                            # worker that is not a burst.
+                            while not stop.is_set():
                                 async with self._sweeping:
-                                    await self._wait_idle()
-                                    if not await self._reclaim_sweep(self.config.reclaim_idle_ms, None):
+                                    await self._wait_idle(stop)
+                                    if stop.is_set():
+                                        break
+                                    if not await self._reclaim_sweep(self.config.reclaim_idle_ms, stop):
                                         break
                         await self._drain()
                     finally:
@@ -569,27 +573,46 @@ class Worker:
                 # Durable before the attempt: if this process dies now, the next
                 # worker to reclaim the entry finds the note and knows it is guilty.
                 attempts = await self._client.hincrby(key, entry_id, 1)
-                if attempts > 1:
-                    self.stats.in_flight += 1
-                    self._dead_letter(
-                        partition,
-                        entry_id,
-                        fields,
-                        "poison",
-                        f"crashed or stalled a worker while scored alone (delivered {deliveries[entry_id]} times)",
-                        deliveries[entry_id],
-                    )
-                else:
-                    await self._process(partition, [(entry_id, fields)], deliveries, alone=True)
-                await self._wait_idle()
+                try:
+                    if attempts > 1:
+                        self.stats.in_flight += 1
+                        self._dead_letter(
+                            partition,
+                            entry_id,
+                            fields,
+                            "poison",
+                            f"crashed or stalled a worker while scored alone (delivered {deliveries[entry_id]} times)",
+                            deliveries[entry_id],
+                        )
+                    else:
+                        await self._process(partition, [(entry_id, fields)], deliveries, alone=True)
+                    await self._wait_idle()
+                except anyio.get_cancelled_exc_class():
+                    # A stop, not a crash: the note would make the next worker dead-letter an
+                    # innocent sample as poison. (One that stalls every worker it meets still
+                    # ends at max_deliveries.)
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                        await self._client.hdel(key, entry_id)
+                    raise
                 await self._client.hdel(key, entry_id)
         finally:
             self._reading.set()
 
-    async def _wait_idle(self) -> None:
+    async def _wait_idle(self, stop: asyncio.Event | None = None) -> None:
+        """Until nothing is in flight (or ``stop`` is set)."""
         while self.stats.in_flight > 0:
             self._writer_idle.clear()
-            await self._writer_idle.wait()
+            if stop is None:
+                await self._writer_idle.wait()
+                continue
+            if stop.is_set():
+                return
+            idle, stopped = asyncio.ensure_future(self._writer_idle.wait()), asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait((idle, stopped), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                idle.cancel()
+                stopped.cancel()
 
     async def _deliveries(self, stream: str, ids: list[bytes]) -> dict[bytes, int]:
         async with self._client.pipeline(transaction=False) as pipe:
