@@ -304,6 +304,16 @@ class ResultListener:
             fut._sr_where.append((followed, key))  # type: ignore[attr-defined]
         return fut
 
+    def reread(self, batch_id: str, partitions: list[int], keys: Keys, *, group: str = DEFAULT_GROUP) -> None:
+        """Read ``batch_id``'s done streams of ``partitions`` again from their start, keeping
+        what lands: a waiter registered with ``landed=False`` whose result may have been read
+        past already (its sample was pushed before) is resolved from it."""
+        for p in partitions:
+            reader = self._reader(p, keys)
+            followed = reader.follow(keys.done(batch_id, p, group))
+            if not followed.keep:
+                reader.reread(followed)
+
     def forget(self, fut: asyncio.Future[ScoreResult]) -> None:
         """Drop a future from the waiters (resolved, cancelled or timed out)."""
         now = asyncio.get_running_loop().time()
@@ -331,6 +341,14 @@ class ResultListener:
         for task in [*readers, *self._tasks]:
             task.cancel()
         await asyncio.gather(*readers, *self._tasks, return_exceptions=True)
+        # Whoever still waits would wait for ever: nothing reads their results any more.
+        error = BrokerError("the result listener was closed (its producer or aggregator closed) before the result came")
+        for reader in self._readers.values():
+            for followed in reader.streams.values():
+                for futures in followed.waiters.values():
+                    for fut in futures:
+                        if not fut.done():
+                            fut.set_exception(error)
         self._readers.clear()
         if self._owns_client:
             await self.client.aclose()

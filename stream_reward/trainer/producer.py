@@ -120,6 +120,8 @@ class _Sent:
     reserved: list[tuple[set[str], str]]
     counted: int
     verdicts: asyncio.Future[list[int]]
+    settled: bool = False  # the verdicts were applied (once: by score()'s callback or itself)
+    error: BaseException | None = None  # what the push raised or was refused with
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -308,9 +310,18 @@ class RolloutProducer:
             # callback (a refusal or a broker error fails it), and its timeout starts only once
             # the sample is queued, so ResultTimeoutError always means "queued, not yet scored".
             sent.verdicts.add_done_callback(
-                functools.partial(self._pushed_for_score, sent, fut, traj.batch_id, traj.uid, timeout_s)
+                functools.partial(self._pushed_for_score, listener, sent, fut, part, traj.batch_id, traj.uid, timeout_s)
             )
-            return await fut
+            result = await fut
+            # A result can come before the verdict: one the listener already held for this uid
+            # (an earlier push of it, maybe with other content). It counts only if the push
+            # did not contradict that sample.
+            if not sent.verdicts.done():
+                await asyncio.wait((sent.verdicts,))
+            error = self._applied(sent)
+            if error is not None:
+                raise error
+            return result
         finally:
             if sent is not None and not sent.verdicts.done():
                 sent.verdicts.cancel()  # not yet in a flush: skipped (the callback releases its uid)
@@ -318,33 +329,50 @@ class RolloutProducer:
                 fut.cancel()
             listener.forget(fut)
 
+    def _applied(self, sent: _Sent) -> BaseException | None:
+        """Apply a single-sample push's verdicts (they are in), once; what it raised or was refused with."""
+        if not sent.settled:
+            sent.settled = True
+            verdicts = sent.verdicts
+            if verdicts.cancelled():
+                # Given up: the uid may be pushed again. Its backlog count stays (the entries may
+                # have been in a flush already): an estimate too high is corrected by the next reading.
+                sent.counted = 0
+                self._unreserve(sent)
+                sent.error = asyncio.CancelledError()
+            elif verdicts.exception() is not None:
+                self._unreserve(sent)
+                sent.error = verdicts.exception()
+            else:
+                try:
+                    self._settle(sent, verdicts.result())
+                except PushConflictError as exc:
+                    sent.error = exc
+        return sent.error
+
     def _pushed_for_score(
         self,
+        listener: ResultListener,
         sent: _Sent,
         fut: asyncio.Future[ScoreResult],
+        partition: int,
         batch_id: str,
         uid: str,
         timeout_s: float | None,
         verdicts: asyncio.Future[list[int]],
     ) -> None:
-        error: BaseException | None
-        if verdicts.cancelled():
-            self._unreserve(sent)
-            return
-        error = verdicts.exception()
-        if error is None:
-            try:
-                self._settle(sent, verdicts.result())
-            except PushConflictError as exc:
-                error = exc
-        else:
-            self._unreserve(sent)
-        if fut.done():
+        error = self._applied(sent)
+        if fut.done() or verdicts.cancelled():
             return
         if error is not None:
             fut.set_exception(error)
-        elif timeout_s is not None and self._listener is not None:
-            self._listener.arm(fut, batch_id, uid, timeout_s)
+            return
+        if verdicts.result()[0] == DUPLICATE:
+            # Queued before, unchanged: its result may have been read past already. Read the
+            # done stream again from its start, keeping what lands.
+            listener.reread(batch_id, [partition], self.keys, group=self.config.group)
+        if timeout_s is not None:
+            listener.arm(fut, batch_id, uid, timeout_s)
 
     async def push(self, traj: Trajectory) -> None:
         """Queue one trajectory; returns once Redis holds it. Concurrent calls share a round trip."""
@@ -365,6 +393,12 @@ class RolloutProducer:
             return 0
         try:
             verdicts = await sent.verdicts
+        except asyncio.CancelledError:
+            # The entries may be in a flush already: their backlog count stays (an estimate too
+            # high is corrected by the next reading; one too low would let pushes past max_backlog).
+            sent.counted = 0
+            self._unreserve(sent)
+            raise
         except BaseException:
             self._unreserve(sent)
             raise
