@@ -153,13 +153,17 @@ class _Reader:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Redis gone for good or refusing: every waiter hears it
-            error = exc if isinstance(exc, BrokerError) else BrokerError(f"reading results: {type(exc).__name__}")
-            for followed in self.streams.values():
-                for futures in followed.waiters.values():
-                    for fut in futures:
-                        if not fut.done():
-                            fut.set_exception(error)
+            self.fail_waiters(
+                exc if isinstance(exc, BrokerError) else BrokerError(f"reading results: {type(exc).__name__}")
+            )
             self.streams.clear()
+
+    def fail_waiters(self, error: BaseException) -> None:
+        for followed in self.streams.values():
+            for futures in followed.waiters.values():
+                for fut in futures:
+                    if not fut.done():
+                        fut.set_exception(error)
 
     @staticmethod
     def _land(name: str, followed: _Followed, entries: list[Any]) -> None:
@@ -344,11 +348,7 @@ class ResultListener:
         # Whoever still waits would wait for ever: nothing reads their results any more.
         error = BrokerError("the result listener was closed (its producer or aggregator closed) before the result came")
         for reader in self._readers.values():
-            for followed in reader.streams.values():
-                for futures in followed.waiters.values():
-                    for fut in futures:
-                        if not fut.done():
-                            fut.set_exception(error)
+            reader.fail_waiters(error)
         self._readers.clear()
         if self._owns_client:
             await self.client.aclose()

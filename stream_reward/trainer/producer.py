@@ -335,14 +335,11 @@ class RolloutProducer:
             sent.settled = True
             verdicts = sent.verdicts
             if verdicts.cancelled():
-                # Given up: the uid may be pushed again. Its backlog count stays (the entries may
-                # have been in a flush already): an estimate too high is corrected by the next reading.
-                sent.counted = 0
-                self._unreserve(sent)
+                self._unreserve(sent, given_up=True)
                 sent.error = asyncio.CancelledError()
-            elif verdicts.exception() is not None:
+            elif (error := verdicts.exception()) is not None:
                 self._unreserve(sent)
-                sent.error = verdicts.exception()
+                sent.error = error
             else:
                 try:
                     self._settle(sent, verdicts.result())
@@ -393,14 +390,8 @@ class RolloutProducer:
             return 0
         try:
             verdicts = await sent.verdicts
-        except asyncio.CancelledError:
-            # The entries may be in a flush already: their backlog count stays (an estimate too
-            # high is corrected by the next reading; one too low would let pushes past max_backlog).
-            sent.counted = 0
-            self._unreserve(sent)
-            raise
-        except BaseException:
-            self._unreserve(sent)
+        except BaseException as exc:
+            self._unreserve(sent, given_up=isinstance(exc, asyncio.CancelledError))
             raise
         self._settle(sent, verdicts)
         return len(sent.entries)
@@ -466,16 +457,20 @@ class RolloutProducer:
                 )
             return _Sent(entries, reserved, counted, self._coalescer.submit_nowait(entries))
         except BaseException:
-            for seen, uid in reserved:
-                seen.discard(uid)
-            self._backlog = max(0, self._backlog - counted)
+            self._release(reserved, counted)
             raise
 
-    def _unreserve(self, sent: _Sent) -> None:
-        """The push failed or was given up: its uids may be pushed again, its count leaves the backlog."""
-        for seen, uid in sent.reserved:
+    def _unreserve(self, sent: _Sent, *, given_up: bool = False) -> None:
+        """The push failed or was given up: its uids may be pushed again. A failed push's count
+        leaves the backlog; a given-up one's stays, since its entries may be in a flush already
+        (an estimate too high is corrected by the next reading; one too low would let pushes
+        past max_backlog)."""
+        self._release(sent.reserved, 0 if given_up else sent.counted)
+
+    def _release(self, reserved: list[tuple[set[str], str]], counted: int) -> None:
+        for seen, uid in reserved:
             seen.discard(uid)
-        self._backlog = max(0, self._backlog - sent.counted)
+        self._backlog = max(0, self._backlog - counted)
 
     def _settle(self, sent: _Sent, verdicts: list[int]) -> None:
         """Apply the push script's verdicts; raises PushConflictError for the first refused sample."""
