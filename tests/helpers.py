@@ -1,4 +1,5 @@
-"""Helpers the test files share: polling for a condition, and scoring one batch end to end."""
+"""Helpers the test files share: polling for a condition, scoring one batch end to end, and
+listing what is queued."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 from stream_reward import BatchPolicy, BatchRewards, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
+from stream_reward.wire.codec import decode_trajectory
+from stream_reward.wire.connection import connect
+from stream_reward.wire.entries import FIELD_PAYLOAD
+from stream_reward.wire.keys import Keys
 
 
 async def wait_until(
@@ -53,3 +58,17 @@ async def done_results(client, done_key: str) -> list:
         assert broken is None, broken
         out += [result_from_row(row) for row in rows]
     return out
+
+
+async def queued(redis_url: str, keys: Keys) -> list[tuple[str, str, int]]:
+    """(batch, uid, index) of every entry in every stream of ``keys``, stream by stream."""
+    client = connect(redis_url)
+    try:
+        out = []
+        for stream in keys.streams():
+            for _, fields in await client.xrange(stream):
+                t = decode_trajectory(fields[FIELD_PAYLOAD])
+                out.append((t.batch_id, t.uid, t.index))
+        return out
+    finally:
+        await client.aclose()

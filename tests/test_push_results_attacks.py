@@ -11,13 +11,12 @@ import math
 
 import msgpack
 import pytest
+from helpers import queued
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, Trajectory
 from stream_reward.errors import BackpressureError, BrokerError, ConfigError, PushConflictError, ResultTimeoutError
-from stream_reward.wire.codec import decode_trajectory, encode_result
+from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
-from stream_reward.wire.entries import FIELD_PAYLOAD
-from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import DONE_FIELD, LedgerItem, LedgerWriter
 
 pytestmark = pytest.mark.anyio
@@ -25,20 +24,6 @@ pytestmark = pytest.mark.anyio
 
 def traj(batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None) -> Trajectory:
     return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
-
-
-async def queued(redis_url: str, keys: Keys) -> list[tuple[str, str, int]]:
-    """(batch, uid, index) of every entry in every stream of ``keys``, stream by stream."""
-    client = connect(redis_url)
-    try:
-        out = []
-        for stream in keys.streams():
-            for _, fields in await client.xrange(stream):
-                t = decode_trajectory(fields[FIELD_PAYLOAD])
-                out.append((t.batch_id, t.uid, t.index))
-        return out
-    finally:
-        await client.aclose()
 
 
 async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:

@@ -11,6 +11,7 @@ import random
 import time
 
 import pytest
+from helpers import queued
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -22,9 +23,7 @@ from stream_reward.errors import (
     ResultTimeoutError,
 )
 from stream_reward.scoring.scorer import Scored
-from stream_reward.wire.codec import decode_trajectory
 from stream_reward.wire.connection import connect
-from stream_reward.wire.entries import FIELD_PAYLOAD
 from stream_reward.wire.keys import Keys
 from workers.consumer import Worker
 
@@ -67,19 +66,6 @@ async def running_worker(url: str, ns: str, scorer=None, **cfg):
         stop.set()
         await asyncio.wait_for(task, 30)
         await w.aclose()
-
-
-async def queued(redis_url: str, keys: Keys) -> list[tuple[str, str, int]]:
-    client = connect(redis_url)
-    try:
-        out = []
-        for stream in keys.streams():
-            for _, fields in await client.xrange(stream):
-                t = decode_trajectory(fields[FIELD_PAYLOAD])
-                out.append((t.batch_id, t.uid, t.index))
-        return out
-    finally:
-        await client.aclose()
 
 
 def no_waiters(p: RolloutProducer) -> None:
