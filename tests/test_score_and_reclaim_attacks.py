@@ -556,3 +556,56 @@ async def test_burst_worker_does_not_deadlock_with_stop_and_a_stuck_scorer(redis
     took = time.monotonic() - t0
     await w.aclose()
     assert took < 4, f"burst worker took {took:.1f}s to stop with drain_timeout_s=0.3"
+
+
+@pytest.mark.parametrize("where", ["note written", "note not yet dropped"])
+async def test_a_cancel_at_either_edge_of_a_quarantine_never_leaves_its_note(redis_url, namespace, where) -> None:
+    """A stop cancels the background sweep wherever it waits. Landing on the quarantine note's
+    HINCRBY after Redis ran it, or on the HDEL before Redis ran it, it used to leave the note
+    behind, and the next worker dead-lettered an innocent sample as poison (seen in CI)."""
+    keys = Keys(namespace)
+    client = connect(redis_url)
+    try:
+        async with (
+            RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
+            await producer.open_batch("q", 1, 8)
+            await producer.push(traj("q", 0))
+            held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
+            await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
+            cfg = dict(namespace=namespace, block_ms=20, concurrency=2, reclaim_idle_ms=0, drain_timeout_s=2)
+            w1 = Worker(redis_url, Ident(), ConsumerConfig(consumer="w1", **cfg))
+            stop = asyncio.Event()
+            w1._client = wc = connect(redis_url)
+            real_hincrby, real_hdel = wc.hincrby, wc.hdel
+            caught = []
+
+            async def hincrby(key, field, amount=1):
+                value = await real_hincrby(key, field, amount)
+                if where == "note written" and key == keys.quarantine(0):
+                    caught.append(field)
+                    stop.set()
+                    await asyncio.sleep(60)  # the stop's cancel lands here, after Redis ran it
+                return value
+
+            async def hdel(key, *fields):
+                if where == "note not yet dropped" and key == keys.quarantine(0) and not caught:
+                    caught.append(fields)
+                    stop.set()
+                    await asyncio.sleep(60)  # ... or here, before Redis runs it
+                return await real_hdel(key, *fields)
+
+            wc.hincrby, wc.hdel = hincrby, hdel
+            await asyncio.wait_for(w1.run(stop), 20)
+            await w1.aclose()
+            assert caught, "the stop never reached the quarantine"
+            assert await client.hgetall(keys.quarantine(0)) == {}
+            w2 = Worker(redis_url, Ident(), ConsumerConfig(consumer="w2", **cfg))
+            await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 20)
+            await w2.aclose()
+            rewards = await agg.collect("q", timeout_s=3, on_timeout="resolve")
+    finally:
+        await client.aclose()
+    assert (rewards.status, rewards.results[0].reason) == (["ok"], None)
+    assert w1.stats.dead_letters + w2.stats.dead_letters == 0

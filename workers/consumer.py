@@ -570,10 +570,10 @@ class Worker:
         try:
             await self._wait_idle()
             for entry_id, fields in suspects:
-                # Durable before the attempt: if this process dies now, the next
-                # worker to reclaim the entry finds the note and knows it is guilty.
-                attempts = await self._client.hincrby(key, entry_id, 1)
                 try:
+                    # Durable before the attempt: if this process dies now, the next
+                    # worker to reclaim the entry finds the note and knows it is guilty.
+                    attempts = await self._client.hincrby(key, entry_id, 1)
                     if attempts > 1:
                         self.stats.in_flight += 1
                         self._dead_letter(
@@ -587,14 +587,15 @@ class Worker:
                     else:
                         await self._process(partition, [(entry_id, fields)], deliveries, alone=True)
                     await self._wait_idle()
+                    await self._client.hdel(key, entry_id)
                 except anyio.get_cancelled_exc_class():
                     # A stop, not a crash: the note would make the next worker dead-letter an
-                    # innocent sample as poison. (One that stalls every worker it meets still
-                    # ends at max_deliveries.)
+                    # innocent sample as poison. The cancel may land on the HINCRBY after Redis
+                    # ran it, or on the HDEL before, so both are inside. (A sample that stalls
+                    # every worker it meets still ends at max_deliveries.)
                     with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
                         await self._client.hdel(key, entry_id)
                     raise
-                await self._client.hdel(key, entry_id)
         finally:
             self._reading.set()
 
