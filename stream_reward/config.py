@@ -88,7 +88,7 @@ class ProducerConfig:
     partitions: int = 1
     group: str = DEFAULT_GROUP
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # Backpressure: entries not yet read by the group, above which push() waits
+    # Backpressure: samples not yet read by the group, above which push() waits
     # (or raises BackpressureError with on_backlog="raise"). 0 disables the check.
     max_backlog: int = 100_000
     on_backlog: Literal["wait", "raise"] = "wait"
@@ -101,12 +101,18 @@ class ProducerConfig:
     coalesce_max_entries: int = 128
     coalesce_delay_s: float = 0.0
     coalesce_in_flight: int = 2
+    # Samples one stream entry holds at most (consecutive samples of one push call or
+    # coalesced group, one partition): a stream entry costs the server and the clients
+    # more than a sample's bytes do. 1: an entry per sample.
+    samples_per_entry: int = 16
 
     def __post_init__(self) -> None:
         if self.on_backlog not in ("wait", "raise"):
             raise ConfigError("on_backlog", f"must be 'wait' or 'raise', got {self.on_backlog!r}")
         if self.max_backlog < 0:
             raise ConfigError("max_backlog", f"must be >= 0, got {self.max_backlog}")
+        if not 1 <= self.samples_per_entry <= 1024:
+            raise ConfigError("samples_per_entry", f"must be between 1 and 1024, got {self.samples_per_entry}")
         if self.coalesce_max_entries < 1:
             raise ConfigError("coalesce_max_entries", f"must be >= 1, got {self.coalesce_max_entries}")
         if self.coalesce_in_flight < 1:

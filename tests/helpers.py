@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from stream_reward import BatchPolicy, BatchRewards, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.wire.codec import decode_trajectory
 from stream_reward.wire.connection import connect
-from stream_reward.wire.entries import FIELD_PAYLOAD
+from stream_reward.wire.entries import FIELD_HANDED_BACK, FIELD_PAYLOAD, read_members
 from stream_reward.wire.keys import Keys
 
 
@@ -60,15 +60,43 @@ async def done_results(client, done_key: str) -> list:
     return out
 
 
+def samples_of(fields: dict) -> list[Trajectory]:
+    """The trajectories one stream entry holds (one or more: see wire/entries.py)."""
+    members = read_members(fields)
+    assert members is not None, f"an entry with unreadable headers: {fields!r}"
+    out, at = [], 0
+    for batch, index, uid, size in members:
+        t = decode_trajectory(fields[FIELD_PAYLOAD][at : at + size])
+        assert (t.batch_id, t.index, t.uid) == (batch, index, uid), "a header names another sample"
+        out.append(t)
+        at += size
+    return out
+
+
 async def queued(redis_url: str, keys: Keys) -> list[tuple[str, str, int]]:
-    """(batch, uid, index) of every entry in every stream of ``keys``, stream by stream."""
+    """(batch, uid, index) of every sample producers queued in every stream of ``keys``, stream
+    by stream (not the copies a worker handed back: see Worker._spill)."""
     client = connect(redis_url)
     try:
         out = []
         for stream in keys.streams():
             for _, fields in await client.xrange(stream):
-                t = decode_trajectory(fields[FIELD_PAYLOAD])
-                out.append((t.batch_id, t.uid, t.index))
+                if FIELD_HANDED_BACK not in fields:
+                    out += [(t.batch_id, t.uid, t.index) for t in samples_of(fields)]
         return out
+    finally:
+        await client.aclose()
+
+
+async def pending_samples(redis_url: str, namespace: str, partitions: int = 1, group: str = "scorers") -> int:
+    """Samples delivered to the group's consumers and not yet acked (XPENDING counts entries)."""
+    client = connect(redis_url)
+    try:
+        total = 0
+        for stream in Keys(namespace, partitions).streams():
+            for row in await client.xpending_range(stream, group, min="-", max="+", count=100_000):
+                for _, fields in await client.xrange(stream, min=row["message_id"], max=row["message_id"]):
+                    total += len(samples_of(fields))
+        return total
     finally:
         await client.aclose()

@@ -17,6 +17,7 @@ import stream_reward
 from stream_reward.cli import main
 from stream_reward.errors import ConfigError, MissingExtraError, StreamRewardError
 from stream_reward.trainer import tensors
+from stream_reward.wire.entries import read_members
 from stream_reward.wire.keys import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +78,8 @@ def _entry_times_ms(redis_url: str, namespace: str) -> list[int]:
         entries = client.xrange(Keys(namespace).stream())
     finally:
         client.close()
-    return [int(entry_id.split(b"-")[0]) for entry_id, _ in entries]
+    # One time per sample: an entry holds several (see wire/entries.py).
+    return [int(entry_id.split(b"-")[0]) for entry_id, fields in entries for _ in read_members(fields) or ()]
 
 
 def test_produce_rate_paces_the_replay(redis_url: str, namespace: str, tmp_path: Path) -> None:

@@ -262,7 +262,8 @@ def known_state(redis_url: str, namespace: str) -> Iterator[float]:
         from stream_reward.scoring.quota import QuotaLimiter
 
         client = connect(redis_url)
-        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        # An entry per sample: the state below is counted in entries (pending, lag).
+        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, samples_per_entry=1)) as producer:
             await producer.open_batch("a", 3, 16)
             await producer.open_batch("b", 2, 16, policy=BatchPolicy(on_failure="drop", deadline_s=600))
             await producer.push_many([gsm8k("a", i) for i in range(3)] + [gsm8k("b", i) for i in range(2)])
@@ -281,7 +282,7 @@ def known_state(redis_url: str, namespace: str) -> Iterator[float]:
             "consumer": "w-alive",
             "deliveries": 1,
             "at": now,
-            "fields": {"h": entry_header("a", 2, "a/2")},
+            "fields": {"h": entry_header("a", 2, "a/2", 0)},
         }
         await client.xadd(keys.dead_letters(), {"e": msgpack.packb(dead, use_bin_type=True)})
         limiter = QuotaLimiter(client, QuotaConfig(name="judge", max_rpm=600), namespace=namespace)
@@ -303,6 +304,7 @@ def test_status_json_against_a_known_state(
     assert status["namespace"] == namespace and status["partitions"] == 1
     (stream,) = status["streams"]
     assert (stream["stream"], stream["length"], stream["entries_added"]) == (keys.stream(), 5, 5)
+    assert stream["samples_pushed"] == 5
     (group,) = stream["groups"]
     assert (group["group"], group["consumers"], group["pending"], group["lag"]) == ("scorers", 1, 2, 3)
     assert status["groups"] == {"scorers": {"pending": 2, "lag": 3, "consumers": 1}}

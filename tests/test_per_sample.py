@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import queued
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
 from stream_reward.errors import ResultTimeoutError
@@ -205,7 +206,9 @@ async def test_backpressure_holds_when_redis_reports_no_lag(redis_url, namespace
     """After an AOF restart (or deletions mid-stream) XINFO GROUPS reports lag nil."""
     from stream_reward.errors import BackpressureError
 
-    config = ProducerConfig(namespace=namespace, max_backlog=10, on_backlog="raise", backlog_poll_s=0.0)
+    config = ProducerConfig(
+        namespace=namespace, max_backlog=10, on_backlog="raise", backlog_poll_s=0.0, samples_per_entry=1
+    )  # an entry per sample: the test deletes one mid-stream
     async with RolloutProducer(redis_url, config) as producer:
         await producer.open_batch("lag", 40, 4)
         await producer.push_many(traj("lag", i, True) for i in range(12))
@@ -230,7 +233,7 @@ def test_coalesced_pushes_share_round_trips(redis_url, namespace):
             await producer.open_batch("co", 300, 4)  # a script call of its own: counted from here on
             before = int((await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
             await asyncio.gather(*(producer.push(traj("co", i, True)) for i in range(300)))
-            assert await client.xlen(producer.keys.stream()) == 300
+            assert len(await queued(redis_url, producer.keys)) == 300
         after = int((await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
         await client.aclose()
         return after - before
@@ -319,7 +322,9 @@ async def test_a_stale_backlog_estimate_with_room_lets_pushes_go_and_catches_up_
         await mine.open_batch("m", 5, 4)
         await mine.push(traj("m", 0, True))  # our estimate says 0: it goes, and a reading starts
         await asyncio.sleep(0.1)
-        with pytest.raises(BackpressureError, match="backlog 2[01] \\+ 1 exceeds max_backlog 10"):
+        # The reading is 3 entries: ours (1 sample), and two of the other's, which count as the
+        # mean entry pushed so far (21 samples in 3 entries): 1 + 2 * 7.
+        with pytest.raises(BackpressureError, match="backlog 15 \\+ 1 exceeds max_backlog 10"):
             await mine.push(traj("m", 1, True))
 
 

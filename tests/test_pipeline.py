@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import samples_of
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
 from stream_reward.errors import CollectTimeoutError, ConfigError
@@ -160,7 +161,7 @@ def test_sync_producer_for_non_async_trainers(redis_url, namespace):
 
         client = connect(redis_url)
         try:
-            return await client.xlen(Keys(namespace).stream())
+            return sum(len(samples_of(f)) for _, f in await client.xrange(Keys(namespace).stream()))
         finally:
             await client.aclose()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import samples_of
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
 from stream_reward.errors import PayloadTooLargeError, PushConflictError
@@ -21,16 +22,13 @@ def traj(batch: str, i: int, *, uid: str = "", response: str = "r") -> Trajector
 
 
 async def queued(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
-    """(uid, index) of every entry in the producer's stream, in order."""
-    from stream_reward.wire.codec import decode_trajectory
-    from stream_reward.wire.entries import FIELD_PAYLOAD
-
+    """(uid, index) of every sample in the producer's stream, in order."""
     client = connect(redis_url)
     try:
         entries = await client.xrange(producer.keys.stream(0))
     finally:
         await client.aclose()
-    return [(t.uid, t.index) for t in (decode_trajectory(fields[FIELD_PAYLOAD]) for _, fields in entries)]
+    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
 
 
 def test_pack_command_is_resp() -> None:

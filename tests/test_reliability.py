@@ -12,7 +12,7 @@ import time
 
 import msgpack
 import pytest
-from helpers import done_results, wait_until
+from helpers import done_results, pending_samples, wait_until
 
 from stream_reward import BatchPolicy, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -46,12 +46,8 @@ def slow_batch(batch_id: str, n: int, sleep_s: float, poison: set[int] = frozens
 
 
 async def pending_count(url: str, namespace: str) -> int:
-    client = connect(url)
-    try:
-        summary = await client.xpending(Keys(namespace).stream(), "scorers")
-        return int(summary["pending"])
-    finally:
-        await client.aclose()
+    """Samples delivered and not yet acked (an entry holds several)."""
+    return await pending_samples(url, namespace)
 
 
 async def ledger_sizes(url: str, namespace: str, batch_id: str) -> tuple[int, int]:

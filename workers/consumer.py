@@ -55,7 +55,14 @@ from stream_reward.wire.connection import (
     with_reconnect,
 )
 from stream_reward.wire.deadletter import encode_dead_letter
-from stream_reward.wire.entries import FIELD_PAYLOAD, ensure_group, read_group, read_header
+from stream_reward.wire.entries import (
+    FIELD_PAYLOAD,
+    ensure_group,
+    member_fields,
+    read_group,
+    read_header,
+    read_members,
+)
 from stream_reward.wire.heartbeat import encode_heartbeat
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
@@ -78,10 +85,11 @@ _RELEASED_IDLE_MS = 10 * 365 * 24 * 3600 * 1000
 class WorkerStats:
     """Counters a worker keeps; heartbeats and metrics read them."""
 
-    __slots__ = ("scored", "failed", "duplicates", "dead_letters", "reclaimed", "in_flight")
+    __slots__ = ("scored", "failed", "duplicates", "dead_letters", "reclaimed", "spilled", "in_flight")
 
     def __init__(self) -> None:
         self.scored = self.failed = self.duplicates = self.dead_letters = self.reclaimed = self.in_flight = 0
+        self.spilled = 0  # samples handed back to the stream (see Worker._spill)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -129,6 +137,19 @@ class Worker:
         # note and dead-letter an innocent sample as poison.
         self._sweeping = asyncio.Lock()
         self._task_entries: dict[asyncio.Task[None], tuple[int, bytes]] = {}
+        # Entries with samples not yet settled, and how many. The sample of an entry that
+        # settles last carries the entry's ack, so an entry is acked only once every one
+        # of its samples has its result (flushes go out in order).
+        # By (partition, entry id): two partitions' streams (on two nodes) can make the same id.
+        self._open: dict[tuple[int, bytes], int] = {}
+        # Entries a flush failed to settle (past the drain deadline): no later flush acks
+        # them, since some of their samples have no result.
+        self._unsettled: set[tuple[int, bytes]] = set()
+        # Samples an entry held in the last read: a read asks for as many entries as
+        # leave room for that many samples each.
+        self._per_entry = 1
+        self._stopping = False
+        self._reader_active = False  # while the reader reads new entries: what _spill adds gets read
         self._writer_idle = asyncio.Event()
         self._reading = asyncio.Event()  # cleared while suspects are scored alone
         self._reading.set()
@@ -189,7 +210,9 @@ class Worker:
                         self._watch_stop(stop, reading_done),
                     )
                     try:
+                        self._reader_active = True
                         await self._reader(stop, burst)
+                        self._reader_active = False
                         reading_done.set()
                         if burst:
                             # Pending entries of dead consumers are ours to finish too. Each pass
@@ -208,6 +231,7 @@ class Worker:
                                         break
                         await self._drain()
                     finally:
+                        self._reader_active = False
                         reading_done.set()
                         closing.set()
                         background.cancel()
@@ -239,6 +263,7 @@ class Worker:
         """On stop, take nothing more at once: the reclaimer stops, and a reader waiting
         for room (a saturated worker) or for a quarantine wakes up and sees the stop."""
         await stop.wait()
+        self._stopping = True
         self._drain_deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
         reading_done.set()
         self._room.set()
@@ -284,8 +309,9 @@ class Worker:
                 self._room.clear()
                 await self._room.wait()
                 continue
-            count = 1 if shared and idle else min(room, self.config.read_count, share)
-            self._reserved += count
+            want = 1 if shared and idle else min(room, self.config.read_count, share)  # samples
+            count = max(1, want // self._per_entry)  # entries
+            self._reserved += want
             try:
                 try:
                     reply = await read_group(
@@ -327,7 +353,7 @@ class Worker:
                 for stream, entries in _iter_reply(reply):
                     await self._process(part_of[stream], entries, deliveries=None)
             finally:
-                self._reserved -= count
+                self._reserved -= want
                 if shared:
                     self._room.set()  # what this read did not use is free for the others
 
@@ -339,31 +365,107 @@ class Worker:
         *,
         alone: bool = False,
     ) -> None:
+        samples = 0
         for entry_id, fields in entries:
+            members = self._open_entry(partition, entry_id, fields)
+            samples += len(members)
+            for at, member in enumerate(members):
+                if not alone:
+                    full = self.stats.in_flight >= self.config.concurrency
+                    spill = full and at > 0 and not self._inline and self._reader_active and not self._stopping
+                    if spill and await self._spill(partition, entry_id, members[at:]):
+                        break
+                    if not await self._room_for_one():
+                        return  # stopping: the entry goes back to the group unsettled (see _drain)
+                await self._start(partition, entry_id, fields, member, len(members), deliveries, alone)
+        if entries:
+            self._per_entry = max(1, round(samples / len(entries)))
+
+    def _open_entry(self, partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> list[_Member]:
+        """The entry's samples; the entry is held until every one of them is settled."""
+        members = _split(fields)
+        self._held[entry_id] = partition
+        self._open[partition, entry_id] = len(members)
+        return members
+
+    async def _spill(self, partition: int, entry_id: bytes, rest: list[_Member]) -> bool:
+        """Hand the samples of an entry this worker has no room for back to the stream, an
+        entry each, for any worker to take; False if Redis refused (they wait for room here).
+
+        Only for scorers that take their time (not ``inline``): those are where a batch
+        of samples in one entry, held by one worker, would be scored at that worker's
+        concurrency while others stand idle. The entry is acked once the samples started
+        here settle. A crash between the XADDs and that ack redelivers the entry: its
+        samples are scored twice, and the ledger keeps the first result of each.
+        """
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for member in rest:
+                    fields = member_fields(bytes(member.payload), member.head, handed_back_from=entry_id)
+                    pipe.xadd(self.keys.stream(partition), fields)
+                await pipe.execute()
+        except REDIS_ERRORS as exc:
+            log.warning("could not hand %d samples back to the stream (%s); scoring them here", len(rest), exc)
+            return False
+        self.stats.spilled += len(rest)
+        left = self._open[partition, entry_id] - len(rest)
+        if left > 0:
+            self._open[partition, entry_id] = left
+        else:  # the samples started here were all settled meanwhile: the entry is acked alone
+            self._open[partition, entry_id] = 1
             self.stats.in_flight += 1
-            self._held[entry_id] = partition
-            if deliveries is not None and deliveries.get(entry_id, 0) > self.config.max_deliveries:
-                self._dead_letter(
-                    partition,
-                    entry_id,
-                    fields,
-                    "max_deliveries",
-                    f"delivered {deliveries[entry_id]} times (max_deliveries={self.config.max_deliveries})",
-                    deliveries[entry_id],
-                )
-                continue
-            try:
-                traj = decode_trajectory(fields.get(FIELD_PAYLOAD, b""), self.config.max_message_bytes)
-            except CodecError as exc:
-                self._dead_letter(partition, entry_id, fields, exc.reason, str(exc), 1)
-                continue
-            if self._inline or alone:
-                await self._score(partition, entry_id, traj)
+            self._queue(partition, LedgerItem(entry_id, None, None, None))
+        return True
+
+    async def _room_for_one(self) -> bool:
+        """Until one more sample fits under ``concurrency`` and no suspect is being scored
+        alone; False once stopping. A read asks for what it has room for, but an entry
+        may hold more samples than the read guessed."""
+        while self.stats.in_flight >= self.config.concurrency or not self._reading.is_set():
+            if self._stopping:
+                return False
+            if self.stats.in_flight >= self.config.concurrency:
+                self._room.clear()
+                await self._room.wait()
             else:
-                task = asyncio.create_task(self._score(partition, entry_id, traj))
-                self._tasks.add(task)
-                self._task_entries[task] = (partition, entry_id)
-                task.add_done_callback(self._task_done)
+                await self._reading.wait()
+        return True
+
+    async def _start(
+        self,
+        partition: int,
+        entry_id: bytes,
+        fields: dict[bytes, bytes],
+        member: _Member,
+        of: int,
+        deliveries: dict[bytes, int] | None,
+        alone: bool,
+    ) -> None:
+        """One sample of an entry of ``of``: dead-letter it, or score it here or in a task."""
+        self.stats.in_flight += 1
+        delivered = deliveries.get(entry_id, 0) if deliveries is not None else 0
+        if delivered > self.config.max_deliveries:
+            self._dead_letter(
+                partition,
+                entry_id,
+                member.fields(fields, of),
+                "max_deliveries",
+                f"delivered {delivered} times (max_deliveries={self.config.max_deliveries})",
+                delivered,
+            )
+            return
+        try:
+            traj = decode_trajectory(member.payload, self.config.max_message_bytes)
+        except CodecError as exc:
+            self._dead_letter(partition, entry_id, member.fields(fields, of), exc.reason, str(exc), 1)
+            return
+        if self._inline or alone:
+            await self._score(partition, entry_id, traj)
+        else:
+            task = asyncio.create_task(self._score(partition, entry_id, traj))
+            self._tasks.add(task)
+            self._task_entries[task] = (partition, entry_id)
+            task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -445,6 +547,15 @@ class Worker:
 
     # ------------------------------------------------------------------ writing
     def _queue(self, partition: int, item: LedgerItem) -> None:
+        entry = (partition, item.entry_id)
+        left = self._open.get(entry)  # type: ignore[arg-type]
+        if left is not None:
+            if left > 1:
+                self._open[entry] = left - 1  # type: ignore[index]
+                item.ack = False
+            else:
+                del self._open[entry]  # type: ignore[arg-type]
+                item.ack = entry not in self._unsettled
         self._pending[partition].append(item)
         self._have_pending.set()
 
@@ -466,9 +577,14 @@ class Worker:
                     # Past the drain deadline with Redis away: these entries stay pending
                     # (never acked without a result) and another worker reclaims them.
                     log.warning("%d results not written before the drain deadline (%s); left pending", settled, exc)
+                    for partition, items in batch.items():
+                        for item in items:
+                            self._unsettled.add((partition, item.entry_id))  # type: ignore[arg-type]
+                            item.ack = True  # no longer held, below
                 for items in batch.values():
                     for item in items:
-                        self._held.pop(item.entry_id, None)  # type: ignore[arg-type]
+                        if item.ack:
+                            self._held.pop(item.entry_id, None)  # type: ignore[arg-type]
                 self.stats.in_flight -= settled
                 self._room.set()
                 self._writer_idle.set()
@@ -538,7 +654,7 @@ class Worker:
                     self.config.consumer,
                     min_idle_time=min_idle_ms,
                     start_id=start,
-                    count=min(room, self.config.read_count),
+                    count=max(1, min(room, self.config.read_count) // self._per_entry),
                 )
                 start, claimed = reply[0], reply[1]
                 deleted = reply[2] if len(reply) > 2 else []
@@ -570,32 +686,36 @@ class Worker:
         try:
             await self._wait_idle()
             for entry_id, fields in suspects:
-                try:
-                    # Durable before the attempt: if this process dies now, the next
-                    # worker to reclaim the entry finds the note and knows it is guilty.
-                    attempts = await self._client.hincrby(key, entry_id, 1)
-                    if attempts > 1:
-                        self.stats.in_flight += 1
-                        self._dead_letter(
-                            partition,
-                            entry_id,
-                            fields,
-                            "poison",
-                            f"crashed or stalled a worker while scored alone (delivered {deliveries[entry_id]} times)",
-                            deliveries[entry_id],
-                        )
-                    else:
-                        await self._process(partition, [(entry_id, fields)], deliveries, alone=True)
-                    await self._wait_idle()
-                    await self._client.hdel(key, entry_id)
-                except anyio.get_cancelled_exc_class():
-                    # A stop, not a crash: the note would make the next worker dead-letter an
-                    # innocent sample as poison. The cancel may land on the HINCRBY after Redis
-                    # ran it, or on the HDEL before, so both are inside. (A sample that stalls
-                    # every worker it meets still ends at max_deliveries.)
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
-                        await self._client.hdel(key, entry_id)
-                    raise
+                members = self._open_entry(partition, entry_id, fields)
+                for at, member in enumerate(members):
+                    # One note per sample: an entry of several is hunted sample by sample.
+                    note = b"%s/%d" % (entry_id, at)
+                    try:
+                        # Durable before the attempt: if this process dies now, the next
+                        # worker to reclaim the entry finds the note and knows it is guilty.
+                        attempts = await self._client.hincrby(key, note, 1)
+                        if attempts > 1:
+                            self.stats.in_flight += 1
+                            self._dead_letter(
+                                partition,
+                                entry_id,
+                                member.fields(fields, len(members)),
+                                "poison",
+                                f"crashed or stalled a worker while scored alone (delivered {deliveries[entry_id]} times)",
+                                deliveries[entry_id],
+                            )
+                        else:
+                            await self._start(partition, entry_id, fields, member, len(members), deliveries, True)
+                        await self._wait_idle()
+                        await self._client.hdel(key, note)
+                    except anyio.get_cancelled_exc_class():
+                        # A stop, not a crash: the note would make the next worker dead-letter an
+                        # innocent sample as poison. The cancel may land on the HINCRBY after Redis
+                        # ran it, or on the HDEL before, so both are inside. (A sample that stalls
+                        # every worker it meets still ends at max_deliveries.)
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                            await self._client.hdel(key, note)
+                        raise
         finally:
             self._reading.set()
 
@@ -643,8 +763,11 @@ class Worker:
             task.cancel()
         if unfinished:
             await asyncio.wait([t for t, _ in unfinished], timeout=1.0)
+        # Entries with a sample that never settled: a cancelled one, or one never started.
+        release = {entry for _, entry in unfinished} | set(self._open)
+        if release:
             by_stream: dict[str, list[bytes]] = defaultdict(list)
-            for _, (partition, entry_id) in unfinished:
+            for partition, entry_id in release:
                 by_stream[self.keys.stream(partition)].append(entry_id)
             try:
                 for stream, ids in by_stream.items():
@@ -655,11 +778,11 @@ class Worker:
                         ),
                         timeout=2.0,
                     )
-                log.info("released %d unfinished samples to other workers", len(unfinished))
+                log.info("released %d unfinished entries to other workers", len(release))
             except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
                 # They stay pending under this consumer: reclaimed after reclaim_idle_ms.
-                log.warning("could not release %d unfinished samples (%s)", len(unfinished), type(exc).__name__)
-            self.stats.in_flight -= len(unfinished)
+                log.warning("could not release %d unfinished entries (%s)", len(release), type(exc).__name__)
+        self.stats.in_flight -= len(unfinished)
 
     async def _farewell(self) -> None:
         try:
@@ -731,6 +854,39 @@ class Worker:
                 floor = candidate if floor is None else min(floor, candidate)
             if floor is not None and floor > (0, 1):
                 await self._client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False)
+
+
+class _Member:
+    """One sample of an entry: its payload (a view into the entry's) and its header."""
+
+    __slots__ = ("payload", "head")
+
+    def __init__(self, payload: Any, head: Any) -> None:
+        self.payload, self.head = payload, head
+
+    def fields(self, entry: dict[bytes, bytes], of: int) -> dict[bytes, bytes]:
+        """What a dead letter keeps: the entry itself when it holds this sample only,
+        else an entry of this sample's own (a redrive queues it alone)."""
+        if of == 1 or self.head is None:
+            return entry
+        return member_fields(bytes(self.payload), self.head)
+
+
+def _split(fields: dict[bytes, bytes]) -> list[_Member]:
+    """An entry's samples. Headers that cannot be read make the entry one sample: its
+    payload may still decode, and if not it is dead-lettered whole."""
+    members = read_members(fields)
+    data = fields.get(FIELD_PAYLOAD, b"")
+    if members is None:
+        return [_Member(data, None)]
+    view = memoryview(data)
+    out = []
+    at = 0
+    for head in members:
+        size = head[3]
+        out.append(_Member(view[at : at + size], head))
+        at += size
+    return out
 
 
 def _iter_reply(reply: Any) -> Any:

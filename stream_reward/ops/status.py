@@ -50,9 +50,11 @@ async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any
         "exists": True,
         "length": 0,
         "entries_added": 0,
+        "samples_pushed": 0,
         "last_id": None,
         "groups": [],
     }
+    out["samples_pushed"] = int(await client.hget(keys.pushed(partition), "samples") or 0)
     try:
         info = await client.xinfo_stream(name)
     except ResponseError:  # no such key: nothing was ever pushed to this partition
@@ -330,7 +332,8 @@ async def _throughput(
     interval_s: float,
 ) -> dict[str, Any]:
     """Rates from two readings ``window_s`` apart: heartbeat counters (scored, failed) and
-    the streams' entries-added (pushed). A worker's rate uses its own heartbeat times."""
+    the streams' samples pushed (an entry holds several). A worker's rate uses its own
+    heartbeat times."""
     await asyncio.sleep(window_s)
     later_streams = [await _stream_info(client, keys, p) for p in range(keys.partitions)]
     later = await read_heartbeats(client, keys, interval_s=interval_s)
@@ -344,7 +347,7 @@ async def _throughput(
             continue  # no new heartbeat in the window: no reading for this worker
         scored += (int(beat.get("scored", 0)) - int(first.get("scored", 0))) / dt
         failed += (int(beat.get("failed", 0)) - int(first.get("failed", 0))) / dt
-    pushed = sum(b["entries_added"] - a["entries_added"] for a, b in zip(streams, later_streams)) / window_s
+    pushed = sum(b["samples_pushed"] - a["samples_pushed"] for a, b in zip(streams, later_streams)) / window_s
     return {
         "window_s": window_s,
         "scored_per_s": round(scored, 2),

@@ -29,6 +29,7 @@ from stream_reward.errors import (
     StateLostError,
 )
 from stream_reward.trainer.coalescer import Coalescer
+from stream_reward.trainer.entry_sizes import EntrySizes
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.batch_meta import BatchMeta
@@ -156,6 +157,7 @@ class RolloutProducer:
         self._push_sha: str | None = None  # PUSH_SCRIPT, loaded on the first push
         self._coalescer: Coalescer[_Entry, int] | None = None
         self._backlog_reading: asyncio.Future[None] | None = None
+        self._entry_sizes = EntrySizes()
         self._counted_while_reading = 0  # see _read_backlog
         self._listener: ResultListener | None = None  # the process's result listener, on first score()
 
@@ -429,7 +431,7 @@ class RolloutProducer:
                         digest(payload),
                         -1 if length is None else length,
                         payload,
-                        entry_header(traj.batch_id, traj.index, traj.uid),
+                        entry_header(traj.batch_id, traj.index, traj.uid, len(payload)),
                         1 if implied else 0,
                     )
                 )
@@ -502,30 +504,36 @@ class RolloutProducer:
         for at, entry in enumerate(entries):
             by_part.setdefault(entry.partition, []).append(at)
         calls: list[tuple[list[int], list[str], list[Any]]] = []
+        fast_sizes: list[list[int]] = []
         step = XADD_MANY_CHUNK
         for part, ats in by_part.items():
             claims_part = part if cluster else 0
             for lo in range(0, len(ats), step):
                 chunk = ats[lo : lo + step]
-                keys, args = push_args(
+                keys, args, sizes = push_args(
                     self.keys.stream(part),
+                    self.keys.pushed(part),
                     [entries[a].row() for a in chunk],
                     lambda b, cp=claims_part: self.keys.claims(b, cp),
                     # In a cluster the lengths hash (partition 0's slot) is written after, for fresh entries only.
                     self.keys.lengths if not cluster else (lambda b, cp=claims_part: self.keys.claims(b, cp)),
                     ttl_s=self.config.result_ttl_s,
                     write_lengths=not cluster,
+                    per_entry=self.config.samples_per_entry,
                 )
                 calls.append((chunk, keys, args))
+                fast_sizes.append(sizes)
         verdicts = [0] * len(entries)
         # Some calls may land before a failure; a retry of the same pushes finds them as duplicates.
         with redis_errors(f"push of {len(entries)} trajectories failed"):
             replies = await self._call_push(calls, cluster)
-        for (chunk, _, _), reply in zip(calls, replies):
-            if isinstance(reply, int):  # the script's fast path: every entry fresh
+        for (chunk, _, _), reply, sizes in zip(calls, replies, fast_sizes):
+            if isinstance(reply, int):  # the script's fast path: every sample fresh, in prepared entries
+                self._entry_sizes.add(sizes)
                 continue
             for at, verdict in zip(chunk, reply):
                 verdicts[at] = int(verdict)
+            self._entry_sizes.add([1] * sum(1 for v in reply if int(v) == FRESH))  # an entry each
         if cluster:
             lengths: dict[str, dict[int, int]] = {}
             for entry, verdict in zip(entries, verdicts):
@@ -590,7 +598,8 @@ class RolloutProducer:
             )
 
     async def backlog(self) -> int:
-        """Entries in the streams not yet delivered to the consumer group.
+        """Entries in the streams not yet delivered to the consumer group (an entry
+        holds up to ``samples_per_entry`` samples: see ``_read_backlog``).
 
         The group's ``lag`` where Redis knows it. After a restart from an AOF file
         (or entries deleted mid-stream) Redis reports no lag; then the stream's
@@ -598,13 +607,22 @@ class RolloutProducer:
         acked but not yet trimmed, so it errs on the side of waiting, never of
         letting the producer run past ``max_backlog``.
         """
+        return (await self._lag())[0]
+
+    async def _lag(self) -> tuple[int, float]:
+        """The backlog in entries, and the mean samples an entry producers queued held."""
         async with self.client.pipeline(transaction=False) as pipe:
-            for stream in self.keys.streams():
+            for p, stream in enumerate(self.keys.streams()):
                 pipe.xinfo_groups(stream)
                 pipe.xlen(stream)
+                pipe.hmget(self.keys.pushed(p), "samples", "entries")
             replies = await pipe.execute(raise_on_error=False)
         total = 0
-        for groups, length in zip(replies[::2], replies[1::2]):
+        samples = entries = 0
+        for groups, length, pushed in zip(replies[::3], replies[1::3], replies[2::3]):
+            if not isinstance(pushed, Exception):
+                samples += int(pushed[0] or 0)
+                entries += int(pushed[1] or 0)
             if isinstance(groups, ResponseError) and "no such key" in str(groups):
                 groups = []
             for reply in (groups, length):
@@ -620,7 +638,7 @@ class RolloutProducer:
                 if lag is None:
                     lag = max(0, int(length) - group["pending"])
                 total += lag
-        return total
+        return total, (samples / entries if entries else float(self.config.samples_per_entry))
 
     def _room_known(self, incoming: int) -> bool:
         """The local estimate says there is room: no need to wait for Redis (the common case).
@@ -667,8 +685,8 @@ class RolloutProducer:
         await self._ensure_groups()
         # Pushes counted since the reading was started may land after the server
         # answered it: they are added on top (at worst counted twice: erring high).
-        reading = await self.backlog()
-        self._backlog = reading + self._counted_while_reading
+        lag, mean = await self._lag()
+        self._backlog = self._entry_sizes.samples_in_last(lag, mean) + self._counted_while_reading
         if not self._groups_ready:
             log.warning("stream or consumer group %r missing (Redis lost its state?): recreating", self.config.group)
             await self._ensure_groups()

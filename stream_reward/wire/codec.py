@@ -46,7 +46,7 @@ __all__ = [
     "packb",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 SCHEMA_VERSION = PROTOCOL_VERSION  # the older name
 
 _LITTLE = sys.byteorder == "little"

@@ -112,6 +112,10 @@ class Keys:
         """Hash entry id -> solo attempts started, for suspects of a worker crash."""
         return f"{self.tag(partition)}:quarantine"
 
+    def pushed(self, partition: int = 0) -> str:
+        """How many samples and entries producers queued on the partition's stream, ever (a hash)."""
+        return f"{self.tag(partition)}:pushed"
+
     def dead_letters(self, partition: int = 0) -> str:
         return f"{self.tag(partition)}:dlq"
 

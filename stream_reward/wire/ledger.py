@@ -1,10 +1,11 @@
 """Write-once results: the exactly-once half of "at-least-once delivery, exactly-once results".
 
-One Lua call per flush does, for every scored entry: mark the sample's uid in
+One Lua call per flush does, for every scored sample: mark the sample's uid in
 the batch's ledger of this consumer group unless it is marked already (results
 are kept per (group, uid), see ``Keys.results``); only if it was the first
 write, add the result to the batch's ``done`` stream, which the aggregator and
-the result listener read; dead-letter if asked; and XACK the entry. Running it
+the result listener read, and dead-letter it if asked; and XACK the entries
+whose last sample this is. Running it
 as one script makes "result durable, then ack" atomic, and makes a redelivered
 sample (a reclaimed entry whose first worker died after writing) a no-op
 instead of a second count.
@@ -72,7 +73,7 @@ for _, item in ipairs(items) do
     end
     list[#list + 1] = item
   end
-  if item[5] ~= '' then
+  if item[5] ~= '' and k == 0 then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', dlq_maxlen, '*', 'e', item[5])
   end
   if item[1] ~= '' then
@@ -102,6 +103,11 @@ for k, list in pairs(by_batch) do
         marks[#marks + 1] = uid
         marks[#marks + 1] = '1'
         records[#records + 1] = list[i][4]
+        -- A dead letter only with its sample's first result: a sample already scored
+        -- (another sample of its entry failed the entry, or a slow worker) is not dead.
+        if list[i][5] ~= '' then
+          redis.call('XADD', KEYS[2], 'MAXLEN', '~', dlq_maxlen, '*', 'e', list[i][5])
+        end
       end
     end
   end
@@ -124,15 +130,17 @@ return written
 
 @dataclass(slots=True)
 class LedgerItem:
-    """One entry to settle. ``result`` None: nothing to record (a dead letter whose
+    """One sample to settle. ``result`` None: nothing to record (a dead letter whose
     batch is unknown). ``entry_id`` empty: nothing to ack (a result written by the
-    aggregator or a redrive)."""
+    aggregator or a redrive). ``ack`` False: its entry holds other samples not yet
+    settled, and is acked with the last of them."""
 
     entry_id: bytes | str
     batch_id: str | None
     uid: str | None
     result: bytes | None
     dead_letter: bytes | None = None
+    ack: bool = True
 
 
 class LedgerWriter:
@@ -157,7 +165,8 @@ class LedgerWriter:
                     keys.append(self._keys.results(item.batch_id, partition, self._group))
                     keys.append(self._keys.done(item.batch_id, partition, self._group))
                     slot_of[item.batch_id] = k
-            rows.append((item.entry_id, k, item.uid or "", item.result or b"", item.dead_letter or b""))
+            entry = item.entry_id if item.ack else ""
+            rows.append((entry, k, item.uid or "", item.result or b"", item.dead_letter or b""))
         return keys, [self._group, self._ttl, DLQ_MAXLEN, packb(rows, bin_type=False)]
 
     async def write(self, partition: int, items: list[LedgerItem]) -> int:

@@ -1,0 +1,55 @@
+"""Entries that hold several samples (wire/entries.py): a bad sample fails alone, and what a
+dead letter keeps is that sample's own entry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from stream_reward import ProducerConfig, RewardAggregator, Trajectory
+from stream_reward.config import ConsumerConfig
+from stream_reward.managers.registry import RuleScorer
+from stream_reward.ops.deadletters import list_dead_letters
+from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.wire.codec import encode_trajectory
+from stream_reward.wire.connection import connect
+from stream_reward.wire.entries import entry_header, read_header, read_members
+from stream_reward.wire.keys import Keys
+from workers.consumer import Worker
+
+pytestmark = pytest.mark.anyio
+
+
+def gsm(i: int) -> Trajectory:
+    return Trajectory("m", i, "openai/gsm8k", response=f"#### {i}", ground_truth=str(i))
+
+
+async def test_a_garbled_sample_in_an_entry_of_three_fails_alone(redis_url, namespace) -> None:
+    keys = Keys(namespace)
+    payloads = [encode_trajectory(gsm(0)), b"\xc1not msgpack", encode_trajectory(gsm(2))]
+    fields = {
+        "d": b"".join(payloads),
+        "h": b"".join(entry_header("m", i, f"m/{i}", len(p)) for i, p in enumerate(payloads)),
+    }
+    assert [m[1] for m in read_members({k.encode(): v for k, v in fields.items()}) or []] == [0, 1, 2]
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        await producer.open_batch("m", 3, 8)
+        await producer.client.xadd(keys.stream(), fields)
+    worker = Worker(redis_url, RuleScorer(), ConsumerConfig(namespace=namespace, block_ms=20))
+    try:
+        await asyncio.wait_for(worker.run(burst=True), 30)
+    finally:
+        await worker.aclose()
+    async with RewardAggregator(redis_url, namespace=namespace) as agg:
+        rewards = await agg.collect("m", timeout_s=10)
+    assert rewards.status == ["ok", "failed", "ok"] and rewards.scores[0] == rewards.scores[2] == 1.0
+    assert rewards.results[1].reason == "malformed"
+    (letter,) = await list_dead_letters(redis_url, namespace=namespace)
+    assert read_header(letter.fields) == ("m", 1, "m/1")  # the sample's own entry, not all three
+    assert letter.fields["d"] == b"\xc1not msgpack"
+    client = connect(redis_url)
+    try:
+        assert (await client.xpending(keys.stream(), "scorers"))["pending"] == 0  # acked once all three settled
+    finally:
+        await client.aclose()
