@@ -130,7 +130,8 @@ class Worker:
         # own worker, be scored twice, and its delivery count would make it a suspect.
         # The housekeeper also renews them (XCLAIM JUSTID: idle reset, delivery count kept),
         # so that no other worker takes a slow sample from a live one.
-        self._held: dict[bytes, int] = {}  # entry id -> partition
+        # (partition, entry id): two partitions' streams (on two nodes) can make the same id.
+        self._held: set[tuple[int, bytes]] = set()
         # One reclaim sweep at a time: two (the background one and a burst's last pass)
         # could claim the same entry between XAUTOCLAIM and _process, both count it a
         # delivery, both quarantine it, and the second quarantine would find the first's
@@ -384,7 +385,7 @@ class Worker:
     def _open_entry(self, partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> list[_Member]:
         """The entry's samples; the entry is held until every one of them is settled."""
         members = _split(fields)
-        self._held[entry_id] = partition
+        self._held.add((partition, entry_id))
         self._open[partition, entry_id] = len(members)
         return members
 
@@ -581,10 +582,10 @@ class Worker:
                         for item in items:
                             self._unsettled.add((partition, item.entry_id))  # type: ignore[arg-type]
                             item.ack = True  # no longer held, below
-                for items in batch.values():
+                for partition, items in batch.items():
                     for item in items:
                         if item.ack:
-                            self._held.pop(item.entry_id, None)  # type: ignore[arg-type]
+                            self._held.discard((partition, item.entry_id))  # type: ignore[arg-type]
                 self.stats.in_flight -= settled
                 self._room.set()
                 self._writer_idle.set()
@@ -660,7 +661,7 @@ class Worker:
                 deleted = reply[2] if len(reply) > 2 else []
                 if deleted:  # pending entries whose data was trimmed: nothing left to score
                     await self._client.xack(stream, self.config.group, *deleted)
-                claimed = [(eid, fields) for eid, fields in claimed if fields and eid not in self._held]
+                claimed = [(eid, fields) for eid, fields in claimed if fields and (partition, eid) not in self._held]
                 if claimed:
                     deliveries = await self._deliveries(stream, [eid for eid, _ in claimed])
                     self.stats.reclaimed += len(claimed)
@@ -810,7 +811,7 @@ class Worker:
     async def _renew_held(self) -> None:
         """Keep the entries this worker is scoring idle-fresh, so peers leave them alone."""
         by_partition: dict[int, list[bytes]] = {}
-        for entry_id, partition in list(self._held.items()):
+        for partition, entry_id in list(self._held):
             by_partition.setdefault(partition, []).append(entry_id)
         streams = self.keys.streams()
         for partition, ids in by_partition.items():
