@@ -490,6 +490,22 @@ async def test_burst_worker_stopped_mid_run_leaves_nothing_lost_or_poisoned(redi
     assert worker.stats.dead_letters == 0
 
 
+async def queue_a_suspect(client, keys: Keys, producer: RolloutProducer) -> None:
+    """Sample 0 of batch "q", delivered twice to consumers that died: a suspect for the next."""
+    await producer.open_batch("q", 1, 8)
+    await producer.push(traj("q", 0))
+    held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
+    await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
+
+
+async def second_worker_finishes(redis_url: str, config: ConsumerConfig, agg: RewardAggregator):
+    """A burst worker takes what the first left; then batch "q"'s rewards."""
+    w2 = Worker(redis_url, Ident(), config)
+    await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 20)
+    await w2.aclose()
+    return w2, await agg.collect("q", timeout_s=3, on_timeout="resolve")
+
+
 async def test_a_stopped_worker_mid_quarantine_does_not_make_its_suspect_poison(redis_url, namespace) -> None:
     """A worker scoring a suspect alone is stopped past its drain deadline: the reclaimer is
     cancelled between the quarantine note (HINCRBY) and its HDEL. The next worker to claim
@@ -509,10 +525,7 @@ async def test_a_stopped_worker_mid_quarantine_does_not_make_its_suspect_poison(
             RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
-            await producer.open_batch("q", 1, 8)
-            await producer.push(traj("q", 0))
-            held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
-            await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
+            await queue_a_suspect(client, keys, producer)
             cfg = dict(namespace=namespace, block_ms=20, concurrency=2, reclaim_idle_ms=0, drain_timeout_s=0.2)
             w1 = Worker(redis_url, SlowOnce(), ConsumerConfig(consumer="w1", **cfg))
             stop = asyncio.Event()
@@ -521,10 +534,7 @@ async def test_a_stopped_worker_mid_quarantine_does_not_make_its_suspect_poison(
             stop.set()
             await asyncio.wait_for(run1, 20)
             await w1.aclose()
-            w2 = Worker(redis_url, Ident(), ConsumerConfig(consumer="w2", **cfg))
-            await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 20)
-            await w2.aclose()
-            rewards = await agg.collect("q", timeout_s=3, on_timeout="resolve")
+            w2, rewards = await second_worker_finishes(redis_url, ConsumerConfig(consumer="w2", **cfg), agg)
     finally:
         await client.aclose()
     assert (rewards.status, rewards.results[0].reason) == (["ok"], None)
@@ -570,10 +580,7 @@ async def test_a_cancel_at_either_edge_of_a_quarantine_never_leaves_its_note(red
             RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
-            await producer.open_batch("q", 1, 8)
-            await producer.push(traj("q", 0))
-            held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
-            await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
+            await queue_a_suspect(client, keys, producer)
             cfg = dict(namespace=namespace, block_ms=20, concurrency=2, reclaim_idle_ms=0, drain_timeout_s=2)
             w1 = Worker(redis_url, Ident(), ConsumerConfig(consumer="w1", **cfg))
             stop = asyncio.Event()
@@ -601,10 +608,7 @@ async def test_a_cancel_at_either_edge_of_a_quarantine_never_leaves_its_note(red
             await w1.aclose()
             assert caught, "the stop never reached the quarantine"
             assert await client.hgetall(keys.quarantine(0)) == {}
-            w2 = Worker(redis_url, Ident(), ConsumerConfig(consumer="w2", **cfg))
-            await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 20)
-            await w2.aclose()
-            rewards = await agg.collect("q", timeout_s=3, on_timeout="resolve")
+            w2, rewards = await second_worker_finishes(redis_url, ConsumerConfig(consumer="w2", **cfg), agg)
     finally:
         await client.aclose()
     assert (rewards.status, rewards.results[0].reason) == (["ok"], None)
