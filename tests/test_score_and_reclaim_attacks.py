@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import random
 import time
 
@@ -34,6 +35,21 @@ SCORER = "python:tests/data/scorers.py:exact"
 
 def traj(batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None) -> Trajectory:
     return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
+
+
+def unretrieved_errors() -> list[str]:
+    """What asyncio reports of the futures collected now (an error nobody retrieved)."""
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(
+        lambda _loop, context: seen.append(f"{context.get('message')}: {context.get('exception')!r}")
+    )
+    try:
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    return seen
 
 
 class Ident:
@@ -307,6 +323,29 @@ async def test_score_pending_when_the_producer_closes_does_not_hang_past_its_tim
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         await p.aclose()
+    # The listener failed score()'s result future when it closed; score() ended without
+    # awaiting it. That error must count as seen, or asyncio reports it when the future is
+    # collected ("exception was never retrieved"), in whatever code runs then (CI, lowest).
+    del task
+    assert unretrieved_errors() == []
+
+
+async def test_score_that_ends_without_its_result_leaves_no_unretrieved_error(redis_url, namespace) -> None:
+    """score() waiting for backlog room when aclose() fails its result future, then cancelled:
+    it never awaits that future, and its error must not surface later as "Future exception
+    was never retrieved" in whatever code the garbage collector interrupts."""
+    cfg = ProducerConfig(namespace=namespace, max_backlog=2, on_backlog="wait", backlog_poll_s=0.02)
+    p = RolloutProducer(redis_url, cfg)
+    await p.open_batch("ur", 10, 8)
+    await p.push_many(traj("ur", i) for i in range(2))
+    task = asyncio.ensure_future(p.score(traj("ur", 5), timeout_s=0.3))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    await p.aclose()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    del task
+    assert unretrieved_errors() == []
 
 
 async def test_score_in_flight_when_the_producer_closes_ends(redis_url, namespace) -> None:
