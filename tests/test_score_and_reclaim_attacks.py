@@ -12,7 +12,7 @@ import random
 import time
 
 import pytest
-from helpers import queued
+from helpers import queued, wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -652,3 +652,41 @@ async def test_a_cancel_at_either_edge_of_a_quarantine_never_leaves_its_note(red
         await client.aclose()
     assert (rewards.status, rewards.results[0].reason) == (["ok"], None)
     assert w1.stats.dead_letters + w2.stats.dead_letters == 0
+
+
+async def test_a_live_workers_slow_sample_is_neither_taken_by_a_peer_nor_counted_redelivered(
+    redis_url, namespace
+) -> None:
+    """A sample that scores for longer than ``reclaim_idle_ms`` (an LLM judge, a sandbox)
+    while its worker is alive: the worker keeps its entry fresh, so an idle peer's reclaim
+    sweep leaves it alone (it would score it twice: quota spent twice) and no sweep bumps
+    its delivery count (enough bumps quarantine, then dead-letter, an innocent sample)."""
+    calls: dict[str, int] = {}
+
+    class Slow:
+        async def score(self, t: Trajectory) -> Scored:
+            calls[t.uid] = calls.get(t.uid, 0) + 1
+            await asyncio.sleep(2.5)
+            return Scored(1.0)
+
+    cfg = {"scorer": Slow(), "concurrency": 1, "reclaim_idle_ms": 600}
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.open_batch("sl", 1, 8)
+        stream = p.keys.stream()
+        async with running_worker(redis_url, namespace, **cfg) as holder:
+            await p.push(traj("sl", 0))
+            await wait_until(lambda: asyncio.sleep(0, bool(calls)))
+            async with running_worker(redis_url, namespace, **{**cfg, "consumer": "peer"}) as peer:
+                deliveries = set()
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:  # until the holder acks it
+                    rows = await p.client.xpending_range(stream, "scorers", min="-", max="+", count=1)
+                    if not rows:
+                        break
+                    deliveries.add(rows[0]["times_delivered"])
+                    await asyncio.sleep(0.05)
+                pending = await p.client.xpending(stream, "scorers")
+        assert pending["pending"] == 0
+        assert deliveries == {1}, f"a sweep claimed a live worker's entry again (times delivered: {sorted(deliveries)})"
+        assert list(calls.values()) == [1], f"scored more than once (a peer took it from a live worker): {calls}"
+        assert holder.stats.duplicates == peer.stats.duplicates == 0
