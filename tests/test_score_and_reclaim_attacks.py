@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import random
 import time
 
 import pytest
-from helpers import queued
+from helpers import queued, wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -34,6 +35,21 @@ SCORER = "python:tests/data/scorers.py:exact"
 
 def traj(batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None) -> Trajectory:
     return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
+
+
+def unretrieved_errors() -> list[str]:
+    """What asyncio reports of the futures collected now (an error nobody retrieved)."""
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(
+        lambda _loop, context: seen.append(f"{context.get('message')}: {context.get('exception')!r}")
+    )
+    try:
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    return seen
 
 
 class Ident:
@@ -307,6 +323,29 @@ async def test_score_pending_when_the_producer_closes_does_not_hang_past_its_tim
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         await p.aclose()
+    # The listener failed score()'s result future when it closed; score() ended without
+    # awaiting it. That error must count as seen, or asyncio reports it when the future is
+    # collected ("exception was never retrieved"), in whatever code runs then (CI, lowest).
+    del task
+    assert unretrieved_errors() == []
+
+
+async def test_score_that_ends_without_its_result_leaves_no_unretrieved_error(redis_url, namespace) -> None:
+    """score() waiting for backlog room when aclose() fails its result future, then cancelled:
+    it never awaits that future, and its error must not surface later as "Future exception
+    was never retrieved" in whatever code the garbage collector interrupts."""
+    cfg = ProducerConfig(namespace=namespace, max_backlog=2, on_backlog="wait", backlog_poll_s=0.02)
+    p = RolloutProducer(redis_url, cfg)
+    await p.open_batch("ur", 10, 8)
+    await p.push_many(traj("ur", i) for i in range(2))
+    task = asyncio.ensure_future(p.score(traj("ur", 5), timeout_s=0.3))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    await p.aclose()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    del task
+    assert unretrieved_errors() == []
 
 
 async def test_score_in_flight_when_the_producer_closes_ends(redis_url, namespace) -> None:
@@ -490,6 +529,22 @@ async def test_burst_worker_stopped_mid_run_leaves_nothing_lost_or_poisoned(redi
     assert worker.stats.dead_letters == 0
 
 
+async def queue_a_suspect(client, keys: Keys, producer: RolloutProducer) -> None:
+    """Sample 0 of batch "q", delivered twice to consumers that died: a suspect for the next."""
+    await producer.open_batch("q", 1, 8)
+    await producer.push(traj("q", 0))
+    held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
+    await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
+
+
+async def second_worker_finishes(redis_url: str, config: ConsumerConfig, agg: RewardAggregator):
+    """A burst worker takes what the first left; then batch "q"'s rewards."""
+    w2 = Worker(redis_url, Ident(), config)
+    await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 20)
+    await w2.aclose()
+    return w2, await agg.collect("q", timeout_s=3, on_timeout="resolve")
+
+
 async def test_a_stopped_worker_mid_quarantine_does_not_make_its_suspect_poison(redis_url, namespace) -> None:
     """A worker scoring a suspect alone is stopped past its drain deadline: the reclaimer is
     cancelled between the quarantine note (HINCRBY) and its HDEL. The next worker to claim
@@ -509,10 +564,7 @@ async def test_a_stopped_worker_mid_quarantine_does_not_make_its_suspect_poison(
             RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
-            await producer.open_batch("q", 1, 8)
-            await producer.push(traj("q", 0))
-            held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
-            await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
+            await queue_a_suspect(client, keys, producer)
             cfg = dict(namespace=namespace, block_ms=20, concurrency=2, reclaim_idle_ms=0, drain_timeout_s=0.2)
             w1 = Worker(redis_url, SlowOnce(), ConsumerConfig(consumer="w1", **cfg))
             stop = asyncio.Event()
@@ -521,10 +573,7 @@ async def test_a_stopped_worker_mid_quarantine_does_not_make_its_suspect_poison(
             stop.set()
             await asyncio.wait_for(run1, 20)
             await w1.aclose()
-            w2 = Worker(redis_url, Ident(), ConsumerConfig(consumer="w2", **cfg))
-            await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 20)
-            await w2.aclose()
-            rewards = await agg.collect("q", timeout_s=3, on_timeout="resolve")
+            w2, rewards = await second_worker_finishes(redis_url, ConsumerConfig(consumer="w2", **cfg), agg)
     finally:
         await client.aclose()
     assert (rewards.status, rewards.results[0].reason) == (["ok"], None)
@@ -570,10 +619,7 @@ async def test_a_cancel_at_either_edge_of_a_quarantine_never_leaves_its_note(red
             RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
-            await producer.open_batch("q", 1, 8)
-            await producer.push(traj("q", 0))
-            held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
-            await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
+            await queue_a_suspect(client, keys, producer)
             cfg = dict(namespace=namespace, block_ms=20, concurrency=2, reclaim_idle_ms=0, drain_timeout_s=2)
             w1 = Worker(redis_url, Ident(), ConsumerConfig(consumer="w1", **cfg))
             stop = asyncio.Event()
@@ -601,11 +647,46 @@ async def test_a_cancel_at_either_edge_of_a_quarantine_never_leaves_its_note(red
             await w1.aclose()
             assert caught, "the stop never reached the quarantine"
             assert await client.hgetall(keys.quarantine(0)) == {}
-            w2 = Worker(redis_url, Ident(), ConsumerConfig(consumer="w2", **cfg))
-            await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 20)
-            await w2.aclose()
-            rewards = await agg.collect("q", timeout_s=3, on_timeout="resolve")
+            w2, rewards = await second_worker_finishes(redis_url, ConsumerConfig(consumer="w2", **cfg), agg)
     finally:
         await client.aclose()
     assert (rewards.status, rewards.results[0].reason) == (["ok"], None)
     assert w1.stats.dead_letters + w2.stats.dead_letters == 0
+
+
+async def test_a_live_workers_slow_sample_is_neither_taken_by_a_peer_nor_counted_redelivered(
+    redis_url, namespace
+) -> None:
+    """A sample that scores for longer than ``reclaim_idle_ms`` (an LLM judge, a sandbox)
+    while its worker is alive: the worker keeps its entry fresh, so an idle peer's reclaim
+    sweep leaves it alone (it would score it twice: quota spent twice) and no sweep bumps
+    its delivery count (enough bumps quarantine, then dead-letter, an innocent sample)."""
+    calls: dict[str, int] = {}
+
+    class Slow:
+        async def score(self, t: Trajectory) -> Scored:
+            calls[t.uid] = calls.get(t.uid, 0) + 1
+            await asyncio.sleep(2.5)
+            return Scored(1.0)
+
+    cfg = {"scorer": Slow(), "concurrency": 1, "reclaim_idle_ms": 600}
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.open_batch("sl", 1, 8)
+        stream = p.keys.stream()
+        async with running_worker(redis_url, namespace, **cfg) as holder:
+            await p.push(traj("sl", 0))
+            await wait_until(lambda: asyncio.sleep(0, bool(calls)))
+            async with running_worker(redis_url, namespace, **{**cfg, "consumer": "peer"}) as peer:
+                deliveries = set()
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:  # until the holder acks it
+                    rows = await p.client.xpending_range(stream, "scorers", min="-", max="+", count=1)
+                    if not rows:
+                        break
+                    deliveries.add(rows[0]["times_delivered"])
+                    await asyncio.sleep(0.05)
+                pending = await p.client.xpending(stream, "scorers")
+        assert pending["pending"] == 0
+        assert deliveries == {1}, f"a sweep claimed a live worker's entry again (times delivered: {sorted(deliveries)})"
+        assert list(calls.values()) == [1], f"scored more than once (a peer took it from a live worker): {calls}"
+        assert holder.stats.duplicates == peer.stats.duplicates == 0

@@ -794,11 +794,18 @@ class Worker:
     # ------------------------------------------------------------------ housekeeping
     async def _housekeeper(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        next_trim = 0.0
+        beat_s = self.config.heartbeat_interval_s
+        # Held entries are renewed well within reclaim_idle_ms, whatever the heartbeat: one
+        # left idle past it is claimed by a peer's sweep (scored twice, quota spent twice)
+        # and its delivery count bumped (bumps enough quarantine an innocent sample).
+        tick_s = max(0.05, min(beat_s, self.config.reclaim_idle_ms / 3000)) if self.config.reclaim_idle_ms else beat_s
+        next_beat = next_trim = 0.0
         while not stop.is_set():
             try:
-                await self._heartbeat()
                 await self._renew_held()
+                if loop.time() >= next_beat:
+                    await self._heartbeat()
+                    next_beat = loop.time() + beat_s
                 if loop.time() >= next_trim:
                     await self._trim()
                     next_trim = loop.time() + self.config.trim_interval_s
@@ -806,7 +813,7 @@ class Worker:
                 log.debug("housekeeping skipped: %s", type(exc).__name__)
             except Exception:  # housekeeping must never take the worker down
                 log.exception("housekeeping failed")
-            await _sleep_unless(stop, self.config.heartbeat_interval_s)
+            await _sleep_unless(stop, tick_s)
 
     async def _renew_held(self) -> None:
         """Keep the entries this worker is scoring idle-fresh, so peers leave them alone."""

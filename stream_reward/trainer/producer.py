@@ -329,6 +329,10 @@ class RolloutProducer:
                 sent.verdicts.cancel()  # not yet in a flush: skipped (the callback releases its uid)
             if not fut.done():
                 fut.cancel()
+            elif not fut.cancelled():
+                # Failed while nothing awaited it (a listener closed under a push that then
+                # raised): the caller got that error or another; asyncio must not report it.
+                fut.exception()
             listener.forget(fut)
 
     def _applied(self, sent: _Sent) -> BaseException | None:
