@@ -53,3 +53,17 @@ async def test_a_garbled_sample_in_an_entry_of_three_fails_alone(redis_url, name
         assert (await client.xpending(keys.stream(), "scorers"))["pending"] == 0  # acked once all three settled
     finally:
         await client.aclose()
+
+
+async def test_backlog_counts_samples_not_entries(redis_url, namespace) -> None:
+    """max_backlog bounds samples; backlog() must report what it bounds, whatever the
+    entries hold: 40 samples in entries of 16, and 5 more pushed one at a time."""
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        await producer.open_batch("m", 45, 8)
+        await producer.push_many(gsm(i) for i in range(40))
+        for i in range(40, 45):
+            await producer.push(gsm(i))
+        assert await producer.backlog() == 45
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as other:
+        # Another producer knows none of these entries: it counts them by the pushed counts.
+        assert await other.backlog() == 45

@@ -602,16 +602,18 @@ class RolloutProducer:
             )
 
     async def backlog(self) -> int:
-        """Entries in the streams not yet delivered to the consumer group (an entry
-        holds up to ``samples_per_entry`` samples: see ``_read_backlog``).
+        """Samples in the streams not yet delivered to the consumer group: what
+        ``max_backlog`` bounds. Redis counts the group's ``lag`` in entries, of up to
+        ``samples_per_entry`` samples each; see ``trainer.entry_sizes`` for how they
+        are counted as samples.
 
-        The group's ``lag`` where Redis knows it. After a restart from an AOF file
-        (or entries deleted mid-stream) Redis reports no lag; then the stream's
-        length minus the group's pending entries stands in: it also counts entries
-        acked but not yet trimmed, so it errs on the side of waiting, never of
-        letting the producer run past ``max_backlog``.
+        After a restart from an AOF file (or entries deleted mid-stream) Redis
+        reports no lag; then the stream's length minus the group's pending entries
+        stands in: it also counts entries acked but not yet trimmed, so it errs on
+        the side of waiting, never of letting the producer run past ``max_backlog``.
         """
-        return (await self._lag())[0]
+        lag, mean = await self._lag()
+        return self._entry_sizes.samples_in_last(lag, mean)
 
     async def _lag(self) -> tuple[int, float]:
         """The backlog in entries, and the mean samples an entry producers queued held."""
@@ -689,8 +691,7 @@ class RolloutProducer:
         await self._ensure_groups()
         # Pushes counted since the reading was started may land after the server
         # answered it: they are added on top (at worst counted twice: erring high).
-        lag, mean = await self._lag()
-        self._backlog = self._entry_sizes.samples_in_last(lag, mean) + self._counted_while_reading
+        self._backlog = await self.backlog() + self._counted_while_reading
         if not self._groups_ready:
             log.warning("stream or consumer group %r missing (Redis lost its state?): recreating", self.config.group)
             await self._ensure_groups()
