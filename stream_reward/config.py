@@ -82,6 +82,11 @@ class ConsumerConfig:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
 
 
+# Samples one stream entry holds at most, unless a producer says otherwise; a worker's
+# first guess of what an entry holds, before it has read one.
+SAMPLES_PER_ENTRY = 16
+
+
 @dataclass(slots=True)
 class ProducerConfig:
     namespace: str = DEFAULT_NAMESPACE
@@ -104,7 +109,7 @@ class ProducerConfig:
     # Samples one stream entry holds at most (consecutive samples of one push call or
     # coalesced group, one partition): a stream entry costs the server and the clients
     # more than a sample's bytes do. 1: an entry per sample.
-    samples_per_entry: int = 16
+    samples_per_entry: int = SAMPLES_PER_ENTRY
 
     def __post_init__(self) -> None:
         if self.on_backlog not in ("wait", "raise"):

@@ -38,7 +38,7 @@ from typing import Any
 import anyio
 from redis.exceptions import ResponseError
 
-from stream_reward.config import ConsumerConfig
+from stream_reward.config import SAMPLES_PER_ENTRY, ConsumerConfig
 from stream_reward.errors import BrokerError, CodecError, ScoringError
 from stream_reward.scoring.scorer import Scorer
 from stream_reward.wire.codec import PROTOCOL_VERSION, decode_trajectory, encode_result
@@ -56,6 +56,7 @@ from stream_reward.wire.connection import (
 )
 from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.entries import (
+    FIELD_FOR_GROUP,
     FIELD_PAYLOAD,
     ensure_group,
     member_fields,
@@ -148,7 +149,8 @@ class Worker:
         self._unsettled: set[tuple[int, bytes]] = set()
         # Samples an entry held in the last read: a read asks for as many entries as
         # leave room for that many samples each.
-        self._per_entry = 1
+        self._per_entry = SAMPLES_PER_ENTRY
+        self._group_name = self.config.group.encode()
         self._stopping = False
         self._reader_active = False  # while the reader reads new entries: what _spill adds gets read
         self._writer_idle = asyncio.Event()
@@ -366,10 +368,15 @@ class Worker:
         *,
         alone: bool = False,
     ) -> None:
+        # Every entry of the read is held from here on (renewed, and released by a stop), not
+        # only once the loop reaches it: a later one may wait for room while earlier ones score.
+        opened = [(entry_id, fields, self._open_entry(partition, entry_id, fields)) for entry_id, fields in entries]
+        if deliveries is not None:
+            settled = await self._settled_before(partition, opened)
         samples = 0
-        for entry_id, fields in entries:
-            members = self._open_entry(partition, entry_id, fields)
-            samples += len(members)
+        for entry_id, fields, everyone in opened:
+            members = everyone if deliveries is None else [m for m in everyone if id(m) not in settled]
+            samples += len(everyone)
             for at, member in enumerate(members):
                 if not alone:
                     full = self.stats.in_flight >= self.config.concurrency
@@ -377,17 +384,58 @@ class Worker:
                     if spill and await self._spill(partition, entry_id, members[at:]):
                         break
                     if not await self._room_for_one():
-                        return  # stopping: the entry goes back to the group unsettled (see _drain)
-                await self._start(partition, entry_id, fields, member, len(members), deliveries, alone)
+                        return  # stopping: the entries go back to the group unsettled (see _drain)
+                await self._start(partition, entry_id, fields, member, len(everyone), deliveries, alone)
         if entries:
             self._per_entry = max(1, round(samples / len(entries)))
 
     def _open_entry(self, partition: int, entry_id: bytes, fields: dict[bytes, bytes]) -> list[_Member]:
-        """The entry's samples; the entry is held until every one of them is settled."""
-        members = _split(fields)
+        """The entry's samples this worker's group scores; the entry is held until every
+        one of them is settled (at once, when it has none)."""
+        group = fields.get(FIELD_FOR_GROUP)
+        members = _split(fields) if group is None or group == self._group_name else []
         self._held.add((partition, entry_id))
         self._open[partition, entry_id] = len(members)
+        if not members:  # another group's hand-back: ours has the sample in the entry it came from
+            self._ack_alone(partition, entry_id)
         return members
+
+    def _ack_alone(self, partition: int, entry_id: bytes) -> None:
+        """Ack an entry none of whose samples is left to settle here."""
+        self._open[partition, entry_id] = 1
+        self.stats.in_flight += 1
+        self._queue(partition, LedgerItem(entry_id, None, None, None))
+
+    async def _settled_before(self, partition: int, opened: list[tuple[bytes, Any, list[_Member]]]) -> set[int]:
+        """Of redelivered entries, the samples (by ``id``) this group's ledger holds a result
+        for already: a worker stopped or died after writing them, or dead-lettered a poison
+        one. They count as settled. Scoring them again would spend a verifier's quota for
+        nothing, and a poison one would crash its worker again. One round trip for the
+        claim; if Redis fails it, every sample is scored (the ledger keeps first results)."""
+        asks: list[list[_Member]] = []
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for _, _, members in opened:
+                    by_batch: dict[str, list[_Member]] = {}
+                    for member in members:
+                        if member.head is not None:
+                            by_batch.setdefault(member.head[0], []).append(member)
+                    for batch, those in by_batch.items():
+                        pipe.hmget(self.keys.results(batch, partition, self.config.group), [m.head[2] for m in those])
+                        asks.append(those)
+                replies = await pipe.execute() if asks else []
+        except REDIS_ERRORS as exc:
+            log.warning("could not look up which redelivered samples have results (%s); scoring all", exc)
+            return set()
+        settled = {id(m) for those, marks in zip(asks, replies) for m, mark in zip(those, marks) if mark is not None}
+        if settled:
+            for entry_id, _, members in opened:
+                left = sum(1 for m in members if id(m) not in settled)
+                if left < len(members):
+                    self._open[partition, entry_id] = left
+                    if not left:
+                        self._ack_alone(partition, entry_id)
+        return settled
 
     async def _spill(self, partition: int, entry_id: bytes, rest: list[_Member]) -> bool:
         """Hand the samples of an entry this worker has no room for back to the stream, an
@@ -402,7 +450,9 @@ class Worker:
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for member in rest:
-                    fields = member_fields(bytes(member.payload), member.head, handed_back_from=entry_id)
+                    fields = member_fields(
+                        bytes(member.payload), member.head, handed_back_from=entry_id, group=self.config.group
+                    )
                     pipe.xadd(self.keys.stream(partition), fields)
                 await pipe.execute()
         except REDIS_ERRORS as exc:
@@ -412,10 +462,8 @@ class Worker:
         left = self._open[partition, entry_id] - len(rest)
         if left > 0:
             self._open[partition, entry_id] = left
-        else:  # the samples started here were all settled meanwhile: the entry is acked alone
-            self._open[partition, entry_id] = 1
-            self.stats.in_flight += 1
-            self._queue(partition, LedgerItem(entry_id, None, None, None))
+        else:  # the samples started here were all settled meanwhile
+            self._ack_alone(partition, entry_id)
         return True
 
     async def _room_for_one(self) -> bool:
@@ -688,37 +736,62 @@ class Worker:
             await self._wait_idle()
             for entry_id, fields in suspects:
                 members = self._open_entry(partition, entry_id, fields)
-                for at, member in enumerate(members):
-                    # One note per sample: an entry of several is hunted sample by sample.
-                    note = b"%s/%d" % (entry_id, at)
-                    try:
-                        # Durable before the attempt: if this process dies now, the next
-                        # worker to reclaim the entry finds the note and knows it is guilty.
-                        attempts = await self._client.hincrby(key, note, 1)
-                        if attempts > 1:
-                            self.stats.in_flight += 1
-                            self._dead_letter(
-                                partition,
-                                entry_id,
-                                member.fields(fields, len(members)),
-                                "poison",
-                                f"crashed or stalled a worker while scored alone (delivered {deliveries[entry_id]} times)",
-                                deliveries[entry_id],
-                            )
-                        else:
-                            await self._start(partition, entry_id, fields, member, len(members), deliveries, True)
-                        await self._wait_idle()
-                        await self._client.hdel(key, note)
-                    except anyio.get_cancelled_exc_class():
-                        # A stop, not a crash: the note would make the next worker dead-letter an
-                        # innocent sample as poison. The cancel may land on the HINCRBY after Redis
-                        # ran it, or on the HDEL before, so both are inside. (A sample that stalls
-                        # every worker it meets still ends at max_deliveries.)
-                        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
-                            await self._client.hdel(key, note)
-                        raise
+                settled = await self._settled_before(partition, [(entry_id, fields, members)])
+                try:
+                    await self._hunt(partition, entry_id, fields, members, settled, deliveries[entry_id], key)
+                except REDIS_ERRORS:
+                    # A note's HINCRBY or HDEL failed; nothing of the entry is in flight (each
+                    # sample is waited for before the next note). Let it go rather than hold it
+                    # for ever: it is no longer renewed, any worker reclaims it after
+                    # reclaim_idle_ms, and the samples settled here are not scored again.
+                    self._open.pop((partition, entry_id), None)
+                    self._held.discard((partition, entry_id))
+                    raise
         finally:
             self._reading.set()
+
+    async def _hunt(
+        self,
+        partition: int,
+        entry_id: bytes,
+        fields: dict[bytes, bytes],
+        members: list[_Member],
+        settled: set[int],
+        delivered: int,
+        key: str,
+    ) -> None:
+        """Score a suspect entry's samples alone, one by one, each under a note."""
+        for at, member in enumerate(members):
+            if id(member) in settled:
+                continue  # it has its result already (a poison one: its dead letter)
+            # One note per sample: an entry of several is hunted sample by sample.
+            note = b"%s/%d" % (entry_id, at)
+            try:
+                # Durable before the attempt: if this process dies now, the next
+                # worker to reclaim the entry finds the note and knows it is guilty.
+                attempts = await self._client.hincrby(key, note, 1)
+                if attempts > 1:
+                    self.stats.in_flight += 1
+                    self._dead_letter(
+                        partition,
+                        entry_id,
+                        member.fields(fields, len(members)),
+                        "poison",
+                        f"crashed or stalled a worker while scored alone (delivered {delivered} times)",
+                        delivered,
+                    )
+                else:
+                    await self._start(partition, entry_id, fields, member, len(members), {entry_id: delivered}, True)
+                await self._wait_idle()
+                await self._client.hdel(key, note)
+            except anyio.get_cancelled_exc_class():
+                # A stop, not a crash: the note would make the next worker dead-letter an
+                # innocent sample as poison. The cancel may land on the HINCRBY after Redis
+                # ran it, or on the HDEL before, so both are inside. (A sample that stalls
+                # every worker it meets still ends at max_deliveries.)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                    await self._client.hdel(key, note)
+                raise
 
     async def _wait_idle(self, stop: asyncio.Event | None = None) -> None:
         """Until nothing is in flight (or ``stop`` is set)."""

@@ -139,7 +139,7 @@ def schema() -> dict[str, dict[str, _Key]]:
         "quota": _keys_of(ManagerConfig, only=_QUOTA_KEYS),
         "consumer": _keys_of(ConsumerConfig, skip=("namespace", "group", "partitions", "consumer")),
         "policy": _keys_of(BatchPolicy),
-        "producer": _keys_of(ProducerConfig, only=("max_backlog", "on_backlog", "backlog_poll_s")),
+        "producer": _keys_of(ProducerConfig, only=("max_backlog", "on_backlog", "backlog_poll_s", "samples_per_entry")),
         "worker": _keys_of(_WorkerSection),
     }
 
