@@ -322,9 +322,9 @@ async def test_a_stale_backlog_estimate_with_room_lets_pushes_go_and_catches_up_
         await mine.open_batch("m", 5, 4)
         await mine.push(traj("m", 0, True))  # our estimate says 0: it goes, and a reading starts
         await asyncio.sleep(0.1)
-        # The reading is 3 entries: ours (1 sample), and two of the other's, which count as the
-        # mean entry pushed so far (21 samples in 3 entries): 1 + 2 * 7.
-        with pytest.raises(BackpressureError, match="backlog 15 \\+ 1 exceeds max_backlog 10"):
+        # The reading counts samples exactly (each entry is stamped with the samples queued
+        # before it): the other's 20 and our 1.
+        with pytest.raises(BackpressureError, match="backlog 21 \\+ 1 exceeds max_backlog 10"):
             await mine.push(traj("m", 1, True))
 
 

@@ -68,6 +68,7 @@ from stream_reward.wire.heartbeat import encode_heartbeat
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
+from stream_reward.wire.push import REQUEUE_SCRIPT, requeue_args
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
 from workers.watchdog import SampleInfo, scoring
 
@@ -170,6 +171,7 @@ class Worker:
             self._client = connect(self._url)
         client = self._client
         self._ledger = LedgerWriter(client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
+        self._requeue = client.register_script(REQUEUE_SCRIPT)
         for stream in self.keys.streams():
             await with_reconnect(
                 functools.partial(ensure_group, client, stream, self.config.group),
@@ -447,14 +449,14 @@ class Worker:
         here settle. A crash between the XADDs and that ack redelivers the entry: its
         samples are scored twice, and the ledger keeps the first result of each.
         """
+        copies = [
+            member_fields(bytes(m.payload), m.head, handed_back_from=entry_id, group=self.config.group) for m in rest
+        ]
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for member in rest:
-                    fields = member_fields(
-                        bytes(member.payload), member.head, handed_back_from=entry_id, group=self.config.group
-                    )
-                    pipe.xadd(self.keys.stream(partition), fields)
-                await pipe.execute()
+            # Stamped and counted as pushed samples: a producer's backlog sees them.
+            await self._requeue(
+                keys=[self.keys.stream(partition), self.keys.pushed(partition)], args=requeue_args(copies)
+            )
         except REDIS_ERRORS as exc:
             log.warning("could not hand %d samples back to the stream (%s); scoring them here", len(rest), exc)
             return False

@@ -8,8 +8,9 @@ result (results are write-once): redrive is for batches not yet collected,
 or after clearing the batch's ledger on purpose.
 
 Each partition has its own dead-letter stream under its own hash tag; a letter
-goes back to its own partition's stream, in one MULTI with its deletion (both
-keys share the partition's slot, so this works on a Redis Cluster too).
+goes back to its own partition's stream, stamped and counted as a push, in one
+script call with its deletion (the keys share the partition's slot, so this works
+on a Redis Cluster too).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from stream_reward.config import DEFAULT_NAMESPACE
 from stream_reward.wire.connection import connect
 from stream_reward.wire.deadletter import DeadLetter, decode_dead_letter
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.push import REQUEUE_SCRIPT, requeue_args
 
 __all__ = ["DeadLetter", "list_dead_letters", "redrive_dead_letters"]
 
@@ -56,6 +58,7 @@ async def redrive_dead_letters(
     moved = 0
     try:
         keys = Keys(namespace, partitions)
+        requeue = client.register_script(REQUEUE_SCRIPT)
         for letter in await list_dead_letters(
             redis_url, namespace=namespace, partitions=partitions, count=1_000_000, client=client
         ):
@@ -63,10 +66,11 @@ async def redrive_dead_letters(
                 continue
             if not letter.fields.get("d"):
                 continue  # nothing to score again
-            async with client.pipeline(transaction=True) as pipe:
-                pipe.xadd(keys.stream(letter.partition), letter.fields)
-                pipe.xdel(keys.dead_letters(letter.partition), letter.id)
-                await pipe.execute()
+            p = letter.partition
+            await requeue(
+                keys=[keys.stream(p), keys.pushed(p), keys.dead_letters(p)],
+                args=requeue_args([letter.fields], delete_letter=letter.id),
+            )
             moved += 1
         return moved
     finally:

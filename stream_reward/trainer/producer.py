@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine, Iterable
@@ -29,7 +30,6 @@ from stream_reward.errors import (
     StateLostError,
 )
 from stream_reward.trainer.coalescer import Coalescer
-from stream_reward.trainer.entry_sizes import EntrySizes
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.batch_meta import BatchMeta
@@ -40,7 +40,7 @@ from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.packed import can_send_packed, pack_command, send_packed
-from stream_reward.wire.push import CONFLICT_REASONS, DUPLICATE, FRESH, PUSH_SCRIPT, digest, push_args
+from stream_reward.wire.push import CONFLICT_REASONS, DUPLICATE, FIELD_STAMP, FRESH, PUSH_SCRIPT, digest, push_args
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["RolloutProducer", "SyncRolloutProducer"]
@@ -157,7 +157,6 @@ class RolloutProducer:
         self._push_sha: str | None = None  # PUSH_SCRIPT, loaded on the first push
         self._coalescer: Coalescer[_Entry, int] | None = None
         self._backlog_reading: asyncio.Future[None] | None = None
-        self._entry_sizes = EntrySizes()
         self._counted_while_reading = 0  # see _read_backlog
         self._listener: ResultListener | None = None  # the process's result listener, on first score()
 
@@ -508,13 +507,12 @@ class RolloutProducer:
         for at, entry in enumerate(entries):
             by_part.setdefault(entry.partition, []).append(at)
         calls: list[tuple[list[int], list[str], list[Any]]] = []
-        fast_sizes: list[list[int]] = []
         step = XADD_MANY_CHUNK
         for part, ats in by_part.items():
             claims_part = part if cluster else 0
             for lo in range(0, len(ats), step):
                 chunk = ats[lo : lo + step]
-                keys, args, sizes = push_args(
+                keys, args = push_args(
                     self.keys.stream(part),
                     self.keys.pushed(part),
                     [entries[a].row() for a in chunk],
@@ -526,18 +524,15 @@ class RolloutProducer:
                     per_entry=self.config.samples_per_entry,
                 )
                 calls.append((chunk, keys, args))
-                fast_sizes.append(sizes)
         verdicts = [0] * len(entries)
         # Some calls may land before a failure; a retry of the same pushes finds them as duplicates.
         with redis_errors(f"push of {len(entries)} trajectories failed"):
             replies = await self._call_push(calls, cluster)
-        for (chunk, _, _), reply, sizes in zip(calls, replies, fast_sizes):
+        for (chunk, _, _), reply in zip(calls, replies):
             if isinstance(reply, int):  # the script's fast path: every sample fresh, in prepared entries
-                self._entry_sizes.add(sizes)
                 continue
             for at, verdict in zip(chunk, reply):
                 verdicts[at] = int(verdict)
-            self._entry_sizes.add([1] * sum(1 for v in reply if int(v) == FRESH))  # an entry each
         if cluster:
             lengths: dict[str, dict[int, int]] = {}
             for entry, verdict in zip(entries, verdicts):
@@ -603,48 +598,59 @@ class RolloutProducer:
 
     async def backlog(self) -> int:
         """Samples in the streams not yet delivered to the consumer group: what
-        ``max_backlog`` bounds. Redis counts the group's ``lag`` in entries, of up to
-        ``samples_per_entry`` samples each; see ``trainer.entry_sizes`` for how they
-        are counted as samples.
+        ``max_backlog`` bounds. Redis counts a group's lag in entries, which hold up to
+        ``samples_per_entry`` samples each; every entry a script queues is stamped with
+        the samples queued on its stream before it (``wire.push.FIELD_STAMP``), so the
+        count is exact: the stream's pushed samples less the stamp of the first entry
+        past the group's last delivered one. Two round trips.
 
-        After a restart from an AOF file (or entries deleted mid-stream) Redis
-        reports no lag; then the stream's length minus the group's pending entries
-        stands in: it also counts entries acked but not yet trimmed, so it errs on
-        the side of waiting, never of letting the producer run past ``max_backlog``.
+        An entry without a stamp (one XADDed by hand) falls back to the group's lag in
+        entries at the mean samples an entry; where Redis knows no lag (after an AOF
+        reload, or entries deleted mid-stream), the stream's length less the group's
+        pending entries, which errs on the side of waiting.
         """
-        lag, mean = await self._lag()
-        return self._entry_sizes.samples_in_last(lag, mean)
-
-    async def _lag(self) -> tuple[int, float]:
-        """The backlog in entries, and the mean samples an entry producers queued held."""
         async with self.client.pipeline(transaction=False) as pipe:
-            for p, stream in enumerate(self.keys.streams()):
+            for stream in self.keys.streams():
                 pipe.xinfo_groups(stream)
-                pipe.xlen(stream)
-                pipe.hmget(self.keys.pushed(p), "samples", "entries")
             replies = await pipe.execute(raise_on_error=False)
-        total = 0
-        samples = entries = 0
-        for groups, length, pushed in zip(replies[::3], replies[1::3], replies[2::3]):
-            if not isinstance(pushed, Exception):
-                samples += int(pushed[0] or 0)
-                entries += int(pushed[1] or 0)
+        mine: list[tuple[int, dict[str, Any]]] = []
+        for p, groups in enumerate(replies):
             if isinstance(groups, ResponseError) and "no such key" in str(groups):
                 groups = []
-            for reply in (groups, length):
-                if isinstance(reply, Exception):
-                    raise reply
-            mine = [g for g in map(group_state, groups) if g["name"] == self.config.group]
-            if not mine:
+            if isinstance(groups, Exception):
+                raise groups
+            found = [g for g in map(group_state, groups) if g["name"] == self.config.group]
+            if not found:
                 # The stream or its group is gone (Redis restarted without persistence,
                 # or someone deleted them): recreated by the next _ensure_groups.
                 self._groups_ready = False
-            for group in mine:
-                lag = group["lag"]
-                if lag is None:
-                    lag = max(0, int(length) - group["pending"])
-                total += lag
-        return total, (samples / entries if entries else float(self.config.samples_per_entry))
+                continue
+            mine.append((p, found[0]))
+        if not mine:
+            return 0
+        async with self.client.pipeline(transaction=False) as pipe:
+            for p, group in mine:
+                last = group["last_delivered_id"] or "0-0"
+                # Read before the count: what is pushed in between is counted (erring high).
+                pipe.xrange(self.keys.stream(p), min="-" if last == "0-0" else f"({last}", count=1)
+                pipe.hmget(self.keys.pushed(p), "samples", "entries")
+                pipe.xlen(self.keys.stream(p))
+            replies = await pipe.execute()
+        total = 0
+        for (_, group), first, (samples, entries), length in zip(mine, replies[::3], replies[1::3], replies[2::3]):
+            if not first:
+                continue  # every entry was delivered
+            pushed = int(samples or 0)
+            stamp = first[0][1].get(FIELD_STAMP)
+            if stamp is not None:
+                total += max(0, pushed - int(stamp))
+                continue
+            lag = group["lag"]
+            if lag is None:
+                lag = max(0, int(length) - group["pending"])
+            mean = pushed / int(entries) if entries and int(entries) else self.config.samples_per_entry
+            total += math.ceil(lag * mean)
+        return total
 
     def _room_known(self, incoming: int) -> bool:
         """The local estimate says there is room: no need to wait for Redis (the common case).

@@ -113,7 +113,9 @@ class Keys:
         return f"{self.tag(partition)}:quarantine"
 
     def pushed(self, partition: int = 0) -> str:
-        """How many samples and entries producers queued on the partition's stream, ever (a hash)."""
+        """How many samples and entries were queued on the partition's stream, ever (a hash:
+        ``samples``, ``entries``, and ``requeued``, those of them that workers handed back
+        or a redrive queued again; see wire/push.py)."""
         return f"{self.tag(partition)}:pushed"
 
     def dead_letters(self, partition: int = 0) -> str:

@@ -54,9 +54,17 @@ __all__ = [
     "digest",
     "push_args",
     "ENTRY_MAX_BYTES",
+    "FIELD_STAMP",
+    "REQUEUE_SCRIPT",
+    "requeue_args",
 ]
 
 FRESH, DUPLICATE, INDEX_TAKEN, UID_ELSEWHERE, CONTENT_DIFFERS = 0, 1, 2, 3, 4
+
+# Every entry queued by a script of this module: the samples queued on its stream before
+# it (a decimal string). The samples not yet delivered to a group are the stream's pushed
+# count less the stamp of the first entry past the group's last delivered one.
+FIELD_STAMP = b"n"
 CONFLICT_REASONS = {
     INDEX_TAKEN: "its index was already pushed under another uid",
     # (UID_ELSEWHERE also when a custom uid is the default uid of another index: refused by the producer)
@@ -69,7 +77,7 @@ PUSH_SCRIPT = """
 -- KEYS[k + 1]: a batch's claims and lengths hashes.
 -- ARGV: ttl, '1' to write lengths, the plan, the rows (read on the slow path
 -- only), then each prepared entry's payloads and headers.
--- The plan: {quick (1: no index or uid twice in the call), rows, entries,
+-- The plan: {quick (1: no index or uid twice in the call), rows, each entry's sample count,
 --            {k, claim fields to look up, claims (field, value, ...), lengths (index, length, ...)}, ...}.
 local ttl = tonumber(ARGV[1])
 local write_lens = ARGV[2] == '1'
@@ -84,7 +92,11 @@ local function sliced(cmd, key, list)
   end
   return out
 end
-local nentries = plan[3]
+local sizes = plan[3]
+-- Each entry is stamped 'n' with the samples queued on its stream before it: the samples
+-- a group has not been delivered are then the pushed count less the first undelivered
+-- entry's stamp (trainer/producer.py: backlog). As a decimal string, like indices.
+local queued = tonumber(redis.call('HGET', KEYS[2], 'samples') or '0')
 
 -- The fast path: nothing of the call is in its batches yet.
 local quick = plan[1] == 1
@@ -108,11 +120,12 @@ if quick then
       sliced('HSET', KEYS[p[1] + 1], p[4])
     end
   end
-  for j = 1, nentries do
-    redis.call('XADD', KEYS[1], '*', 'd', ARGV[P + 2 * j - 1], 'h', ARGV[P + 2 * j])
+  for j = 1, #sizes do
+    redis.call('XADD', KEYS[1], '*', 'd', ARGV[P + 2 * j - 1], 'h', ARGV[P + 2 * j], 'n', string.format('%d', queued))
+    queued = queued + sizes[j]
   end
   redis.call('HINCRBY', KEYS[2], 'samples', nrows)
-  redis.call('HINCRBY', KEYS[2], 'entries', nentries)
+  redis.call('HINCRBY', KEYS[2], 'entries', #sizes)
   return nrows
 end
 
@@ -199,7 +212,9 @@ for n = 1, nrows do
     fresh = fresh + 1
     local row = rows[n]
     local payloads = ARGV[P + 2 * row[7] - 1]
-    redis.call('XADD', KEYS[1], '*', 'd', string.sub(payloads, row[8] + 1, row[8] + row[9]), 'h', row[10])
+    redis.call('XADD', KEYS[1], '*', 'd', string.sub(payloads, row[8] + 1, row[8] + row[9]), 'h', row[10],
+               'n', string.format('%d', queued))
+    queued = queued + 1
   end
 end
 if fresh > 0 then
@@ -208,6 +223,52 @@ if fresh > 0 then
 end
 return status
 """
+
+
+# Queue entries of one sample each on a stream, stamped and counted as the push script
+# does, outside a push: a worker's hand-back (workers.consumer: Worker._spill) and a dead
+# letter's redrive (ops/deadletters.py), which also deletes the letter in the same call.
+REQUEUE_SCRIPT = """
+-- KEYS[1]: the stream; KEYS[2]: its counts of samples and entries pushed; KEYS[3]: a
+-- dead-letter stream, when ARGV[1] names a letter of it to delete ('' for none).
+-- ARGV[2...]: each entry as its field count k, then k fields and values.
+local queued = tonumber(redis.call('HGET', KEYS[2], 'samples') or '0')
+local added = 0
+local i = 2
+while i <= #ARGV do
+  local k = tonumber(ARGV[i])
+  local call = {'XADD', KEYS[1], '*'}
+  for j = 1, 2 * k do
+    call[#call + 1] = ARGV[i + j]
+  end
+  call[#call + 1] = 'n'
+  call[#call + 1] = string.format('%d', queued)
+  redis.call(unpack(call))
+  queued = queued + 1
+  added = added + 1
+  i = i + 2 * k + 1
+end
+if added > 0 then
+  redis.call('HINCRBY', KEYS[2], 'samples', added)
+  redis.call('HINCRBY', KEYS[2], 'entries', added)
+  redis.call('HINCRBY', KEYS[2], 'requeued', added)  -- of those, not a producer's
+end
+if ARGV[1] ~= '' then
+  redis.call('XDEL', KEYS[3], ARGV[1])
+end
+return added
+"""
+
+
+def requeue_args(entries: list[dict[Any, Any]], *, delete_letter: str = "") -> list[Any]:
+    """ARGV for REQUEUE_SCRIPT: each entry's fields, less any old stamp."""
+    args: list[Any] = [delete_letter]
+    for fields in entries:
+        kept = [(k, v) for k, v in fields.items() if k not in (FIELD_STAMP, FIELD_STAMP.decode())]
+        args.append(len(kept))
+        for k, v in kept:
+            args += (k, v)
+    return args
 
 
 # An entry takes no more samples once its payloads pass this: large samples go one or a
@@ -232,8 +293,8 @@ def push_args(
     ttl_s: int,
     write_lengths: bool,
     per_entry: int,
-) -> tuple[list[str], list[Any], list[int]]:
-    """KEYS and ARGV for PUSH_SCRIPT, and the sizes of the entries its fast path adds.
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV for PUSH_SCRIPT.
     ``rows``: (batch, index, uid, digest, length or -1, payload, header, 1 if uid is the
     default uid of its index else 0); consecutive rows share an entry, ``per_entry`` at most.
     ``pushed_key`` counts the stream's samples and entries; ``claims_key(batch)`` / ``lengths_key(batch)``
@@ -278,11 +339,11 @@ def push_args(
     if parts:
         blobs += (b"".join(parts), b"".join(heads))
         sizes.append(len(parts))
-    plan: list[Any] = [0, len(rows), len(blobs) // 2]
+    plan: list[Any] = [0, len(rows), sizes]
     for k, (fields, claims, lengths) in layout.items():
         named += len(set(fields))
         plan.append((k, fields, claims, lengths))
     # The fast path needs every claim field once in the call (a batch's fields are told apart by it).
     plan[0] = 1 if named == sum(len(f) for f, _, _ in layout.values()) else 0
     args = [ttl_s, "1" if write_lengths else "0", packb(plan, bin_type=False), packb(packed, bin_type=False), *blobs]
-    return keys, args, sizes
+    return keys, args
