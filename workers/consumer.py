@@ -367,8 +367,6 @@ class Worker:
         partition: int,
         entries: list[tuple[bytes, dict[bytes, bytes]]],
         deliveries: dict[bytes, int] | None,
-        *,
-        alone: bool = False,
     ) -> None:
         # Every entry of the read is held from here on (renewed, and released by a stop), not
         # only once the loop reaches it: a later one may wait for room while earlier ones score.
@@ -380,14 +378,13 @@ class Worker:
             members = everyone if deliveries is None else [m for m in everyone if id(m) not in settled]
             samples += len(everyone)
             for at, member in enumerate(members):
-                if not alone:
-                    full = self.stats.in_flight >= self.config.concurrency
-                    spill = full and at > 0 and not self._inline and self._reader_active and not self._stopping
-                    if spill and await self._spill(partition, entry_id, members[at:]):
-                        break
-                    if not await self._room_for_one():
-                        return  # stopping: the entries go back to the group unsettled (see _drain)
-                await self._start(partition, entry_id, fields, member, len(everyone), deliveries, alone)
+                full = self.stats.in_flight >= self.config.concurrency
+                spill = full and at > 0 and not self._inline and self._reader_active and not self._stopping
+                if spill and await self._spill(partition, entry_id, members[at:]):
+                    break
+                if not await self._room_for_one():
+                    return  # stopping: the entries go back to the group unsettled (see _drain)
+                await self._start(partition, entry_id, fields, member, len(everyone), deliveries, False)
         if entries:
             self._per_entry = max(1, round(samples / len(entries)))
 
