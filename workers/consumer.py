@@ -496,7 +496,7 @@ class Worker:
             self._dead_letter(
                 partition,
                 entry_id,
-                member.fields(fields, of),
+                member.fields(fields, of, self.config.group),
                 "max_deliveries",
                 f"delivered {delivered} times (max_deliveries={self.config.max_deliveries})",
                 delivered,
@@ -505,7 +505,9 @@ class Worker:
         try:
             traj = decode_trajectory(member.payload, self.config.max_message_bytes)
         except CodecError as exc:
-            self._dead_letter(partition, entry_id, member.fields(fields, of), exc.reason, str(exc), 1)
+            self._dead_letter(
+                partition, entry_id, member.fields(fields, of, self.config.group), exc.reason, str(exc), 1
+            )
             return
         if self._inline or alone:
             await self._score(partition, entry_id, traj)
@@ -731,21 +733,24 @@ class Worker:
         can be pinned on the one sample that caused it."""
         key = self.keys.quarantine(partition)
         self._reading.clear()  # the reader stops taking new entries meanwhile
+        # Every suspect is held from now on, not only in its turn: hunting an entry takes
+        # its samples' time one by one, and a peer that claimed the ones waiting would hunt
+        # them too, under the same notes, and find an innocent sample's note already there.
+        opened = [(entry_id, fields, self._open_entry(partition, entry_id, fields)) for entry_id, fields in suspects]
         try:
             await self._wait_idle()
-            for entry_id, fields in suspects:
-                members = self._open_entry(partition, entry_id, fields)
-                settled = await self._settled_before(partition, [(entry_id, fields, members)])
-                try:
-                    await self._hunt(partition, entry_id, fields, members, settled, deliveries[entry_id], key)
-                except REDIS_ERRORS:
-                    # A note's HINCRBY or HDEL failed; nothing of the entry is in flight (each
-                    # sample is waited for before the next note). Let it go rather than hold it
-                    # for ever: it is no longer renewed, any worker reclaims it after
-                    # reclaim_idle_ms, and the samples settled here are not scored again.
-                    self._open.pop((partition, entry_id), None)
-                    self._held.discard((partition, entry_id))
-                    raise
+            settled = await self._settled_before(partition, opened)
+            for entry_id, fields, members in opened:
+                await self._hunt(partition, entry_id, fields, members, settled, deliveries[entry_id], key)
+        except REDIS_ERRORS:
+            # A note's HINCRBY or HDEL failed; nothing of a suspect is in flight (each sample
+            # is waited for before the next note). Let the unfinished ones go rather than hold
+            # them for ever: no longer renewed, any worker reclaims them after
+            # reclaim_idle_ms, and the samples settled here are not scored again.
+            for entry_id, _, _ in opened:
+                self._open.pop((partition, entry_id), None)
+                self._held.discard((partition, entry_id))
+            raise
         finally:
             self._reading.set()
 
@@ -774,7 +779,7 @@ class Worker:
                     self._dead_letter(
                         partition,
                         entry_id,
-                        member.fields(fields, len(members)),
+                        member.fields(fields, len(members), self.config.group),
                         "poison",
                         f"crashed or stalled a worker while scored alone (delivered {delivered} times)",
                         delivered,
@@ -944,12 +949,13 @@ class _Member:
     def __init__(self, payload: Any, head: Any) -> None:
         self.payload, self.head = payload, head
 
-    def fields(self, entry: dict[bytes, bytes], of: int) -> dict[bytes, bytes]:
-        """What a dead letter keeps: the entry itself when it holds this sample only,
-        else an entry of this sample's own (a redrive queues it alone)."""
+    def fields(self, entry: dict[bytes, bytes], of: int, group: str) -> dict[bytes, bytes]:
+        """What a dead letter of consumer group ``group`` keeps: the entry itself when it
+        holds this sample only, else an entry of this sample's own (a redrive queues it
+        alone); either names the group, so a redrive queues it for that group only."""
         if of == 1 or self.head is None:
-            return entry
-        return member_fields(bytes(self.payload), self.head)
+            return {**entry, FIELD_FOR_GROUP: group.encode()}
+        return member_fields(bytes(self.payload), self.head, group=group)
 
 
 def _split(fields: dict[bytes, bytes]) -> list[_Member]:

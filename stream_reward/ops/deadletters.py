@@ -52,7 +52,9 @@ async def redrive_dead_letters(
     client: Any = None,
 ) -> int:
     """Push dead letters (all, or those with ``ids``) back onto their stream and delete them
-    from the dead-letter stream, in one transaction per entry. Returns how many."""
+    from the dead-letter stream, in one script call per letter. Returns how many it
+    queued: a letter another redrive took first is not queued again. A letter goes back
+    for the consumer group that wrote it only (its entry names the group)."""
     owned = client is None
     client = client or connect(redis_url)
     moved = 0
@@ -67,11 +69,11 @@ async def redrive_dead_letters(
             if not letter.fields.get("d"):
                 continue  # nothing to score again
             p = letter.partition
-            await requeue(
+            # 0 when another redrive took the letter first: each is queued once.
+            moved += await requeue(
                 keys=[keys.stream(p), keys.pushed(p), keys.dead_letters(p)],
                 args=requeue_args([letter.fields], delete_letter=letter.id),
             )
-            moved += 1
         return moved
     finally:
         if owned:

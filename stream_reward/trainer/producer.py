@@ -642,9 +642,11 @@ class RolloutProducer:
                 continue  # every entry was delivered
             pushed = int(samples or 0)
             stamp = first[0][1].get(FIELD_STAMP)
-            if stamp is not None:
-                total += max(0, pushed - int(stamp))
+            if stamp is not None and samples is not None and int(stamp) < pushed:
+                total += pushed - int(stamp)
                 continue
+            # No stamp, or counts that cannot be right (the pushed hash was deleted or
+            # evicted while the stream stayed): the lag in entries, at the mean entry.
             lag = group["lag"]
             if lag is None:
                 lag = max(0, int(length) - group["pending"])

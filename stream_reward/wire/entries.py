@@ -54,9 +54,10 @@ __all__ = [
 FIELD_PAYLOAD = b"d"
 FIELD_HEADER = b"h"
 # On an entry a worker handed back (workers.consumer: Worker._spill): the id of the entry
-# its sample came from (for telling the copy from a producer's push), and the consumer
-# group that handed it back: only that group scores the copy. Every group reads the
-# stream, and every other group has the sample in the entry it came from.
+# its sample came from (for telling the copy from a producer's push). On it and on a dead
+# letter: the consumer group that wrote it; only that group scores the copy or the
+# redriven letter. Every group reads the stream, and every other group has the sample
+# in the entry it came from.
 FIELD_HANDED_BACK = b"s"
 FIELD_FOR_GROUP = b"g"
 
@@ -103,13 +104,14 @@ def read_members(fields: dict[Any, Any]) -> list[Member] | None:
 def member_fields(
     payload: bytes, member: Member, *, handed_back_from: bytes | None = None, group: str = ""
 ) -> dict[bytes, bytes]:
-    """An entry of its own for one sample of a larger entry: what a dead letter keeps, or
-    what a worker of consumer group ``group`` hands back to the stream, from the entry
-    ``handed_back_from``."""
+    """An entry of its own for one sample of a larger entry: what a dead letter of consumer
+    group ``group`` keeps (a redrive queues it for that group only), or what a worker of
+    ``group`` hands back to the stream, from the entry ``handed_back_from``."""
     batch, index, uid, size = member
     fields = {FIELD_PAYLOAD: payload, FIELD_HEADER: entry_header(batch, index, uid, size)}
     if handed_back_from is not None:
         fields[FIELD_HANDED_BACK] = handed_back_from
+    if group:
         fields[FIELD_FOR_GROUP] = group.encode()
     return fields
 

@@ -72,7 +72,35 @@ CONFLICT_REASONS = {
     CONTENT_DIFFERS: "its uid was already pushed with other content",
 }
 
-PUSH_SCRIPT = """
+# The samples queued on a stream so far (KEYS[1] the stream, KEYS[2] its counts): what
+# the next entry is stamped with. Without counts (a new stream, or the hash deleted or
+# evicted while the stream stayed), they go on from the newest entry's stamp and sample
+# count, so stamps never run backwards and a backlog is never read too low.
+_QUEUED_BEFORE = """
+local function queued_before()
+  local n = redis.call('HGET', KEYS[2], 'samples')
+  if n then
+    return tonumber(n)
+  end
+  local base = 0
+  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  if #last > 0 then
+    local f = last[1][2]
+    local stamp, heads
+    for i = 1, #f, 2 do
+      if f[i] == 'n' then stamp = tonumber(f[i + 1]) elseif f[i] == 'h' then heads = f[i + 1] end
+    end
+    if stamp then
+      local ok, count = pcall(function() return select('#', cmsgpack.unpack(heads)) end)
+      base = stamp + ((ok and count > 0) and count or 1)
+    end
+  end
+  redis.call('HSET', KEYS[2], 'samples', string.format('%d', base))
+  return base
+end
+"""
+
+PUSH_SCRIPT = _QUEUED_BEFORE + """
 -- KEYS[1]: the stream; KEYS[2]: its counts of samples and entries pushed; KEYS[k],
 -- KEYS[k + 1]: a batch's claims and lengths hashes.
 -- ARGV: ttl, '1' to write lengths, the plan, the rows (read on the slow path
@@ -96,7 +124,7 @@ local sizes = plan[3]
 -- Each entry is stamped 'n' with the samples queued on its stream before it: the samples
 -- a group has not been delivered are then the pushed count less the first undelivered
 -- entry's stamp (trainer/producer.py: backlog). As a decimal string, like indices.
-local queued = tonumber(redis.call('HGET', KEYS[2], 'samples') or '0')
+local queued = queued_before()
 
 -- The fast path: nothing of the call is in its batches yet.
 local quick = plan[1] == 1
@@ -228,11 +256,14 @@ return status
 # Queue entries of one sample each on a stream, stamped and counted as the push script
 # does, outside a push: a worker's hand-back (workers.consumer: Worker._spill) and a dead
 # letter's redrive (ops/deadletters.py), which also deletes the letter in the same call.
-REQUEUE_SCRIPT = """
+REQUEUE_SCRIPT = _QUEUED_BEFORE + """
 -- KEYS[1]: the stream; KEYS[2]: its counts of samples and entries pushed; KEYS[3]: a
 -- dead-letter stream, when ARGV[1] names a letter of it to delete ('' for none).
 -- ARGV[2...]: each entry as its field count k, then k fields and values.
-local queued = tonumber(redis.call('HGET', KEYS[2], 'samples') or '0')
+if ARGV[1] ~= '' and redis.call('XDEL', KEYS[3], ARGV[1]) == 0 then
+  return 0  -- the letter is gone: another redrive queued it already
+end
+local queued = queued_before()
 local added = 0
 local i = 2
 while i <= #ARGV do
@@ -252,9 +283,6 @@ if added > 0 then
   redis.call('HINCRBY', KEYS[2], 'samples', added)
   redis.call('HINCRBY', KEYS[2], 'entries', added)
   redis.call('HINCRBY', KEYS[2], 'requeued', added)  -- of those, not a producer's
-end
-if ARGV[1] ~= '' then
-  redis.call('XDEL', KEYS[3], ARGV[1])
 end
 return added
 """
