@@ -145,6 +145,8 @@ class Worker:
         # of its samples has its result (flushes go out in order).
         # By (partition, entry id): two partitions' streams (on two nodes) can make the same id.
         self._open: dict[tuple[int, bytes], int] = {}
+        # Open entries that handed samples back: the samples started here (see _drain).
+        self._handed: dict[tuple[int, bytes], list[_Member]] = {}
         # Entries a flush failed to settle (past the drain deadline): no later flush acks
         # them, since some of their samples have no result.
         self._unsettled: set[tuple[int, bytes]] = set()
@@ -380,7 +382,7 @@ class Worker:
             for at, member in enumerate(members):
                 full = self.stats.in_flight >= self.config.concurrency
                 spill = full and at > 0 and not self._inline and self._reader_active and not self._stopping
-                if spill and await self._spill(partition, entry_id, members[at:]):
+                if spill and await self._spill(partition, entry_id, members[:at], members[at:]):
                     break
                 if not await self._room_for_one():
                     return  # stopping: the entries go back to the group unsettled (see _drain)
@@ -409,24 +411,13 @@ class Worker:
         """Of redelivered entries, the samples (by ``id``) this group's ledger holds a result
         for already: a worker stopped or died after writing them, or dead-lettered a poison
         one. They count as settled. Scoring them again would spend a verifier's quota for
-        nothing, and a poison one would crash its worker again. One round trip for the
-        claim; if Redis fails it, every sample is scored (the ledger keeps first results)."""
-        asks: list[list[_Member]] = []
+        nothing, and a poison one would crash its worker again. If Redis fails the lookup,
+        every sample is scored (the ledger keeps first results)."""
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for _, _, members in opened:
-                    by_batch: dict[str, list[_Member]] = {}
-                    for member in members:
-                        if member.head is not None:
-                            by_batch.setdefault(member.head[0], []).append(member)
-                    for batch, those in by_batch.items():
-                        pipe.hmget(self.keys.results(batch, partition, self.config.group), [m.head[2] for m in those])
-                        asks.append(those)
-                replies = await pipe.execute() if asks else []
+            settled = await self._with_results(partition, [m for _, _, members in opened for m in members])
         except REDIS_ERRORS as exc:
             log.warning("could not look up which redelivered samples have results (%s); scoring all", exc)
             return set()
-        settled = {id(m) for those, marks in zip(asks, replies) for m, mark in zip(those, marks) if mark is not None}
         if settled:
             for entry_id, _, members in opened:
                 left = sum(1 for m in members if id(m) not in settled)
@@ -436,7 +427,21 @@ class Worker:
                         self._ack_alone(partition, entry_id)
         return settled
 
-    async def _spill(self, partition: int, entry_id: bytes, rest: list[_Member]) -> bool:
+    async def _with_results(self, partition: int, members: list[_Member]) -> set[int]:
+        """The samples (by ``id``) this group's ledger holds a result for: one round trip."""
+        by_batch: dict[str, list[_Member]] = {}
+        for member in members:
+            if member.head is not None:
+                by_batch.setdefault(member.head[0], []).append(member)
+        if not by_batch:
+            return set()
+        async with self._client.pipeline(transaction=False) as pipe:
+            for batch, those in by_batch.items():
+                pipe.hmget(self.keys.results(batch, partition, self.config.group), [m.head[2] for m in those])
+            replies = await pipe.execute()
+        return {id(m) for those, marks in zip(by_batch.values(), replies) for m, mark in zip(those, marks) if mark}
+
+    async def _spill(self, partition: int, entry_id: bytes, started: list[_Member], rest: list[_Member]) -> bool:
         """Hand the samples of an entry this worker has no room for back to the stream, an
         entry each, for any worker to take; False if Redis refused (they wait for room here).
 
@@ -461,6 +466,7 @@ class Worker:
         left = self._open[partition, entry_id] - len(rest)
         if left > 0:
             self._open[partition, entry_id] = left
+            self._handed[partition, entry_id] = started
         else:  # the samples started here were all settled meanwhile
             self._ack_alone(partition, entry_id)
         return True
@@ -605,6 +611,7 @@ class Worker:
                 item.ack = False
             else:
                 del self._open[entry]  # type: ignore[arg-type]
+                self._handed.pop(entry, None)  # type: ignore[arg-type]
                 item.ack = entry not in self._unsettled
         self._pending[partition].append(item)
         self._have_pending.set()
@@ -843,6 +850,7 @@ class Worker:
             await asyncio.wait([t for t, _ in unfinished], timeout=1.0)
         # Entries with a sample that never settled: a cancelled one, or one never started.
         release = {entry for _, entry in unfinished} | set(self._open)
+        release -= await self._finish_handed(release & self._handed.keys())
         if release:
             by_stream: dict[str, list[bytes]] = defaultdict(list)
             for partition, entry_id in release:
@@ -861,6 +869,35 @@ class Worker:
                 # They stay pending under this consumer: reclaimed after reclaim_idle_ms.
                 log.warning("could not release %d unfinished entries (%s)", len(release), type(exc).__name__)
         self.stats.in_flight -= len(unfinished)
+
+    async def _finish_handed(self, entries: set[tuple[int, bytes]]) -> set[tuple[int, bytes]]:
+        """On a stop, entries that handed samples back: hand back the samples started here
+        that have no result too, and ack the entry, rather than release it whole (the next
+        worker would score the samples handed back a second time). Returns those done;
+        the others are released whole."""
+        done = set()
+        for entry in entries:
+            partition, entry_id = entry
+            started = self._handed[entry]
+            try:
+                have = await asyncio.wait_for(self._with_results(partition, started), timeout=2.0)
+                rest = [m for m in started if id(m) not in have]
+                copies = [
+                    member_fields(bytes(m.payload), m.head, handed_back_from=entry_id, group=self.config.group)
+                    for m in rest
+                ]
+                stream = self.keys.stream(partition)
+                if copies:
+                    await asyncio.wait_for(
+                        self._requeue(keys=[stream, self.keys.pushed(partition)], args=requeue_args(copies)),
+                        timeout=2.0,
+                    )
+                await asyncio.wait_for(self._client.xack(stream, self.config.group, entry_id), timeout=2.0)
+            except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
+                log.warning("could not hand back the rest of entry %s (%s); released whole", entry_id, exc)
+                continue
+            done.add(entry)
+        return done
 
     async def _farewell(self) -> None:
         try:
