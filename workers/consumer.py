@@ -145,7 +145,7 @@ class Worker:
         # of its samples has its result (flushes go out in order).
         # By (partition, entry id): two partitions' streams (on two nodes) can make the same id.
         self._open: dict[tuple[int, bytes], int] = {}
-        # Open entries that handed samples back: the samples started here (see _drain).
+        # Open entries that handed samples back: the samples started here (see _finish_handed).
         self._handed: dict[tuple[int, bytes], list[_Member]] = {}
         # Entries a flush failed to settle (past the drain deadline): no later flush acks
         # them, since some of their samples have no result.
@@ -448,8 +448,9 @@ class Worker:
         Only for scorers that take their time (not ``inline``): those are where a batch
         of samples in one entry, held by one worker, would be scored at that worker's
         concurrency while others stand idle. The entry is acked once the samples started
-        here settle. A crash between the XADDs and that ack redelivers the entry: its
-        samples are scored twice, and the ledger keeps the first result of each.
+        here settle; a stop hands back those of them without a result (_finish_handed).
+        A crash before that ack redelivers the entry: the samples handed back and not yet
+        scored are scored twice, and the ledger keeps the first result of each.
         """
         copies = [
             member_fields(bytes(m.payload), m.head, handed_back_from=entry_id, group=self.config.group) for m in rest
