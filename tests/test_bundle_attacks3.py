@@ -159,7 +159,9 @@ class FailingFinish(Worker):
             del self._client.xack
 
 
-@pytest.mark.parametrize("failing", ["", "lookup", "requeue", "requeue_lost", "xack"])
+# (An "xack" case went: the entry's ack now goes through the writer, after the results
+# still queued for it, and the writer's failures are attacked in test_reliability.py.)
+@pytest.mark.parametrize("failing", ["", "lookup", "requeue", "requeue_lost"])
 async def test_redis_failing_the_hand_back_of_the_rest_at_a_stop_loses_nothing(
     redis_url, namespace, failing, caplog
 ) -> None:
@@ -554,9 +556,15 @@ async def test_a_stop_mid_hunt_with_a_scorer_that_unwinds_slowly_poisons_no_samp
             cfg = dict(namespace=namespace, block_ms=20, concurrency=4, reclaim_idle_ms=300, drain_timeout_s=0.3)
             w1 = Worker(redis_url, s1, ConsumerConfig(consumer="w1", **cfg))
             s2 = Timed(0.01)
-            async with running(redis_url, namespace, s2, consumer="peer", concurrency=4, reclaim_idle_ms=300):
+            async with contextlib.AsyncExitStack() as peer_running:
                 async with started(w1):
                     await wait_until(lambda: asyncio.sleep(0, bool(s1.seen)), timeout_s=10)
+                    # The peer starts once w1 hunts (started first, its sweep could take the
+                    # suspect before w1), and runs on after w1 stops.
+                    await peer_running.enter_async_context(
+                        running(redis_url, namespace, s2, consumer="peer", concurrency=4, reclaim_idle_ms=300)
+                    )
+                    await asyncio.sleep(0.2)
 
                 async def done() -> bool:
                     return await client.hlen(keys.results("cu")) == n and await nothing_pending(client, keys)

@@ -33,7 +33,7 @@ import sys
 import time
 from collections import defaultdict, deque
 from collections.abc import Coroutine, Iterator
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from redis.exceptions import ResponseError
@@ -146,6 +146,9 @@ class Worker:
         # By (partition, entry id): two partitions' streams (on two nodes) can make the same id.
         self._open: dict[tuple[int, bytes], int] = {}
         # Open entries that handed samples back: the samples started here (see _finish_handed).
+        # The quarantine note of the sample being hunted: a stop drops it before it releases
+        # the entry, or a peer could claim the entry and find it there (see _drain).
+        self._hunting: tuple[str, bytes] | None = None
         self._handed: dict[tuple[int, bytes], list[_Member]] = {}
         # Entries a flush failed to settle (past the drain deadline): no later flush acks
         # them, since some of their samples have no result.
@@ -158,6 +161,7 @@ class Worker:
         self._reader_active = False  # while the reader reads new entries: what _spill adds gets read
         self._writer_idle = asyncio.Event()
         self._reading = asyncio.Event()  # cleared while suspects are scored alone
+        self._stopped = asyncio.Event()  # set with _stopping, for waits that end on a stop
         self._reading.set()
         self._started = time.time()
         self._drain_deadline: float | None = None  # loop time; set when the stop is noticed
@@ -271,6 +275,7 @@ class Worker:
         for room (a saturated worker) or for a quarantine wakes up and sees the stop."""
         await stop.wait()
         self._stopping = True
+        self._stopped.set()
         self._drain_deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
         reading_done.set()
         self._room.set()
@@ -386,7 +391,7 @@ class Worker:
                     break
                 if not await self._room_for_one():
                     return  # stopping: the entries go back to the group unsettled (see _drain)
-                await self._start(partition, entry_id, fields, member, len(everyone), deliveries, False)
+                await self._start(partition, entry_id, fields, member, len(everyone), deliveries)
         if entries:
             self._per_entry = max(1, round(samples / len(entries)))
 
@@ -494,7 +499,6 @@ class Worker:
         member: _Member,
         of: int,
         deliveries: dict[bytes, int] | None,
-        alone: bool,
     ) -> None:
         """One sample of an entry of ``of``: dead-letter it, or score it here or in a task."""
         self.stats.in_flight += 1
@@ -516,7 +520,7 @@ class Worker:
                 partition, entry_id, member.fields(fields, of, self.config.group), exc.reason, str(exc), 1
             )
             return
-        if self._inline or alone:
+        if self._inline:
             await self._score(partition, entry_id, traj)
         else:
             task = asyncio.create_task(self._score(partition, entry_id, traj))
@@ -604,15 +608,20 @@ class Worker:
 
     # ------------------------------------------------------------------ writing
     def _queue(self, partition: int, item: LedgerItem) -> None:
-        entry = (partition, item.entry_id)
-        left = self._open.get(entry)  # type: ignore[arg-type]
+        entry = (partition, cast(bytes, item.entry_id))  # a worker's items name stream entries
+        if self._handed and item.uid is not None:
+            started = self._handed.get(entry)
+            if started is not None:  # this one is settled: a stop need not hand it back
+                sample = (item.batch_id, item.uid)
+                self._handed[entry] = [m for m in started if (m.head[0], m.head[2]) != sample]
+        left = self._open.get(entry)
         if left is not None:
             if left > 1:
-                self._open[entry] = left - 1  # type: ignore[index]
+                self._open[entry] = left - 1
                 item.ack = False
             else:
-                del self._open[entry]  # type: ignore[arg-type]
-                self._handed.pop(entry, None)  # type: ignore[arg-type]
+                del self._open[entry]
+                self._handed.pop(entry, None)
                 item.ack = entry not in self._unsettled
         self._pending[partition].append(item)
         self._have_pending.set()
@@ -772,12 +781,16 @@ class Worker:
         delivered: int,
         key: str,
     ) -> None:
-        """Score a suspect entry's samples alone, one by one, each under a note."""
+        """Score a suspect entry's samples alone, one by one, each under a note. A stop ends
+        the hunt between samples: the rest are released with the entry (see _drain)."""
         for at, member in enumerate(members):
             if id(member) in settled:
                 continue  # it has its result already (a poison one: its dead letter)
+            if self._stopping:
+                return
             # One note per sample: an entry of several is hunted sample by sample.
             note = b"%s/%d" % (entry_id, at)
+            self._hunting = (key, note)
             try:
                 # Durable before the attempt: if this process dies now, the next
                 # worker to reclaim the entry finds the note and knows it is guilty.
@@ -793,9 +806,14 @@ class Worker:
                         delivered,
                     )
                 else:
-                    await self._start(partition, entry_id, fields, member, len(members), {entry_id: delivered}, True)
-                await self._wait_idle()
+                    await self._start(partition, entry_id, fields, member, len(members), {entry_id: delivered})
+                await self._wait_idle(self._stopped)
+                if self._stopping:
+                    # The sample may still be scoring: the drain cancels it at its deadline
+                    # and drops this note (self._hunting) before it releases the entry.
+                    return
                 await self._client.hdel(key, note)
+                self._hunting = None
             except anyio.get_cancelled_exc_class():
                 # A stop, not a crash: the note would make the next worker dead-letter an
                 # innocent sample as poison. The cancel may land on the HINCRBY after Redis
@@ -803,6 +821,14 @@ class Worker:
                 # every worker it meets still ends at max_deliveries.)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
                     await self._client.hdel(key, note)
+                self._hunting = None
+                raise
+            except REDIS_ERRORS:
+                # Not a crash either: Redis may have run the HINCRBY and lost its reply. One
+                # try to drop the note (if Redis stays away, the note stays: see the docs).
+                with contextlib.suppress(*REDIS_ERRORS), anyio.move_on_after(2.0):
+                    await self._client.hdel(key, note)
+                self._hunting = None
                 raise
 
     async def _wait_idle(self, stop: asyncio.Event | None = None) -> None:
@@ -852,6 +878,9 @@ class Worker:
         # Entries with a sample that never settled: a cancelled one, or one never started.
         release = {entry for _, entry in unfinished} | set(self._open)
         release -= await self._finish_handed(release & self._handed.keys())
+        if self._hunting is not None:  # a suspect still being scored alone (it is not a crash)
+            with contextlib.suppress(asyncio.TimeoutError, *REDIS_ERRORS):
+                await asyncio.wait_for(self._client.hdel(*self._hunting), timeout=2.0)
         if release:
             by_stream: dict[str, list[bytes]] = defaultdict(list)
             for partition, entry_id in release:
@@ -873,30 +902,32 @@ class Worker:
 
     async def _finish_handed(self, entries: set[tuple[int, bytes]]) -> set[tuple[int, bytes]]:
         """On a stop, entries that handed samples back: hand back the samples started here
-        that have no result too, and ack the entry, rather than release it whole (the next
+        that are not settled too, and ack the entry, rather than release it whole (the next
         worker would score the samples handed back a second time). Returns those done;
-        the others are released whole."""
+        the others are released whole.
+
+        Settled: a result queued since the hand-back (``_queue`` drops it from the list), or
+        one in the ledger (settled before it). The ack goes through the writer, after every
+        result still queued for the entry: if the writer cannot write them, the entry stays
+        pending and is redelivered, never acked without them."""
         done = set()
         for entry in entries:
             partition, entry_id = entry
             started = self._handed[entry]
             try:
                 have = await asyncio.wait_for(self._with_results(partition, started), timeout=2.0)
-                rest = [m for m in started if id(m) not in have]
                 copies = [
                     member_fields(bytes(m.payload), m.head, handed_back_from=entry_id, group=self.config.group)
-                    for m in rest
+                    for m in started
+                    if id(m) not in have
                 ]
-                stream = self.keys.stream(partition)
                 if copies:
-                    await asyncio.wait_for(
-                        self._requeue(keys=[stream, self.keys.pushed(partition)], args=requeue_args(copies)),
-                        timeout=2.0,
-                    )
-                await asyncio.wait_for(self._client.xack(stream, self.config.group, entry_id), timeout=2.0)
+                    keys = [self.keys.stream(partition), self.keys.pushed(partition)]
+                    await asyncio.wait_for(self._requeue(keys=keys, args=requeue_args(copies)), timeout=2.0)
             except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
                 log.warning("could not hand back the rest of entry %s (%s); released whole", entry_id, exc)
                 continue
+            self._ack_alone(partition, entry_id)
             done.add(entry)
         return done
 
