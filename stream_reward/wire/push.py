@@ -100,7 +100,9 @@ local function queued_before()
 end
 """
 
-PUSH_SCRIPT = _QUEUED_BEFORE + """
+PUSH_SCRIPT = (
+    _QUEUED_BEFORE
+    + """
 -- KEYS[1]: the stream; KEYS[2]: its counts of samples and entries pushed; KEYS[k],
 -- KEYS[k + 1]: a batch's claims and lengths hashes.
 -- ARGV: ttl, '1' to write lengths, the plan, the rows (read on the slow path
@@ -251,12 +253,15 @@ if fresh > 0 then
 end
 return status
 """
+)
 
 
 # Queue entries of one sample each on a stream, stamped and counted as the push script
 # does, outside a push: a worker's hand-back (workers.consumer: Worker._spill) and a dead
 # letter's redrive (ops/deadletters.py), which also deletes the letter in the same call.
-REQUEUE_SCRIPT = _QUEUED_BEFORE + """
+REQUEUE_SCRIPT = (
+    _QUEUED_BEFORE
+    + """
 -- KEYS[1]: the stream; KEYS[2]: its counts of samples and entries pushed; KEYS[3]: a
 -- dead-letter stream, when ARGV[1] names a letter of it to delete ('' for none).
 -- ARGV[2...]: each entry as its field count k, then k fields and values.
@@ -286,6 +291,7 @@ if added > 0 then
 end
 return added
 """
+)
 
 
 def requeue_args(entries: list[dict[Any, Any]], *, delete_letter: str = "") -> list[Any]:
