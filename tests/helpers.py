@@ -4,10 +4,14 @@ listing what is queued."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from stream_reward import BatchPolicy, BatchRewards, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
+from stream_reward.config import ConsumerConfig
+from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.codec import decode_trajectory
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import FIELD_HANDED_BACK, FIELD_PAYLOAD, read_members
@@ -100,3 +104,64 @@ async def pending_samples(redis_url: str, namespace: str, partitions: int = 1, g
         return total
     finally:
         await client.aclose()
+
+
+# The attacks on entries of several samples (tests/test_bundle_attacks*.py) share these.
+
+
+def exact_traj(batch: str, i: int, uid: str | None = None) -> Trajectory:
+    """A sample for the test/exact data source; ``Timed`` scores it by its identity."""
+    kw = {"uid": uid} if uid else {}
+    return Trajectory(batch, i, "test/exact", response=f"r{i}", ground_truth="1", **kw)
+
+
+def identity_score(t: Trajectory) -> float:
+    """index + len(response)/1000: a sample scored with another's score shows."""
+    return t.index + len(t.response) / 1000
+
+
+class Timed:
+    """Scores a sample by its identity after ``delays[index]`` (default ``delay``, plus up
+    to ``jitter``); records the uids it was asked for in ``seen``."""
+
+    inline = False
+
+    def __init__(self, delay: float = 0.0, jitter: float = 0.0, delays: dict[int, float] | None = None) -> None:
+        self.delay, self.jitter, self.delays = delay, jitter, delays or {}
+        self.seen: list[str] = []
+
+    async def score(self, t: Trajectory) -> Scored:
+        self.seen.append(t.uid)
+        d = self.delays.get(t.index, self.delay) + random.random() * self.jitter
+        if d:
+            await asyncio.sleep(d)
+        return Scored(identity_score(t))
+
+
+async def undelivered_samples(client, keys: Keys, group: str = "scorers") -> int:
+    """Samples in entries the group has not been delivered yet (the truth max_backlog bounds)."""
+    total = 0
+    for stream in keys.streams():
+        (info,) = [g for g in await client.xinfo_groups(stream) if g["name"] in (group, group.encode())]
+        last = info["last-delivered-id"]
+        last = last.decode() if isinstance(last, bytes) else last
+        for _, fields in await client.xrange(stream, min=f"({last}" if last != "0-0" else "-"):
+            total += len(samples_of(fields))
+    return total
+
+
+@contextlib.asynccontextmanager
+async def running_worker(url: str, ns: str, scorer, client=None, **cfg) -> AsyncIterator:
+    """A worker running in this loop until the block ends (then stopped and drained)."""
+    from workers.consumer import Worker
+
+    stop = asyncio.Event()
+    config = ConsumerConfig(namespace=ns, **{"block_ms": 20, "drain_timeout_s": 0.3, **cfg})
+    w = Worker(url, scorer, config, client=client)
+    task = asyncio.ensure_future(w.run(stop))
+    try:
+        yield w
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await w.aclose()

@@ -4,10 +4,12 @@ quarantine sample by sample, stops mid-entry, and max_backlog counted in samples
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import random
 
 import pytest
-from helpers import samples_of
+from helpers import Timed, exact_traj, identity_score, running_worker, samples_of, undelivered_samples
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -20,41 +22,9 @@ from workers.consumer import Worker
 pytestmark = pytest.mark.anyio
 
 
-def traj(batch: str, i: int) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"r{i}", ground_truth="1")
-
-
-def expected(t: Trajectory) -> float:
-    return t.index + len(t.response) / 1000
-
-
-class Ident:
-    """Scores a sample by its identity (a wrong sample's result shows); slow, jittered."""
-
-    inline = False
-
-    def __init__(self, delay: float = 0.0, jitter: float = 0.0) -> None:
-        self.delay, self.jitter = delay, jitter
-        self.seen: list[str] = []
-
-    async def score(self, t: Trajectory) -> Scored:
-        self.seen.append(t.uid)
-        d = self.delay + random.random() * self.jitter
-        if d:
-            await asyncio.sleep(d)
-        return Scored(t.index + len(t.response) / 1000)
-
-
-async def undelivered_samples(client, keys: Keys, group: str = "scorers") -> int:
-    """Samples in entries the group has not been delivered yet (the truth max_backlog bounds)."""
-    total = 0
-    for stream in keys.streams():
-        (info,) = [g for g in await client.xinfo_groups(stream) if g["name"] == group.encode() or g["name"] == group]
-        last = info["last-delivered-id"]
-        last = last.decode() if isinstance(last, bytes) else last
-        for _, fields in await client.xrange(stream, min=f"({last}" if last != "0-0" else "-"):
-            total += len(samples_of(fields))
-    return total
+traj, expected, Ident = exact_traj, identity_score, Timed
+# Its workers read with block_ms=50 and drain within 0.2 s.
+running_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
 
 
 # ======================================================================================
@@ -535,22 +505,6 @@ async def test_backlog_after_a_hand_back_is_not_counted_as_full_entries(redis_ur
             assert truth <= estimate <= 2 * truth, f"backlog() {estimate} for {truth} samples undelivered"
     finally:
         await client.aclose()
-
-
-import contextlib  # noqa: E402
-
-
-@contextlib.asynccontextmanager
-async def running_worker(url: str, ns: str, scorer, **cfg):
-    stop = asyncio.Event()
-    w = Worker(url, scorer, ConsumerConfig(namespace=ns, block_ms=50, drain_timeout_s=0.2, **cfg))
-    task = asyncio.ensure_future(w.run(stop))
-    try:
-        yield w
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await w.aclose()
 
 
 # ======================================================================================

@@ -8,7 +8,7 @@ import contextlib
 import time
 
 import pytest
-from helpers import samples_of, wait_until
+from helpers import Timed, exact_traj, running_worker, samples_of, undelivered_samples, wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -22,51 +22,7 @@ from workers.consumer import Worker
 pytestmark = pytest.mark.anyio
 
 
-def traj(batch: str, i: int, uid: str | None = None) -> Trajectory:
-    kw = {"uid": uid} if uid else {}
-    return Trajectory(batch, i, "test/exact", response=f"r{i}", ground_truth="1", **kw)
-
-
-class Ident:
-    inline = False
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
-        self.seen: list[str] = []
-
-    async def score(self, t: Trajectory) -> Scored:
-        self.seen.append(t.uid)
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return Scored(t.index + len(t.response) / 1000)
-
-
-async def undelivered_samples(client, keys: Keys, group: str = "scorers") -> int:
-    total = 0
-    for stream in keys.streams():
-        (info,) = [g for g in await client.xinfo_groups(stream) if g["name"] in (group, group.encode())]
-        last = info["last-delivered-id"]
-        last = last.decode() if isinstance(last, bytes) else last
-        for _, fields in await client.xrange(stream, min=f"({last}" if last != "0-0" else "-"):
-            total += len(samples_of(fields))
-    return total
-
-
-@contextlib.asynccontextmanager
-async def running_worker(url: str, ns: str, scorer, client=None, **cfg):
-    stop = asyncio.Event()
-    w = Worker(url, scorer, ConsumerConfig(namespace=ns, block_ms=20, drain_timeout_s=0.3, **cfg), client=client)
-    task = asyncio.ensure_future(w.run(stop))
-    try:
-        yield w
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await w.aclose()
-
-
-# ======================================================================================
-# Redrive
+traj, Ident = exact_traj, Timed
 
 
 async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 
 import pytest
-from helpers import wait_until
+from helpers import Timed, exact_traj, identity_score, undelivered_samples, wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -19,29 +19,7 @@ from workers.consumer import Worker
 pytestmark = pytest.mark.anyio
 
 
-def traj(batch: str, i: int) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"r{i}", ground_truth="1")
-
-
-def expected(t: Trajectory) -> float:
-    return t.index + len(t.response) / 1000
-
-
-class Timed:
-    """Scores a sample by its identity after delays[index] (default ``delay``)."""
-
-    inline = False
-
-    def __init__(self, delay: float = 0.0, delays: dict[int, float] | None = None) -> None:
-        self.delay, self.delays = delay, delays or {}
-        self.seen: list[str] = []
-
-    async def score(self, t: Trajectory) -> Scored:
-        self.seen.append(t.uid)
-        d = self.delays.get(t.index, self.delay)
-        if d:
-            await asyncio.sleep(d)
-        return Scored(expected(t))
+traj, expected = exact_traj, identity_score
 
 
 class SlowFlush(Worker):
@@ -425,7 +403,7 @@ async def test_stamps_stay_exact_when_the_counts_go_while_workers_hand_back_and_
             # looks: only checked once they stopped, with the counts gone and back.
             low: list[tuple[int, int]] = []
             for _ in range(2):
-                truth = await undelivered(client, keys)
+                truth = await undelivered_samples(client, keys)
                 low.append((truth, await producer.backlog()))
                 await client.delete(keys.pushed(0))
             before = 0
@@ -443,18 +421,6 @@ async def running(url: str, ns: str, scorer, **cfg):
     w = Worker(url, scorer, ConsumerConfig(namespace=ns, block_ms=20, drain_timeout_s=0.3, **cfg))
     async with started(w):
         yield w
-
-
-async def undelivered(client, keys: Keys, group: str = "scorers") -> int:
-    from helpers import samples_of
-
-    total = 0
-    (info,) = [g for g in await client.xinfo_groups(keys.stream()) if g["name"] in (group, group.encode())]
-    last = info["last-delivered-id"]
-    last = last.decode() if isinstance(last, bytes) else last
-    for _, fields in await client.xrange(keys.stream(), min=f"({last}" if last != "0-0" else "-"):
-        total += len(samples_of(fields))
-    return total
 
 
 async def test_a_stop_during_a_burst_workers_quarantine_is_honoured_within_the_drain_deadline(
