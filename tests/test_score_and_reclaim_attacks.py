@@ -690,3 +690,59 @@ async def test_a_live_workers_slow_sample_is_neither_taken_by_a_peer_nor_counted
         assert deliveries == {1}, f"a sweep claimed a live worker's entry again (times delivered: {sorted(deliveries)})"
         assert list(calls.values()) == [1], f"scored more than once (a peer took it from a live worker): {calls}"
         assert holder.stats.duplicates == peer.stats.duplicates == 0
+
+
+async def test_a_renewal_in_flight_at_a_stop_does_not_undo_the_release(redis_url, namespace) -> None:
+    """A stopping worker releases its unfinished entries (marks them long idle, so the next
+    sweep of any worker takes them at once). Its housekeeper renews held entries every
+    reclaim_idle_ms / 3: a renewal on its way when the stop came, landing after the release,
+    made the entry fresh again, and a peer with a long reclaim_idle_ms left it alone.
+    (CI saw this as 10 of 12 samples never scored after a stop mid-quarantine.)"""
+    calls: dict[str, int] = {}
+
+    class Slow:
+        async def score(self, t: Trajectory) -> Scored:
+            calls[t.uid] = calls.get(t.uid, 0) + 1
+            await asyncio.sleep(5 if calls[t.uid] == 1 else 0)
+            return Scored(1.0)
+
+    stop, released = asyncio.Event(), asyncio.Event()
+    wc = connect(redis_url)
+    real_xclaim = wc.xclaim
+
+    async def xclaim(name, group, consumer, min_idle_time, message_ids, **kw):
+        if "idle" in kw:  # the release
+            out = await real_xclaim(name, group, consumer, min_idle_time, message_ids, **kw)
+            released.set()
+            return out
+        if stop.is_set():  # a renewal under way when the stop came: a slow round trip
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(released.wait(), 1.0)
+        return await real_xclaim(name, group, consumer, min_idle_time, message_ids, **kw)
+
+    wc.xclaim = xclaim
+    cfg = dict(namespace=namespace, block_ms=20, concurrency=1, reclaim_idle_ms=300, drain_timeout_s=0.4)
+    try:
+        async with (
+            RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
+            await p.open_batch("rr", 1, 8)
+            await p.push(traj("rr", 0))
+            w1 = Worker(redis_url, Slow(), ConsumerConfig(consumer="w1", **cfg), client=wc)
+            task = asyncio.ensure_future(w1.run(stop))
+            await wait_until(lambda: asyncio.sleep(0, bool(calls)))
+            stop.set()
+            await asyncio.wait_for(task, 20)
+            await w1.aclose()
+            assert released.is_set()
+            # Released: a peer that reclaims only entries idle for a minute takes it at once.
+            w2 = Worker(redis_url, Slow(), ConsumerConfig(consumer="w2", **{**cfg, "reclaim_idle_ms": 60_000}))
+            await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 20)
+            await w2.aclose()
+            rewards = await agg.collect("rr", timeout_s=2, on_timeout="resolve")
+            pending = await p.client.xpending(p.keys.stream(), "scorers")
+    finally:
+        await wc.aclose()
+    assert (rewards.status, pending["pending"]) == (["ok"], 0), "the release was undone by a late renewal"
+    assert calls == {"rr/0": 2}  # the cancelled attempt, then the peer's

@@ -134,6 +134,11 @@ class Worker:
         # so that no other worker takes a slow sample from a live one.
         # (partition, entry id): two partitions' streams (on two nodes) can make the same id.
         self._held: set[tuple[int, bytes]] = set()
+        # Held by a renewal. A stop's release ends renewals and waits for this first: a
+        # renewal already under way would land after the release and make the released
+        # entries fresh again (a peer would then wait out reclaim_idle_ms for them).
+        self._renewing = asyncio.Lock()
+        self._renewals_over = False
         # One reclaim sweep at a time: two (the background one and a burst's last pass)
         # could claim the same entry between XAUTOCLAIM and _process, both count it a
         # delivery, both quarantine it, and the second quarantine would find the first's
@@ -146,10 +151,10 @@ class Worker:
         # By (partition, entry id): two partitions' streams (on two nodes) can make the same id.
         self._open: dict[tuple[int, bytes], int] = {}
         # Open entries that handed samples back: the samples started here (see _finish_handed).
+        self._handed: dict[tuple[int, bytes], list[_Member]] = {}
         # The quarantine note of the sample being hunted: a stop drops it before it releases
         # the entry, or a peer could claim the entry and find it there (see _drain).
         self._hunting: tuple[str, bytes] | None = None
-        self._handed: dict[tuple[int, bytes], list[_Member]] = {}
         # Entries a flush failed to settle (past the drain deadline): no later flush acks
         # them, since some of their samples have no result.
         self._unsettled: set[tuple[int, bytes]] = set()
@@ -881,6 +886,13 @@ class Worker:
         if self._hunting is not None:  # a suspect still being scored alone (it is not a crash)
             with contextlib.suppress(asyncio.TimeoutError, *REDIS_ERRORS):
                 await asyncio.wait_for(self._client.hdel(*self._hunting), timeout=2.0)
+        # Renewed no more; and wait out a renewal under way, which would undo the release.
+        self._renewals_over = True
+        try:
+            await asyncio.wait_for(self._renewing.acquire(), timeout=2.0)
+            self._renewing.release()
+        except asyncio.TimeoutError:  # a renewal stuck on a Redis that is away: so is the release
+            pass
         if release:
             by_stream: dict[str, list[bytes]] = defaultdict(list)
             for partition, entry_id in release:
@@ -963,12 +975,17 @@ class Worker:
 
     async def _renew_held(self) -> None:
         """Keep the entries this worker is scoring idle-fresh, so peers leave them alone."""
-        by_partition: dict[int, list[bytes]] = {}
-        for partition, entry_id in list(self._held):
-            by_partition.setdefault(partition, []).append(entry_id)
-        streams = self.keys.streams()
-        for partition, ids in by_partition.items():
-            await self._client.xclaim(streams[partition], self.config.group, self.config.consumer, 0, ids, justid=True)
+        async with self._renewing:
+            if self._renewals_over:
+                return
+            by_partition: dict[int, list[bytes]] = {}
+            for partition, entry_id in list(self._held):
+                by_partition.setdefault(partition, []).append(entry_id)
+            streams = self.keys.streams()
+            for partition, ids in by_partition.items():
+                await self._client.xclaim(
+                    streams[partition], self.config.group, self.config.consumer, 0, ids, justid=True
+                )
 
     async def _heartbeat(self) -> None:
         now = time.time()
