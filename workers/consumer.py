@@ -462,14 +462,8 @@ class Worker:
         A crash before that ack redelivers the entry: the samples handed back and not yet
         scored are scored twice, and the ledger keeps the first result of each.
         """
-        copies = [
-            member_fields(bytes(m.payload), m.head, handed_back_from=entry_id, group=self.config.group) for m in rest
-        ]
         try:
-            # Stamped and counted as pushed samples: a producer's backlog sees them.
-            await self._requeue(
-                keys=[self.keys.stream(partition), self.keys.pushed(partition)], args=requeue_args(copies)
-            )
+            await self._hand_back(partition, entry_id, rest)
         except REDIS_ERRORS as exc:
             log.warning("could not hand %d samples back to the stream (%s); scoring them here", len(rest), exc)
             return False
@@ -481,6 +475,15 @@ class Worker:
         else:  # the samples started here were all settled meanwhile
             self._ack_alone(partition, entry_id)
         return True
+
+    async def _hand_back(self, partition: int, entry_id: bytes, members: list[_Member]) -> None:
+        """Queue ``members`` of an entry again, an entry each, for this group only. Stamped
+        and counted as pushed samples: a producer's backlog sees them."""
+        copies = [
+            member_fields(bytes(m.payload), m.head, handed_back_from=entry_id, group=self.config.group) for m in members
+        ]
+        keys = [self.keys.stream(partition), self.keys.pushed(partition)]
+        await self._requeue(keys=keys, args=requeue_args(copies))
 
     async def _room_for_one(self) -> bool:
         """Until one more sample fits under ``concurrency`` and no suspect is being scored
@@ -928,14 +931,9 @@ class Worker:
             started = self._handed[entry]
             try:
                 have = await asyncio.wait_for(self._with_results(partition, started), timeout=2.0)
-                copies = [
-                    member_fields(bytes(m.payload), m.head, handed_back_from=entry_id, group=self.config.group)
-                    for m in started
-                    if id(m) not in have
-                ]
-                if copies:
-                    keys = [self.keys.stream(partition), self.keys.pushed(partition)]
-                    await asyncio.wait_for(self._requeue(keys=keys, args=requeue_args(copies)), timeout=2.0)
+                rest = [m for m in started if id(m) not in have]
+                if rest:
+                    await asyncio.wait_for(self._hand_back(partition, entry_id, rest), timeout=2.0)
             except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
                 log.warning("could not hand back the rest of entry %s (%s); released whole", entry_id, exc)
                 continue
