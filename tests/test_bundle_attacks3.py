@@ -241,6 +241,67 @@ async def test_a_quarantine_note_whose_reply_is_lost_does_not_poison_an_innocent
         await client.aclose()
 
 
+async def test_a_quarantine_note_left_while_redis_stays_away_does_not_poison_an_innocent(redis_url, namespace) -> None:
+    """As above, but Redis stays away for a second after the lost HINCRBY reply, so the one
+    try to drop the note fails too. The worker lets the entry go and reclaims it itself
+    after reclaim_idle_ms (Redis back by then): its next hunt found its own stale note and
+    dead-lettered the innocent sample as poison."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from stream_reward.ops.deadletters import list_dead_letters
+
+    keys = Keys(namespace)
+    client = connect(redis_url)
+    n = 4
+    try:
+        async with (
+            RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
+            await producer.open_batch("qa", n, 8)
+            await producer.push_many(traj("qa", i) for i in range(n))
+            await _suspects(client, keys, 1)
+            wc = connect(redis_url)
+            real_hincrby, real_hdel = wc.hincrby, wc.hdel
+            loop = asyncio.get_running_loop()
+            away_until: list[float] = []
+
+            def away(key) -> bool:
+                return key == keys.quarantine(0) and bool(away_until) and loop.time() < away_until[0]
+
+            async def hincrby(key, *args, **kw):
+                if away(key):
+                    raise RedisConnectionError("still away")
+                out = await real_hincrby(key, *args, **kw)
+                if key == keys.quarantine(0) and not away_until:
+                    away_until.append(loop.time() + 1.0)
+                    raise RedisConnectionError("blip")  # ran, but the reply was lost
+                return out
+
+            async def hdel(key, *args, **kw):
+                if away(key):
+                    raise RedisConnectionError("still away")
+                return await real_hdel(key, *args, **kw)
+
+            wc.hincrby, wc.hdel = hincrby, hdel
+            cfg = dict(namespace=namespace, block_ms=20, concurrency=4, reclaim_idle_ms=300, drain_timeout_s=0.5)
+            w = Worker(redis_url, Timed(0.01), ConsumerConfig(consumer="w1", **cfg), client=wc)
+            async with started(w):
+
+                async def done() -> bool:
+                    return await client.hlen(keys.results("qa")) == n and await nothing_pending(client, keys)
+
+                await wait_until(done, timeout_s=15)
+            assert away_until
+            letters = await list_dead_letters(redis_url, namespace=namespace)
+            rewards = await agg.collect("qa", timeout_s=1, on_timeout="resolve")
+            assert not letters, [(d.reason, d.error) for d in letters]
+            assert rewards.status == ["ok"] * n
+            assert await client.hgetall(keys.quarantine(0)) == {}
+    finally:
+        await client.aclose()
+
+
 class ByBatch:
     inline = False
 

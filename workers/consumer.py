@@ -155,6 +155,11 @@ class Worker:
         # The quarantine note of the sample being hunted: a stop drops it before it releases
         # the entry, or a peer could claim the entry and find it there (see _drain).
         self._hunting: tuple[str, bytes] | None = None
+        # Notes this worker may have left after a Redis error (a lost reply, then a failed
+        # HDEL): an innocent sample's, since nothing crashed. Dropped as soon as Redis
+        # answers (the housekeeper, or this worker's next hunt of that sample), before a
+        # hunt would find one and dead-letter its sample as poison.
+        self._stale_notes: set[tuple[str, bytes]] = set()
         # Entries a flush failed to settle (past the drain deadline): no later flush acks
         # them, since some of their samples have no result.
         self._unsettled: set[tuple[int, bytes]] = set()
@@ -800,6 +805,9 @@ class Worker:
             note = b"%s/%d" % (entry_id, at)
             self._hunting = (key, note)
             try:
+                if (key, note) in self._stale_notes:
+                    await self._client.hdel(key, note)
+                    self._stale_notes.discard((key, note))
                 # Durable before the attempt: if this process dies now, the next
                 # worker to reclaim the entry finds the note and knows it is guilty.
                 attempts = await self._client.hincrby(key, note, 1)
@@ -833,9 +841,11 @@ class Worker:
                 raise
             except REDIS_ERRORS:
                 # Not a crash either: Redis may have run the HINCRBY and lost its reply. One
-                # try to drop the note (if Redis stays away, the note stays: see the docs).
+                # try to drop the note now; if Redis stays away, it is dropped once Redis is back.
+                self._stale_notes.add((key, note))
                 with contextlib.suppress(*REDIS_ERRORS), anyio.move_on_after(2.0):
                     await self._client.hdel(key, note)
+                    self._stale_notes.discard((key, note))
                 self._hunting = None
                 raise
 
@@ -959,6 +969,7 @@ class Worker:
         while not stop.is_set():
             try:
                 await self._renew_held()
+                await self._drop_stale_notes()
                 if loop.time() >= next_beat:
                     await self._heartbeat()
                     next_beat = loop.time() + beat_s
@@ -984,6 +995,11 @@ class Worker:
                 await self._client.xclaim(
                     streams[partition], self.config.group, self.config.consumer, 0, ids, justid=True
                 )
+
+    async def _drop_stale_notes(self) -> None:
+        for key, note in list(self._stale_notes):
+            await self._client.hdel(key, note)
+            self._stale_notes.discard((key, note))
 
     async def _heartbeat(self) -> None:
         now = time.time()
