@@ -141,7 +141,7 @@ async def test_a_sweep_in_flight_at_the_release_does_not_claim_the_released_entr
             fired.append(1)
             stop.set()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(released.wait(), 3)
+                await asyncio.wait_for(released.wait(), 1.5)
             out = await real_xautoclaim(*a, **kw)
             claimed_back.set()
             return out

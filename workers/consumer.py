@@ -163,6 +163,10 @@ class Worker:
         # Entries a flush failed to settle (past the drain deadline): no later flush acks
         # them, since some of their samples have no result.
         self._unsettled: set[tuple[int, bytes]] = set()
+        self._released: set[tuple[int, bytes]] = set()  # by a stop (see _release)
+        # Suspects a quarantine let go after a Redis error, pending under this consumer
+        # until another worker (or this one) reclaims them: a stop releases them.
+        self._let_go: set[tuple[int, bytes]] = set()
         # Samples an entry held in the last read: a read asks for as many entries as
         # leave room for that many samples each.
         self._per_entry = SAMPLES_PER_ENTRY
@@ -258,6 +262,9 @@ class Worker:
                         background.cancel()
         finally:
             await self._stop_writer(writer, writer_stop)
+            # Entries whose results the writer could not write by the drain deadline, or
+            # never acked: released too (if Redis is away, reclaimed after reclaim_idle_ms).
+            await self._release(self._unsettled | self._held)
             await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
 
@@ -411,6 +418,7 @@ class Worker:
         group = fields.get(FIELD_FOR_GROUP)
         members = _split(fields) if group is None or group == self._group_name else []
         self._held.add((partition, entry_id))
+        self._let_go.discard((partition, entry_id))
         self._open[partition, entry_id] = len(members)
         if not members:  # another group's hand-back: ours has the sample in the entry it came from
             self._ack_alone(partition, entry_id)
@@ -768,7 +776,7 @@ class Worker:
         # them too, under the same notes, and find an innocent sample's note already there.
         opened = [(entry_id, fields, self._open_entry(partition, entry_id, fields)) for entry_id, fields in suspects]
         try:
-            await self._wait_idle()
+            await self._wait_idle(self._stopped)  # a stop ends the hunt before its first sample
             settled = await self._settled_before(partition, opened)
             for entry_id, fields, members in opened:
                 await self._hunt(partition, entry_id, fields, members, settled, deliveries[entry_id], key)
@@ -776,10 +784,12 @@ class Worker:
             # A note's HINCRBY or HDEL failed; nothing of a suspect is in flight (each sample
             # is waited for before the next note). Let the unfinished ones go rather than hold
             # them for ever: no longer renewed, any worker reclaims them after
-            # reclaim_idle_ms, and the samples settled here are not scored again.
+            # reclaim_idle_ms, and the samples settled here are not scored again. (A stop
+            # releases them, if still this worker's, for any worker to take at once.)
             for entry_id, _, _ in opened:
                 self._open.pop((partition, entry_id), None)
                 self._held.discard((partition, entry_id))
+                self._let_go.add((partition, entry_id))
             raise
         finally:
             self._reading.set()
@@ -821,6 +831,12 @@ class Worker:
                         f"crashed or stalled a worker while scored alone (delivered {delivered} times)",
                         delivered,
                     )
+                elif self._stopping:
+                    # The stop came while the note was on its way: the drain may have dropped
+                    # it already, or be about to release the entry. Not started, not guilty.
+                    await self._client.hdel(key, note)
+                    self._hunting = None
+                    return
                 else:
                     await self._start(partition, entry_id, fields, member, len(members), {entry_id: delivered})
                 await self._wait_idle(self._stopped)
@@ -866,14 +882,18 @@ class Worker:
                 stopped.cancel()
 
     async def _deliveries(self, stream: str, ids: list[bytes]) -> dict[bytes, int]:
+        return {eid: count for eid, (_, count) in (await self._pending_rows(stream, ids)).items()}
+
+    async def _pending_rows(self, stream: str, ids: list[bytes]) -> dict[bytes, tuple[bytes | None, int]]:
+        """(the consumer holding it, times delivered) of each entry; (None, 1) if not pending."""
         async with self._client.pipeline(transaction=False) as pipe:
             for eid in ids:
                 pipe.xpending_range(stream, self.config.group, min=eid, max=eid, count=1)
             replies = await pipe.execute()
-        counts = {}
-        for eid, rows in zip(ids, replies):
-            counts[eid] = int(rows[0]["times_delivered"]) if rows else 1
-        return counts
+        return {
+            eid: (rows[0]["consumer"], int(rows[0]["times_delivered"])) if rows else (None, 1)
+            for eid, rows in zip(ids, replies)
+        }
 
     # ------------------------------------------------------------------ shutdown
     async def _drain(self) -> None:
@@ -882,6 +902,24 @@ class Worker:
         if self._drain_deadline is None:
             self._drain_deadline = loop.time() + self.config.drain_timeout_s
         deadline = self._drain_deadline
+        # A reclaim sweep under way ends at the stop (a hunt between samples). Wait for it:
+        # what it claims as the stop comes must be among what is finished or released below,
+        # and a claim landing after the release would take the released entries back.
+        swept = False
+        try:
+            await asyncio.wait_for(self._sweeping.acquire(), timeout=max(0.0, deadline - loop.time()) + 2.0)
+            swept = True
+        except asyncio.TimeoutError:
+            log.warning("a reclaim sweep did not end at the stop; releasing without it")
+        try:
+            await self._settle_and_release(deadline)
+        finally:
+            if swept:
+                self._sweeping.release()
+
+    async def _settle_and_release(self, deadline: float) -> None:
+        """Wait for in-flight samples until ``deadline``, cancel the rest, release their entries."""
+        loop = asyncio.get_running_loop()
         while self.stats.in_flight > 0 and loop.time() < deadline:
             self._writer_idle.clear()
             try:
@@ -894,7 +932,7 @@ class Worker:
         if unfinished:
             await asyncio.wait([t for t, _ in unfinished], timeout=1.0)
         # Entries with a sample that never settled: a cancelled one, or one never started.
-        release = {entry for _, entry in unfinished} | set(self._open)
+        release = {entry for _, entry in unfinished} | set(self._open) | self._let_go
         release -= await self._finish_handed(release & self._handed.keys())
         if self._hunting is not None:  # a suspect still being scored alone (it is not a crash)
             with contextlib.suppress(asyncio.TimeoutError, *REDIS_ERRORS):
@@ -906,24 +944,47 @@ class Worker:
             self._renewing.release()
         except asyncio.TimeoutError:  # a renewal stuck on a Redis that is away: so is the release
             pass
-        if release:
-            by_stream: dict[str, list[bytes]] = defaultdict(list)
-            for partition, entry_id in release:
-                by_stream[self.keys.stream(partition)].append(entry_id)
-            try:
-                for stream, ids in by_stream.items():
-                    # Mark them long idle: the next reclaim sweep of any live worker takes them.
+        await self._release(release)
+        self.stats.in_flight -= len(unfinished)
+
+    async def _release(self, entries: set[tuple[int, bytes]]) -> None:
+        """Give unfinished entries back to the group at a stop: marked long idle, so the next
+        reclaim sweep of any live worker takes them at once. A graceful stop is not a crash:
+        the delivery it cost is taken back (RETRYCOUNT), or rolling restarts over a slow sample
+        would quarantine it and, at max_deliveries, dead-letter it."""
+        entries = entries - self._released
+        if not entries:
+            return
+        self._released |= entries
+        by_stream: dict[str, list[bytes]] = defaultdict(list)
+        for partition, entry_id in entries:
+            by_stream[self.keys.stream(partition)].append(entry_id)
+        mine = self.config.consumer.encode()
+        try:
+            for stream, ids in by_stream.items():
+                rows = await asyncio.wait_for(self._pending_rows(stream, ids), timeout=2.0)
+                by_count: dict[int, list[bytes]] = defaultdict(list)
+                for entry_id, (consumer, delivered) in rows.items():
+                    if consumer in (mine, self.config.consumer):  # not acked, nor taken by another worker
+                        by_count[max(0, delivered - 1)].append(entry_id)
+                for count, same in by_count.items():
                     await asyncio.wait_for(
                         self._client.xclaim(
-                            stream, self.config.group, self.config.consumer, 0, ids, idle=_RELEASED_IDLE_MS, justid=True
+                            stream,
+                            self.config.group,
+                            self.config.consumer,
+                            0,
+                            same,
+                            idle=_RELEASED_IDLE_MS,
+                            retrycount=count,
+                            justid=True,
                         ),
                         timeout=2.0,
                     )
-                log.info("released %d unfinished entries to other workers", len(release))
-            except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
-                # They stay pending under this consumer: reclaimed after reclaim_idle_ms.
-                log.warning("could not release %d unfinished entries (%s)", len(release), type(exc).__name__)
-        self.stats.in_flight -= len(unfinished)
+            log.info("released %d unfinished entries to other workers", len(entries))
+        except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
+            # They stay pending under this consumer: reclaimed after reclaim_idle_ms.
+            log.warning("could not release %d unfinished entries (%s)", len(entries), type(exc).__name__)
 
     async def _finish_handed(self, entries: set[tuple[int, bytes]]) -> set[tuple[int, bytes]]:
         """On a stop, entries that handed samples back: hand back the samples started here
