@@ -55,6 +55,36 @@ async def test_a_garbled_sample_in_an_entry_of_three_fails_alone(redis_url, name
         await client.aclose()
 
 
+@pytest.mark.parametrize("header", [b"\xc1garbled", None])
+async def test_an_entry_of_three_whose_headers_are_lost_is_split_by_its_payloads(redis_url, namespace, header) -> None:
+    """The headers of an entry of three are garbled (or missing) but its payloads are whole:
+    each sample's payload names its batch, index and uid. It was read as one sample, failed
+    to decode (three payloads back to back) and was dead-lettered whole, with no result for
+    any of the three: the batch waited for its deadline."""
+    keys = Keys(namespace)
+    fields = {"d": b"".join(encode_trajectory(gsm(i)) for i in range(3))}
+    if header is not None:
+        fields["h"] = header
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        await producer.open_batch("m", 3, 8)
+        await producer.client.xadd(keys.stream(), fields)
+    worker = Worker(redis_url, RuleScorer(), ConsumerConfig(namespace=namespace, block_ms=20))
+    try:
+        await asyncio.wait_for(worker.run(burst=True), 30)
+    finally:
+        await worker.aclose()
+    async with RewardAggregator(redis_url, namespace=namespace) as agg:
+        rewards = await agg.collect("m", timeout_s=3, on_timeout="resolve")
+    assert rewards.status == ["ok", "ok", "ok"], [(r.status, r.reason) for r in rewards.results]
+    assert rewards.scores == [1.0, 1.0, 1.0]
+    assert await list_dead_letters(redis_url, namespace=namespace) == []
+    client = connect(redis_url)
+    try:
+        assert (await client.xpending(keys.stream(), "scorers"))["pending"] == 0
+    finally:
+        await client.aclose()
+
+
 async def test_backlog_counts_samples_not_entries(redis_url, namespace) -> None:
     """max_backlog bounds samples; backlog() must report what it bounds, whatever the
     entries hold: 40 samples in entries of 16, and 5 more pushed one at a time."""

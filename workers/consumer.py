@@ -60,6 +60,7 @@ from stream_reward.wire.entries import (
     FIELD_PAYLOAD,
     ensure_group,
     member_fields,
+    members_from_payloads,
     read_group,
     read_header,
     read_members,
@@ -1120,10 +1121,11 @@ class _Member:
 
 
 def _split(fields: dict[bytes, bytes]) -> list[_Member]:
-    """An entry's samples. Headers that cannot be read make the entry one sample: its
-    payload may still decode, and if not it is dead-lettered whole."""
-    members = read_members(fields)
+    """An entry's samples. Headers that cannot be read: the samples are split by their
+    payloads; failing that, the entry is one sample: its payload may still decode, and if
+    not it is dead-lettered whole."""
     data = fields.get(FIELD_PAYLOAD, b"")
+    members = read_members(fields) or members_from_payloads(data)
     if members is None:
         return [_Member(data, None)]
     view = memoryview(data)

@@ -101,6 +101,29 @@ def read_members(fields: dict[Any, Any]) -> list[Member] | None:
     return out if out and total == len(data) else None
 
 
+def members_from_payloads(data: Any) -> list[Member] | None:
+    """The samples of an entry whose headers are lost, from its payloads alone: each is a
+    msgpack map naming its batch, index and uid, and they lie back to back. None unless
+    the data is two or more such payloads and nothing else (one payload is read whole)."""
+    if not isinstance(data, (bytes, bytearray)):
+        return None
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    out: list[Member] = []
+    at = 0
+    try:
+        for obj in unpacker:
+            end = unpacker.tell()
+            batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
+            if not (type(batch) is str and type(uid) is str and type(index) is int and index >= 0):
+                return None
+            out.append((batch, index, uid, end - at))
+            at = end
+    except Exception:  # garbage, or not a map: nothing to split by
+        return None
+    return out if len(out) > 1 and at == len(data) else None
+
+
 def member_fields(
     payload: bytes, member: Member, *, handed_back_from: bytes | None = None, group: str = ""
 ) -> dict[bytes, bytes]:
