@@ -164,7 +164,6 @@ class Worker:
         # Entries a flush failed to settle (past the drain deadline): no later flush acks
         # them, since some of their samples have no result.
         self._unsettled: set[tuple[int, bytes]] = set()
-        self._released: set[tuple[int, bytes]] = set()  # by a stop (see _release)
         # Suspects a quarantine let go after a Redis error, pending under this consumer
         # until another worker (or this one) reclaims them: a stop releases them.
         self._let_go: set[tuple[int, bytes]] = set()
@@ -172,6 +171,7 @@ class Worker:
         # leave room for that many samples each.
         self._per_entry = SAMPLES_PER_ENTRY
         self._group_name = self.config.group.encode()
+        self._consumer_name = self.config.consumer.encode()
         self._stopping = False
         self._reader_active = False  # while the reader reads new entries: what _spill adds gets read
         self._writer_idle = asyncio.Event()
@@ -188,6 +188,7 @@ class Worker:
     # ------------------------------------------------------------------ running
     async def run(self, stop: asyncio.Event | None = None, *, burst: bool = False) -> None:
         stop = stop or asyncio.Event()
+        self._begin_run()
         if self._client is None:
             self._client = connect(self._url)
         client = self._client
@@ -263,11 +264,28 @@ class Worker:
                         background.cancel()
         finally:
             await self._stop_writer(writer, writer_stop)
-            # Entries whose results the writer could not write by the drain deadline, or
-            # never acked: released too (if Redis is away, reclaimed after reclaim_idle_ms).
-            await self._release(self._unsettled | self._held)
+            # Whatever is still pending under this consumer: results the writer could not
+            # write by the drain deadline, suspects let go after a Redis error, a claim that
+            # landed after the drain's release (if Redis is away: reclaimed after reclaim_idle_ms).
+            await self._release()
             await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
+
+    def _begin_run(self) -> None:
+        """Reset what a run's stop leaves behind, so that a Worker may run again: the last
+        run finished or released every entry it held (its stats and stale notes carry on)."""
+        self._stopping = False
+        self._stopped = asyncio.Event()
+        self._renewals_over = False
+        self._drain_deadline = None
+        self._give_up = asyncio.Event()
+        self._reading.set()
+        self._hunting = None
+        for state in (self._held, self._open, self._handed, self._unsettled, self._let_go, self._task_entries):
+            state.clear()
+        self._tasks = set()
+        self._pending = defaultdict(list)
+        self.stats.in_flight = 0
 
     async def _rejoin(self) -> None:
         """After the streams vanished: say so when the namespace lost its state, and give it
@@ -883,17 +901,27 @@ class Worker:
                 stopped.cancel()
 
     async def _deliveries(self, stream: str, ids: list[bytes]) -> dict[bytes, int]:
-        return {eid: count for eid, (_, count) in (await self._pending_rows(stream, ids)).items()}
+        rows = await self._pending_rows(stream, ids)
+        return {eid: rows[eid][2] if eid in rows else 1 for eid in ids}
 
-    async def _pending_rows(self, stream: str, ids: list[bytes]) -> dict[bytes, tuple[bytes | None, int]]:
-        """(the consumer holding it, times delivered) of each entry; (None, 1) if not pending."""
-        async with self._client.pipeline(transaction=False) as pipe:
-            for eid in ids:
-                pipe.xpending_range(stream, self.config.group, min=eid, max=eid, count=1)
-            replies = await pipe.execute()
+    async def _pending_rows(self, stream: str, ids: list[bytes] | None) -> dict[bytes, tuple[Any, int, int]]:
+        """(the consumer holding it, idle ms, times delivered) of each of ``ids`` still
+        pending; ``None``: of every entry pending under this consumer."""
+        if ids is None:
+            replies = [
+                await self._client.xpending_range(
+                    stream, self.config.group, min="-", max="+", count=100_000, consumername=self.config.consumer
+                )
+            ]
+        else:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for eid in ids:
+                    pipe.xpending_range(stream, self.config.group, min=eid, max=eid, count=1)
+                replies = await pipe.execute()
         return {
-            eid: (rows[0]["consumer"], int(rows[0]["times_delivered"])) if rows else (None, 1)
-            for eid, rows in zip(ids, replies)
+            row["message_id"]: (row["consumer"], int(row["time_since_delivered"]), int(row["times_delivered"]))
+            for rows in replies
+            for row in rows
         }
 
     # ------------------------------------------------------------------ shutdown
@@ -945,47 +973,65 @@ class Worker:
             self._renewing.release()
         except asyncio.TimeoutError:  # a renewal stuck on a Redis that is away: so is the release
             pass
+        # A suspect let go after a Redis error may have left its note: drop it first, or
+        # the peer that takes the suspect finds it and dead-letters an innocent sample.
+        with contextlib.suppress(asyncio.TimeoutError, *REDIS_ERRORS):
+            await asyncio.wait_for(self._drop_stale_notes(), timeout=2.0)
         await self._release(release)
         self.stats.in_flight -= len(unfinished)
 
-    async def _release(self, entries: set[tuple[int, bytes]]) -> None:
-        """Give unfinished entries back to the group at a stop: marked long idle, so the next
-        reclaim sweep of any live worker takes them at once. A graceful stop is not a crash:
-        the delivery it cost is taken back (RETRYCOUNT), or rolling restarts over a slow sample
-        would quarantine it and, at max_deliveries, dead-letter it."""
-        entries = entries - self._released
-        if not entries:
-            return
-        self._released |= entries
-        by_stream: dict[str, list[bytes]] = defaultdict(list)
-        for partition, entry_id in entries:
-            by_stream[self.keys.stream(partition)].append(entry_id)
-        mine = self.config.consumer.encode()
+    async def _release(self, entries: set[tuple[int, bytes]] | None = None) -> None:
+        """Give unfinished entries back to the group at a stop (``None``: every entry still
+        pending under this consumer): marked long idle, so the next reclaim sweep of any live
+        worker takes them at once.
+
+        Only entries this consumer still holds, and each only if no one claimed it since it
+        was looked at (XCLAIM's min-idle is the idle time seen: a peer's claim resets it).
+        One already released (idle for ever) is left as it is. A graceful stop is not a
+        crash: the delivery it cost is taken back (RETRYCOUNT), or rolling restarts over a
+        slow sample would quarantine it and, at max_deliveries, dead-letter it."""
+        # A suspect whose note could not be dropped (Redis away) is not released: a peer
+        # would find the note and dead-letter it; it waits out reclaim_idle_ms instead.
+        noted = {note.rpartition(b"/")[0] for _, note in self._stale_notes}
+        by_partition: dict[int, list[bytes]] = defaultdict(list)
+        if entries is not None:
+            for partition, entry_id in entries:
+                by_partition[partition].append(entry_id)
+        else:
+            by_partition = {p: [] for p in range(self.keys.partitions)}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0  # for all of it: a slow Redis must not stretch a stop
+        released = 0
         try:
-            for stream, ids in by_stream.items():
-                rows = await asyncio.wait_for(self._pending_rows(stream, ids), timeout=2.0)
-                by_count: dict[int, list[bytes]] = defaultdict(list)
-                for entry_id, (consumer, delivered) in rows.items():
-                    if consumer in (mine, self.config.consumer):  # not acked, nor taken by another worker
-                        by_count[max(0, delivered - 1)].append(entry_id)
-                for count, same in by_count.items():
-                    await asyncio.wait_for(
-                        self._client.xclaim(
-                            stream,
-                            self.config.group,
-                            self.config.consumer,
-                            0,
-                            same,
-                            idle=_RELEASED_IDLE_MS,
-                            retrycount=count,
-                            justid=True,
-                        ),
-                        timeout=2.0,
+            for partition, ids in by_partition.items():
+                if entries is not None and not ids:
+                    continue
+                stream = self.keys.stream(partition)
+                rows = await asyncio.wait_for(self._pending_rows(stream, ids or None), deadline - loop.time())
+                claims = [
+                    self._client.xclaim(
+                        stream,
+                        self.config.group,
+                        self.config.consumer,
+                        idle_ms,
+                        [entry_id],
+                        idle=_RELEASED_IDLE_MS,
+                        retrycount=max(0, delivered - 1),
+                        justid=True,
                     )
-            log.info("released %d unfinished entries to other workers", len(entries))
+                    for entry_id, (consumer, idle_ms, delivered) in rows.items()
+                    if consumer in (self._consumer_name, self.config.consumer)
+                    and idle_ms < _RELEASED_IDLE_MS // 2
+                    and entry_id not in noted
+                ]
+                if claims:
+                    replies = await asyncio.wait_for(asyncio.gather(*claims), deadline - loop.time())
+                    released += sum(1 for reply in replies if reply)
+            if released:
+                log.info("released %d unfinished entries to other workers", released)
         except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
             # They stay pending under this consumer: reclaimed after reclaim_idle_ms.
-            log.warning("could not release %d unfinished entries (%s)", len(entries), type(exc).__name__)
+            log.warning("could not release the unfinished entries (%s)", type(exc).__name__)
 
     async def _finish_handed(self, entries: set[tuple[int, bytes]]) -> set[tuple[int, bytes]]:
         """On a stop, entries that handed samples back: hand back the samples started here
