@@ -259,6 +259,57 @@ async def test_sigkill_between_hand_back_and_the_source_ack_scores_each_sample_o
         await client.aclose()
 
 
+async def test_after_a_sigkill_the_samples_a_worker_handed_back_are_not_scored_again_from_their_source(
+    redis_url, namespace, spawn_workers, tmp_path
+) -> None:
+    """A worker of concurrency 3 takes entries of 16, starts 3 of each and hands 13 back; it
+    is SIGKILLed before the source entries are acked. The survivor reclaims the sources: the
+    samples handed back are already queued on their own, and scoring them from the source
+    too spends the verifier's quota twice (the ledger keeps one result, but each call is paid)."""
+    import signal
+    from collections import Counter
+
+    from helpers import wait_until
+
+    from stream_reward.wire.entries import FIELD_HANDED_BACK
+
+    keys = Keys(namespace)
+    n = 32
+    log = tmp_path / "calls.log"
+    log.touch()
+    args = ("--scorer", "python:tests/data/reliability_scorers.py:logged", "--reclaim-idle-ms", "600")
+    client = connect(redis_url)
+    try:
+        async with (
+            RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
+            await producer.open_batch("h", n, 4)
+            await producer.push_many(
+                Trajectory("h", i, "test", response="ok", extra_info={"sleep_s": 0.5, "tag": i, "log": str(log)})
+                for i in range(n)
+            )
+            (victim,) = spawn_workers(1, *args, "--concurrency", "3")
+
+            async def handed_back() -> bool:
+                copies = [f for _, f in await client.xrange(keys.stream()) if FIELD_HANDED_BACK in f]
+                return len(copies) >= 2 * 13
+
+            await wait_until(handed_back, timeout_s=20, every_s=0.01)
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            assert (await client.xpending(keys.stream(), "scorers"))["pending"], "the sources were acked already"
+            spawn_workers(1, *args, "--concurrency", "8")
+            rewards = await agg.collect("h", timeout_s=60, on_timeout="resolve")
+            assert rewards.status == ["ok"] * n
+    finally:
+        await client.aclose()
+    calls = [line.split() for line in log.read_text().splitlines()]
+    by_survivor = Counter(tag for tag, pid in calls if int(pid) != victim.pid)
+    twice = sorted(int(tag) for tag, k in by_survivor.items() if k > 1)
+    assert not twice, f"the survivor scored these samples twice (from the copy and from the source): {twice}"
+
+
 @pytest.mark.parametrize("poison_at,n", [(0, 16), (15, 16), (7, 32)])
 async def test_a_poison_sample_in_an_entry_of_several_is_dead_lettered_alone(
     redis_url, namespace, spawn_workers, poison_at, n

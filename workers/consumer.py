@@ -451,12 +451,17 @@ class Worker:
 
     async def _settled_before(self, partition: int, opened: list[tuple[bytes, Any, list[_Member]]]) -> set[int]:
         """Of redelivered entries, the samples (by ``id``) this group's ledger holds a result
-        for already: a worker stopped or died after writing them, or dead-lettered a poison
-        one. They count as settled. Scoring them again would spend a verifier's quota for
-        nothing, and a poison one would crash its worker again. If Redis fails the lookup,
-        every sample is scored (the ledger keeps first results)."""
+        for already (a worker stopped or died after writing them, or dead-lettered a poison
+        one), or that a worker handed back before it died (their copies are queued). They
+        count as settled. Scoring them again would spend a verifier's quota for nothing, and
+        a poison one would crash its worker again. If Redis fails the lookup, every sample
+        is scored (the ledger keeps first results)."""
         try:
-            settled = await self._with_results(partition, [m for _, _, members in opened for m in members])
+            have, handed = await asyncio.gather(
+                self._with_results(partition, [m for _, _, members in opened for m in members]),
+                self._handed_back(partition, opened),
+            )
+            settled = have | handed
         except REDIS_ERRORS as exc:
             log.warning("could not look up which redelivered samples have results (%s); scoring all", exc)
             return set()
@@ -468,6 +473,23 @@ class Worker:
                     if not left:
                         self._ack_alone(partition, entry_id)
         return settled
+
+    async def _handed_back(self, partition: int, opened: list[tuple[bytes, Any, list[_Member]]]) -> set[int]:
+        """The samples (by ``id``) of these entries that a worker of this group handed back
+        (see _hand_back): one round trip, for entries of several samples only."""
+        several = [(entry_id, members) for entry_id, _, members in opened if len(members) > 1]
+        if not several:
+            return set()
+        async with self._client.pipeline(transaction=False) as pipe:
+            for entry_id, _ in several:
+                pipe.smembers(self.keys.handed(entry_id.decode(), partition, self.config.group))
+            replies = await pipe.execute()
+        out = set()
+        for (_, members), uids in zip(several, replies):
+            if uids:
+                names = {u.decode() if isinstance(u, bytes) else u for u in uids}
+                out |= {id(m) for m in members if m.head is not None and m.head[2] in names}
+        return out
 
     async def _with_results(self, partition: int, members: list[_Member]) -> set[int]:
         """The samples (by ``id``) this group's ledger holds a result for: one round trip."""
@@ -491,8 +513,8 @@ class Worker:
         of samples in one entry, held by one worker, would be scored at that worker's
         concurrency while others stand idle. The entry is acked once the samples started
         here settle; a stop hands back those of them without a result (_finish_handed).
-        A crash before that ack redelivers the entry: the samples handed back and not yet
-        scored are scored twice, and the ledger keeps the first result of each.
+        A crash before that ack redelivers the entry; the worker that takes it leaves the
+        samples handed back to their copies (_settled_before).
         """
         try:
             await self._hand_back(partition, entry_id, rest)
@@ -514,8 +536,17 @@ class Worker:
         copies = [
             member_fields(bytes(m.payload), m.head, handed_back_from=entry_id, group=self.config.group) for m in members
         ]
-        keys = [self.keys.stream(partition), self.keys.pushed(partition)]
-        await self._requeue(keys=keys, args=requeue_args(copies))
+        # Recorded with the copies, in the same script: if this worker dies before the entry
+        # is acked, the worker that reclaims it leaves these samples to their copies rather
+        # than score them a second time (a verifier's quota spent twice).
+        keys = [
+            self.keys.stream(partition),
+            self.keys.pushed(partition),
+            self.keys.dead_letters(partition),
+            self.keys.handed(entry_id.decode(), partition, self.config.group),
+        ]
+        uids = [m.head[2] for m in members]
+        await self._requeue(keys=keys, args=requeue_args(copies, handed=uids, handed_ttl_s=self.config.result_ttl_s))
 
     async def _room_for_one(self) -> bool:
         """Until one more sample fits under ``concurrency`` and no suspect is being scored

@@ -112,6 +112,11 @@ class Keys:
         """Hash entry id -> solo attempts started, for suspects of a worker crash."""
         return f"{self.tag(partition)}:quarantine"
 
+    def handed(self, entry_id: str, partition: int = 0, group: str = DEFAULT_GROUP) -> str:
+        """The uids consumer group ``group`` handed back from stream entry ``entry_id``
+        (a set, expiring): a redelivery of that entry leaves them to their own entries."""
+        return f"{self.tag(partition)}:handed:{group}:{entry_id}"
+
     def pushed(self, partition: int = 0) -> str:
         """How many samples and entries were queued on the partition's stream, ever (a hash:
         ``samples``, ``entries``, and ``requeued``, those of them that workers handed back

@@ -37,6 +37,7 @@ trajectories.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from xxhash import xxh3_64_hexdigest
@@ -263,14 +264,20 @@ REQUEUE_SCRIPT = (
     _QUEUED_BEFORE
     + """
 -- KEYS[1]: the stream; KEYS[2]: its counts of samples and entries pushed; KEYS[3]: a
--- dead-letter stream, when ARGV[1] names a letter of it to delete ('' for none).
--- ARGV[2...]: each entry as its field count k, then k fields and values.
+-- dead-letter stream, when ARGV[1] names a letter of it to delete ('' for none); KEYS[4]:
+-- when ARGV[3] > 0, the set of uids handed back from an entry, kept ARGV[2] seconds.
+-- ARGV[4...]: ARGV[3] uids, then each entry as its field count k, then k fields and values.
 if ARGV[1] ~= '' and redis.call('XDEL', KEYS[3], ARGV[1]) == 0 then
   return 0  -- the letter is gone: another redrive queued it already
 end
+local handed = tonumber(ARGV[3])
+if handed > 0 then
+  redis.call('SADD', KEYS[4], unpack(ARGV, 4, 3 + handed))
+  redis.call('EXPIRE', KEYS[4], ARGV[2])
+end
 local queued = queued_before()
 local added = 0
-local i = 2
+local i = 4 + handed
 while i <= #ARGV do
   local k = tonumber(ARGV[i])
   local call = {'XADD', KEYS[1], '*'}
@@ -294,9 +301,12 @@ return added
 )
 
 
-def requeue_args(entries: list[dict[Any, Any]], *, delete_letter: str = "") -> list[Any]:
-    """ARGV for REQUEUE_SCRIPT: each entry's fields, less any old stamp."""
-    args: list[Any] = [delete_letter]
+def requeue_args(
+    entries: list[dict[Any, Any]], *, delete_letter: str = "", handed: Sequence[str] = (), handed_ttl_s: int = 0
+) -> list[Any]:
+    """ARGV for REQUEUE_SCRIPT: each entry's fields, less any old stamp; ``handed``, the uids
+    to record as handed back from their entry (KEYS[4]) for ``handed_ttl_s``."""
+    args: list[Any] = [delete_letter, handed_ttl_s, len(handed), *handed]
     for fields in entries:
         kept = [(k, v) for k, v in fields.items() if k not in (FIELD_STAMP, FIELD_STAMP.decode())]
         args.append(len(kept))

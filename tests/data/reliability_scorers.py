@@ -10,3 +10,13 @@ async def slow(data_source, solution_str, ground_truth, extra_info=None, **kwarg
         os._exit(3)
     await asyncio.sleep((extra_info or {}).get("sleep_s", 0.2))
     return {"score": 1.0, "pid": os.getpid()}
+
+
+async def logged(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """As ``slow``, and first appends "<tag> <pid>" to the file extra_info["log"]: which
+    process scored which sample, however many processes score (small appends are atomic)."""
+    info = extra_info or {}
+    with open(info["log"], "a") as f:
+        f.write(f"{info['tag']} {os.getpid()}\n")
+    await asyncio.sleep(info.get("sleep_s", 0.2))
+    return {"score": 1.0}
