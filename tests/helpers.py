@@ -165,3 +165,49 @@ async def running_worker(url: str, ns: str, scorer, client=None, **cfg) -> Async
         stop.set()
         await asyncio.wait_for(task, 30)
         await w.aclose()
+
+
+class Counting:
+    """Scores by identity; the first attempt of each sample takes ``first`` seconds (a stop
+    cancels it), later ones ``later``. ``calls`` counts attempts per uid; ``started`` is set
+    at the first call; ``cancelled`` lists the uids whose attempt was cancelled;
+    ``on_first`` runs at each sample's first attempt."""
+
+    inline = False
+
+    def __init__(self, first: float = 5.0, later: float = 0.0, on_first: Callable[[], object] | None = None) -> None:
+        self.first, self.later, self.on_first = first, later, on_first
+        self.calls: dict[str, int] = {}
+        self.cancelled: list[str] = []
+        self.started = asyncio.Event()
+
+    async def score(self, t: Trajectory) -> Scored:
+        self.calls[t.uid] = self.calls.get(t.uid, 0) + 1
+        self.started.set()
+        if self.on_first is not None and self.calls[t.uid] == 1:
+            self.on_first()
+        try:
+            await asyncio.sleep(self.first if self.calls[t.uid] == 1 else self.later)
+        except asyncio.CancelledError:
+            self.cancelled.append(t.uid)
+            raise
+        return Scored(identity_score(t))
+
+
+def stop_config(namespace: str, consumer: str, **kw) -> ConsumerConfig:
+    """A worker's config for the stop attacks: short reads, a 0.3 s drain, concurrency 4."""
+    return ConsumerConfig(
+        namespace=namespace, consumer=consumer, **{"block_ms": 20, "drain_timeout_s": 0.3, "concurrency": 4, **kw}
+    )
+
+
+async def push_exact(redis_url: str, namespace: str, batch: str, n: int, k: int = 1) -> None:
+    """Open ``batch`` and push ``n`` exact_traj samples, ``k`` to a stream entry."""
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, samples_per_entry=k)) as p:
+        await p.open_batch(batch, n, 8)
+        await p.push_many([exact_traj(batch, i) for i in range(n)])
+
+
+def unsettled(rewards: BatchRewards) -> list:
+    """(index, status, reason) of the samples that did not end ``ok``."""
+    return [(r.index, r.status, r.reason) for r in rewards.results if r.status != "ok"]

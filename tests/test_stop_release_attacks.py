@@ -10,12 +10,10 @@ import contextlib
 import time
 
 import pytest
-from helpers import exact_traj, identity_score
+from helpers import Counting, exact_traj, identity_score, push_exact, stop_config, unsettled
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer
-from stream_reward.config import ConsumerConfig
-from stream_reward.scoring.scorer import Scored
+from stream_reward import RewardAggregator
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
 from workers.consumer import Worker
@@ -23,49 +21,11 @@ from workers.consumer import Worker
 pytestmark = pytest.mark.anyio
 
 
-class Counting:
-    """Scores by identity; the first attempt of each sample takes ``first`` seconds (a stop
-    cancels it), later ones ``later``. ``calls`` counts attempts per uid; ``started`` is set
-    at the first call; ``cancelled`` lists the uids whose attempt was cancelled."""
-
-    inline = False
-
-    def __init__(self, first: float = 5.0, later: float = 0.0, on_first=None) -> None:
-        self.first, self.later, self.on_first = first, later, on_first
-        self.calls: dict[str, int] = {}
-        self.cancelled: list[str] = []
-        self.started = asyncio.Event()
-
-    async def score(self, t):
-        self.calls[t.uid] = self.calls.get(t.uid, 0) + 1
-        self.started.set()
-        if self.on_first is not None and self.calls[t.uid] == 1:
-            self.on_first()
-        try:
-            await asyncio.sleep(self.first if self.calls[t.uid] == 1 else self.later)
-        except asyncio.CancelledError:
-            self.cancelled.append(t.uid)
-            raise
-        return Scored(identity_score(t))
-
-
-def cfg(namespace: str, consumer: str, **kw) -> ConsumerConfig:
-    return ConsumerConfig(
-        namespace=namespace, consumer=consumer, **{"block_ms": 20, "drain_timeout_s": 0.3, "concurrency": 4, **kw}
-    )
-
-
-async def push(redis_url: str, namespace: str, batch: str, n: int, k: int = 1) -> None:
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, samples_per_entry=k)) as p:
-        await p.open_batch(batch, n, 8)
-        await p.push_many([exact_traj(batch, i) for i in range(n)])
-
-
 async def peer_finishes(redis_url: str, namespace: str, batch: str, **kw):
     """A burst peer with reclaim_idle_ms=60_000 takes what is left; then the batch's rewards,
     what stays pending (consumer, idle ms, times delivered) and the peer's dead letters."""
     scorer = Counting(first=0.0)
-    peer = Worker(redis_url, scorer, cfg(namespace, "peer", reclaim_idle_ms=60_000, **kw))
+    peer = Worker(redis_url, scorer, stop_config(namespace, "peer", reclaim_idle_ms=60_000, **kw))
     await asyncio.wait_for(peer.run(asyncio.Event(), burst=True), 20)
     await peer.aclose()
     client = connect(redis_url)
@@ -84,10 +44,6 @@ async def run_stopped(worker: Worker, stop: asyncio.Event) -> None:
     await worker.aclose()
 
 
-def unsettled(rewards) -> list:
-    return [(r.index, r.status, r.reason) for r in rewards.results if r.status != "ok"]
-
-
 # ======================================================================================
 # A reclaim sweep in flight at the stop
 
@@ -96,7 +52,7 @@ async def test_entries_a_sweep_claimed_as_the_stop_came_are_released(redis_url, 
     """The background sweep's XAUTOCLAIM takes a dead consumer's entries; its reply comes back
     just after the stop. The drain has already decided what to release (nothing), so the
     claimed entries stay pending under the stopped worker, idle-fresh: a peer waits a minute."""
-    await push(redis_url, namespace, "a", 1)
+    await push_exact(redis_url, namespace, "a", 1)
     client = connect(redis_url)
     try:
         await client.xreadgroup("scorers", "dead", {Keys(namespace).stream(): ">"}, count=10)
@@ -116,7 +72,7 @@ async def test_entries_a_sweep_claimed_as_the_stop_came_are_released(redis_url, 
         return out
 
     wc.xautoclaim = xautoclaim
-    w1 = Worker(redis_url, Counting(), cfg(namespace, "w1", reclaim_idle_ms=100), client=wc)
+    w1 = Worker(redis_url, Counting(), stop_config(namespace, "w1", reclaim_idle_ms=100), client=wc)
     await run_stopped(w1, stop)
     assert fired == [1], "the sweep never claimed the dead consumer's entries"
     _, _, rewards, left = await peer_finishes(redis_url, namespace, "a")
@@ -130,7 +86,7 @@ async def test_a_sweep_in_flight_at_the_release_does_not_claim_the_released_entr
     """w1 scores a slow sample; the stop comes while its sweep's XAUTOCLAIM is on its way and
     lands just after the release: it claims the released (long idle) entry back for w1, which
     drops it (held) and stops. Nobody takes it for reclaim_idle_ms."""
-    await push(redis_url, namespace, "b", 1)
+    await push_exact(redis_url, namespace, "b", 1)
     stop, released, claimed_back, fired = asyncio.Event(), asyncio.Event(), asyncio.Event(), []
     scorer = Counting()
     wc = connect(redis_url)
@@ -156,7 +112,7 @@ async def test_a_sweep_in_flight_at_the_release_does_not_claim_the_released_entr
         return out
 
     wc.xautoclaim, wc.xclaim = xautoclaim, xclaim
-    w1 = Worker(redis_url, scorer, cfg(namespace, "w1", reclaim_idle_ms=300), client=wc)
+    w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300), client=wc)
     await run_stopped(w1, stop)
     assert fired and released.is_set() and claimed_back.is_set(), "the interleaving was not reached"
     _, _, rewards, left = await peer_finishes(redis_url, namespace, "b")
@@ -172,7 +128,7 @@ async def test_a_sweep_in_flight_at_the_release_does_not_claim_the_released_entr
 
 async def queue_a_suspect(redis_url: str, namespace: str, batch: str) -> None:
     """Sample 0 of ``batch``, delivered twice to consumers that died: a suspect for the next."""
-    await push(redis_url, namespace, batch, 1)
+    await push_exact(redis_url, namespace, batch, 1)
     keys = Keys(namespace)
     client = connect(redis_url)
     try:
@@ -215,7 +171,7 @@ async def test_a_quarantine_note_landing_after_the_drain_does_not_poison_the_sus
         return await real_xclaim(*a, **kw)
 
     wc.hincrby, wc.xclaim = hincrby, xclaim
-    w1 = Worker(redis_url, scorer, cfg(namespace, "w1", reclaim_idle_ms=0, concurrency=2), client=wc)
+    w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=0, concurrency=2), client=wc)
     try:
         await run_stopped(w1, stop)
         assert fired and landed.is_set(), "the interleaving was not reached"
@@ -260,7 +216,7 @@ async def test_a_quarantine_note_failing_at_a_stop_still_releases_the_suspect(re
         return out
 
     wc.hincrby, wc.hdel = hincrby, hdel
-    w1 = Worker(redis_url, Counting(), cfg(namespace, "w1", reclaim_idle_ms=0, concurrency=2), client=wc)
+    w1 = Worker(redis_url, Counting(), stop_config(namespace, "w1", reclaim_idle_ms=0, concurrency=2), client=wc)
     await run_stopped(w1, stop)
     assert failed, "the quarantine was never reached"
     peer, _, rewards, left = await peer_finishes(redis_url, namespace, "f")
@@ -280,7 +236,7 @@ async def test_results_the_writer_could_not_write_by_the_deadline_are_released(r
     connection is reset) until the drain deadline, while the rest of Redis answers. The entry
     was not in the drain's release (its sample had settled in memory) and the writer gives
     it up: it stays pending under the stopped worker, and a peer waits a minute for it."""
-    await push(redis_url, namespace, "w", 1)
+    await push_exact(redis_url, namespace, "w", 1)
     stop = asyncio.Event()
     scorer = Counting(first=0.05, on_first=stop.set)
     wc = connect(redis_url)
@@ -295,7 +251,7 @@ async def test_results_the_writer_could_not_write_by_the_deadline_are_released(r
         return await real_evalsha(sha, *a, **kw)
 
     wc.evalsha = evalsha
-    w1 = Worker(redis_url, scorer, cfg(namespace, "w1", reclaim_idle_ms=300), client=wc)
+    w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300), client=wc)
     await run_stopped(w1, stop)
     assert failed, "the flush never failed"
     _, _, rewards, left = await peer_finishes(redis_url, namespace, "w")
@@ -312,7 +268,7 @@ async def test_results_the_writer_could_not_write_by_the_deadline_are_released(r
 async def test_a_stop_before_the_first_read_returns_loses_nothing(redis_url, namespace) -> None:
     """The stop comes while the first XREADGROUP's reply is on its way: the entries it brings
     are opened after the stop; they must be scored within the drain or released."""
-    await push(redis_url, namespace, "r", 6, k=2)
+    await push_exact(redis_url, namespace, "r", 6, k=2)
     stop, fired = asyncio.Event(), []
     scorer = Counting()
     wc = connect(redis_url)
@@ -327,7 +283,7 @@ async def test_a_stop_before_the_first_read_returns_loses_nothing(redis_url, nam
         return out
 
     wc.xreadgroup = xreadgroup
-    w1 = Worker(redis_url, scorer, cfg(namespace, "w1", reclaim_idle_ms=300, concurrency=8), client=wc)
+    w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300, concurrency=8), client=wc)
     await run_stopped(w1, stop)
     assert fired
     _, peer_scorer, rewards, left = await peer_finishes(redis_url, namespace, "r")
@@ -343,7 +299,7 @@ async def test_a_stop_during_a_hand_back_loses_and_doubles_nothing(redis_url, na
     stop comes while the hand-back's reply is on its way. The drain cancels the two and hands
     them back too (or, if that fails, releases the entry whole). Every sample ends scored once
     (plus the cancelled attempts), the entry acked."""
-    await push(redis_url, namespace, "h", 6, k=6)
+    await push_exact(redis_url, namespace, "h", 6, k=6)
     stop, fired = asyncio.Event(), []
     scorer = Counting()
     wc = connect(redis_url)
@@ -363,7 +319,7 @@ async def test_a_stop_during_a_hand_back_loses_and_doubles_nothing(redis_url, na
         return await real(sha, *a, **kw)
 
     wc.evalsha = evalsha
-    w1 = Worker(redis_url, scorer, cfg(namespace, "w1", reclaim_idle_ms=300, concurrency=2), client=wc)
+    w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300, concurrency=2), client=wc)
     await run_stopped(w1, stop)
     assert fired and w1.stats.spilled == 4
     peer, peer_scorer, rewards, left = await peer_finishes(redis_url, namespace, "h")
@@ -381,11 +337,11 @@ async def test_a_stop_during_a_hand_back_loses_and_doubles_nothing(redis_url, na
 async def test_several_workers_stopping_at_once_release_everything(redis_url, namespace) -> None:
     """Three workers each scoring slow samples are stopped together; the burst peer finishes
     everything at once and nothing is scored twice except the cancelled attempts."""
-    await push(redis_url, namespace, "s", 12, k=2)
+    await push_exact(redis_url, namespace, "s", 12, k=2)
     stop = asyncio.Event()
     scorers = [Counting() for _ in range(3)]
     workers = [
-        Worker(redis_url, s, cfg(namespace, f"w{i}", reclaim_idle_ms=200, concurrency=2, read_count=2))
+        Worker(redis_url, s, stop_config(namespace, f"w{i}", reclaim_idle_ms=200, concurrency=2, read_count=2))
         for i, s in enumerate(scorers)
     ]
     runs = [asyncio.ensure_future(w.run(stop)) for w in workers]
@@ -408,12 +364,12 @@ async def test_rolling_restarts_over_one_slow_sample_never_dead_letter_it(redis_
     """One slow sample; workers are started and stopped over it one after another (a rolling
     restart each time it is mid-scoring). Each stop cancels and releases it; none is a crash,
     so it must never be quarantined as poison nor dead-lettered for max_deliveries."""
-    await push(redis_url, namespace, "rr", 1)
+    await push_exact(redis_url, namespace, "rr", 1)
     dead_letters = 0
     for i in range(4):
         stop = asyncio.Event()
         scorer = Counting()
-        w = Worker(redis_url, scorer, cfg(namespace, f"w{i}", reclaim_idle_ms=60_000, max_deliveries=4))
+        w = Worker(redis_url, scorer, stop_config(namespace, f"w{i}", reclaim_idle_ms=60_000, max_deliveries=4))
         task = asyncio.ensure_future(w.run(stop, burst=True))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(scorer.started.wait(), 5)

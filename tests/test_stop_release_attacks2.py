@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import exact_traj, identity_score
+from helpers import Counting, exact_traj, push_exact, stop_config, unsettled
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer
-from stream_reward.config import ConsumerConfig
 from stream_reward.ops.deadletters import list_dead_letters
-from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
 from workers.consumer import _RELEASED_IDLE_MS, Worker
@@ -25,41 +23,6 @@ from workers.consumer import _RELEASED_IDLE_MS, Worker
 pytestmark = pytest.mark.anyio
 
 HUGE_IDLE = 10**9
-
-
-class Counting:
-    """Scores by identity; the first attempt of each sample takes ``first`` seconds (a stop
-    cancels it), later ones ``later``. ``calls`` counts attempts per uid."""
-
-    inline = False
-
-    def __init__(self, first: float = 5.0, later: float = 0.0) -> None:
-        self.first, self.later = first, later
-        self.calls: dict[str, int] = {}
-        self.cancelled: list[str] = []
-        self.started = asyncio.Event()
-
-    async def score(self, t):
-        self.calls[t.uid] = self.calls.get(t.uid, 0) + 1
-        self.started.set()
-        try:
-            await asyncio.sleep(self.first if self.calls[t.uid] == 1 else self.later)
-        except asyncio.CancelledError:
-            self.cancelled.append(t.uid)
-            raise
-        return Scored(identity_score(t))
-
-
-def cfg(namespace: str, consumer: str, **kw) -> ConsumerConfig:
-    return ConsumerConfig(
-        namespace=namespace, consumer=consumer, **{"block_ms": 20, "drain_timeout_s": 0.3, "concurrency": 4, **kw}
-    )
-
-
-async def push(redis_url: str, namespace: str, batch: str, n: int, k: int = 1) -> None:
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, samples_per_entry=k)) as p:
-        await p.open_batch(batch, n, 8)
-        await p.push_many([exact_traj(batch, i) for i in range(n)])
 
 
 async def ghost_holds(redis_url: str, namespace: str, retrycounts: list[int]) -> list[bytes]:
@@ -90,7 +53,7 @@ async def peer_finishes(redis_url: str, namespace: str, batch: str, **kw):
     """A burst peer with reclaim_idle_ms=60_000 takes what is left; then the batch's rewards,
     what stays pending and the dead letters."""
     scorer = Counting(first=0.0)
-    peer = Worker(redis_url, scorer, cfg(namespace, "peer", reclaim_idle_ms=60_000, **kw))
+    peer = Worker(redis_url, scorer, stop_config(namespace, "peer", reclaim_idle_ms=60_000, **kw))
     await asyncio.wait_for(peer.run(asyncio.Event(), burst=True), 20)
     await peer.aclose()
     async with RewardAggregator(redis_url, namespace=namespace) as agg:
@@ -98,10 +61,6 @@ async def peer_finishes(redis_url: str, namespace: str, batch: str, **kw):
     left = await pending_rows(redis_url, namespace)
     letters = await list_dead_letters(redis_url, namespace=namespace)
     return scorer, rewards, left, letters
-
-
-def unsettled(rewards) -> list:
-    return [(r.index, r.status, r.reason) for r in rewards.results if r.status != "ok"]
 
 
 # ======================================================================================
@@ -112,7 +71,7 @@ async def test_a_worker_run_again_after_a_graceful_stop_scores_new_samples(redis
     """run() stopped gracefully, then run() again with a new stop event: the worker must
     score what is pushed afterwards (no state of the first stop may stick)."""
     scorer = Counting(first=0.0)
-    w = Worker(redis_url, scorer, cfg(namespace, "w1"))
+    w = Worker(redis_url, scorer, stop_config(namespace, "w1"))
     stop1 = asyncio.Event()
     first = asyncio.ensure_future(w.run(stop1))
     await asyncio.sleep(0.3)
@@ -121,7 +80,7 @@ async def test_a_worker_run_again_after_a_graceful_stop_scores_new_samples(redis
     stop2 = asyncio.Event()
     second = asyncio.ensure_future(w.run(stop2))
     try:
-        await push(redis_url, namespace, "a", 6)
+        await push_exact(redis_url, namespace, "a", 6)
         async with RewardAggregator(redis_url, namespace=namespace) as agg:
             rewards = await agg.collect("a", timeout_s=4, on_timeout="resolve")
     finally:
@@ -140,10 +99,10 @@ async def test_a_worker_run_again_after_a_burst_still_renews_its_slow_samples(re
     entry every reclaim_idle_ms, bumping its delivery count; a stop then releases it with
     that count, and the peer dead-letters an innocent, slow sample as max_deliveries."""
     scorer = Counting(first=0.0)
-    w = Worker(redis_url, scorer, cfg(namespace, "w1", reclaim_idle_ms=200, max_deliveries=5))
+    w = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=200, max_deliveries=5))
     await asyncio.wait_for(w.run(asyncio.Event(), burst=True), 10)  # nothing to do: ends at once
     scorer.first = 5.0
-    await push(redis_url, namespace, "a", 1)
+    await push_exact(redis_url, namespace, "a", 1)
     stop = asyncio.Event()
     second = asyncio.ensure_future(w.run(stop))
     try:
@@ -167,13 +126,13 @@ async def test_a_worker_run_again_after_a_graceful_stop_hunts_suspects(redis_url
     twice) must be scored alone and settled. _stopping/_stopped stay set from the first
     stop, so the hunt returns at once and the entry stays held (and renewed) for ever."""
     scorer = Counting(first=0.0)
-    w = Worker(redis_url, scorer, cfg(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05))
+    w = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05))
     stop1 = asyncio.Event()
     first = asyncio.ensure_future(w.run(stop1))
     await asyncio.sleep(0.3)
     stop1.set()
     await asyncio.wait_for(first, 10)
-    await push(redis_url, namespace, "a", 1)
+    await push_exact(redis_url, namespace, "a", 1)
     await ghost_holds(redis_url, namespace, [2])  # its sweep makes it 3 > 2: a suspect
     stop2 = asyncio.Event()
     second = asyncio.ensure_future(w.run(stop2))
@@ -199,7 +158,7 @@ async def test_a_release_does_not_steal_a_let_go_suspect_a_peer_claimed_meanwhil
     not renewed. w1 stops; its release reads XPENDING (owner w1), and before its XCLAIM a
     live peer's sweep claims the idle entry. The XCLAIM (min-idle 0) takes it back from the
     peer, resets its delivery count, and marks it released: a live worker's entry stolen."""
-    await push(redis_url, namespace, "a", 1)
+    await push_exact(redis_url, namespace, "a", 1)
     (eid,) = await ghost_holds(redis_url, namespace, [2])  # w1's sweep makes it 3 > 2: a suspect
     stop, let_go = asyncio.Event(), asyncio.Event()
     wc = connect(redis_url)
@@ -222,7 +181,9 @@ async def test_a_release_does_not_steal_a_let_go_suspect_a_peer_claimed_meanwhil
         return await real_xclaim(*a, **kw)
 
     wc.hincrby, wc.xclaim = hincrby, xclaim
-    w1 = Worker(redis_url, Counting(), cfg(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05), client=wc)
+    w1 = Worker(
+        redis_url, Counting(), stop_config(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05), client=wc
+    )
     try:
         await asyncio.wait_for(w1.run(stop), 10)
     finally:
@@ -245,7 +206,7 @@ async def test_a_stale_note_is_dropped_before_its_suspect_is_released(redis_url,
     at once, and w1 is stopped (a rolling restart): its release hands the suspect to peers at
     once, with the stale note still there. The peer's hunt finds it and dead-letters an
     innocent sample as poison, though Redis answered (the release went through)."""
-    await push(redis_url, namespace, "a", 1)
+    await push_exact(redis_url, namespace, "a", 1)
     await ghost_holds(redis_url, namespace, [2])
     stop, hdel_failed = asyncio.Event(), asyncio.Event()
     wc = connect(redis_url)
@@ -266,7 +227,9 @@ async def test_a_stale_note_is_dropped_before_its_suspect_is_released(redis_url,
         return await real_hdel(*a, **kw)
 
     wc.hincrby, wc.hdel = hincrby, hdel
-    w1 = Worker(redis_url, Counting(), cfg(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05), client=wc)
+    w1 = Worker(
+        redis_url, Counting(), stop_config(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05), client=wc
+    )
     run = asyncio.ensure_future(w1.run(stop))
     try:
         await asyncio.wait_for(hdel_failed.wait(), 5)
@@ -292,7 +255,7 @@ async def test_a_sweep_whose_xautoclaim_lands_after_the_release_does_not_keep_th
     designed). The XAUTOCLAIM, already sent, runs after the release: it claims the released
     entries (idle for ever) back to the stopped worker, idle-fresh, delivery count bumped.
     A peer with reclaim_idle_ms=60_000 then finds nothing it may take."""
-    await push(redis_url, namespace, "a", 2)
+    await push_exact(redis_url, namespace, "a", 2)
     stop, in_sweep, released = asyncio.Event(), asyncio.Event(), asyncio.Event()
     armed = []
     late: list[asyncio.Task] = []
@@ -319,7 +282,9 @@ async def test_a_sweep_whose_xautoclaim_lands_after_the_release_does_not_keep_th
 
     wc.xautoclaim, wc.xclaim = xautoclaim, xclaim
     scorer = Counting()
-    w1 = Worker(redis_url, scorer, cfg(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05), client=wc)
+    w1 = Worker(
+        redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05), client=wc
+    )
     run = asyncio.ensure_future(w1.run(stop))
     try:
         await asyncio.wait_for(scorer.started.wait(), 5)
@@ -349,7 +314,7 @@ async def test_shutdown_stays_bounded_when_redis_is_slow_and_released_entries_di
     (1.2 s a command, under each 2 s timeout): the release sends one XCLAIM per delivery
     count, each with its own 2 s timeout, so the stop takes 6 x 1.2 s on top of the drain."""
     n = 6
-    await push(redis_url, namespace, "a", n)
+    await push_exact(redis_url, namespace, "a", n)
     await ghost_holds(redis_url, namespace, list(range(n)))
     stop = asyncio.Event()
     wc = connect(redis_url)
@@ -365,7 +330,7 @@ async def test_shutdown_stays_bounded_when_redis_is_slow_and_released_entries_di
     w1 = Worker(
         redis_url,
         scorer,
-        cfg(
+        stop_config(
             namespace,
             "w1",
             concurrency=8,
@@ -411,7 +376,7 @@ async def test_a_stop_of_a_worker_handing_back_over_two_partitions_loses_and_rep
         await p.open_batch("a", n, 8)
         await p.push_many([exact_traj("a", i) for i in range(n)])
     scorer = Counting(first=5.0)
-    w1 = Worker(redis_url, scorer, cfg(namespace, "w1", concurrency=3, partitions=2))
+    w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", concurrency=3, partitions=2))
     stop = asyncio.Event()
     run = asyncio.ensure_future(w1.run(stop))
     await wait_for_calls(scorer, 3)
@@ -420,7 +385,9 @@ async def test_a_stop_of_a_worker_handing_back_over_two_partitions_loses_and_rep
     await asyncio.wait_for(run, 10)
     await w1.aclose()
     peer_scorer = Counting(first=0.0)
-    peer = Worker(redis_url, peer_scorer, cfg(namespace, "peer", reclaim_idle_ms=60_000, partitions=2, concurrency=8))
+    peer = Worker(
+        redis_url, peer_scorer, stop_config(namespace, "peer", reclaim_idle_ms=60_000, partitions=2, concurrency=8)
+    )
     await asyncio.wait_for(peer.run(asyncio.Event(), burst=True), 20)
     await peer.aclose()
     async with RewardAggregator(redis_url, namespace=namespace, partitions=2) as agg:
@@ -488,7 +455,7 @@ async def test_a_poison_sample_is_still_dead_lettered_when_graceful_stops_come_b
     async def graceful(name: str) -> None:
         await asyncio.sleep(0.15)  # idle past its reclaim_idle_ms
         scorer = Counting(first=5.0)
-        w = Worker(redis_url, scorer, cfg(namespace, name, reclaim_idle_ms=100))
+        w = Worker(redis_url, scorer, stop_config(namespace, name, reclaim_idle_ms=100))
         stop = asyncio.Event()
         run = asyncio.ensure_future(w.run(stop))
         await asyncio.wait_for(scorer.started.wait(), 5)
@@ -496,7 +463,7 @@ async def test_a_poison_sample_is_still_dead_lettered_when_graceful_stops_come_b
         await asyncio.wait_for(run, 10)
         await w.aclose()
 
-    await push(redis_url, namespace, "a", 1)
+    await push_exact(redis_url, namespace, "a", 1)
     history = []
     await asyncio.to_thread(crash, "p1")  # read it: delivered 1, crashed
     history.append(await pending_rows(redis_url, namespace))
@@ -510,7 +477,7 @@ async def test_a_poison_sample_is_still_dead_lettered_when_graceful_stops_come_b
     history.append(await pending_rows(redis_url, namespace))
     await asyncio.sleep(0.15)
     scorer = Counting(first=0.0)
-    last = Worker(redis_url, scorer, cfg(namespace, "last", reclaim_idle_ms=100))
+    last = Worker(redis_url, scorer, stop_config(namespace, "last", reclaim_idle_ms=100))
     await asyncio.wait_for(last.run(asyncio.Event(), burst=True), 10)
     await last.aclose()
     letters = await list_dead_letters(redis_url, namespace=namespace)
