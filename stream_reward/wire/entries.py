@@ -76,6 +76,11 @@ def entry_fields(payload: bytes, batch_id: str, index: int, uid: str) -> dict[st
 Member = tuple[str, int, str, int]
 
 
+def _names_a_sample(batch: Any, index: Any, uid: Any) -> bool:
+    """A header's (or a payload's) batch id, index and uid have the types and range of one."""
+    return type(batch) is str and type(uid) is str and type(index) is int and index >= 0
+
+
 def read_members(fields: dict[Any, Any]) -> list[Member] | None:
     """The samples of an entry, in order; None when the headers are missing or garbled,
     or their sizes do not add up to the payloads (nothing of it can be trusted then)."""
@@ -90,9 +95,7 @@ def read_members(fields: dict[Any, Any]) -> list[Member] | None:
     try:
         for head in unpacker:
             batch, index, uid, size = head
-            if not (type(batch) is str and type(uid) is str and type(index) is int and type(size) is int):
-                return None
-            if index < 0 or size < 0:
+            if not (_names_a_sample(batch, index, uid) and type(size) is int and size >= 0):
                 return None
             out.append(head)
             total += size
@@ -115,7 +118,7 @@ def members_from_payloads(data: Any) -> list[Member] | None:
         for obj in unpacker:
             end = unpacker.tell()
             batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
-            if not (type(batch) is str and type(uid) is str and type(index) is int and index >= 0):
+            if not _names_a_sample(batch, index, uid):
                 return None
             out.append((batch, index, uid, end - at))
             at = end
@@ -150,8 +153,7 @@ def read_header(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
         batch, index, uid, _size = msgpack.unpackb(raw, raw=False)
     except Exception:  # any garbage (or several headers): the header is only a best effort
         return None, -1, None
-    ok = isinstance(batch, str) and isinstance(uid, str) and type(index) is int and index >= 0
-    return (batch, index, uid) if ok else (None, -1, None)
+    return (batch, index, uid) if _names_a_sample(batch, index, uid) else (None, -1, None)
 
 
 # Entries per push-script call (wire/push.py): bounds how long one call holds the
