@@ -106,7 +106,7 @@ class FailingFinish(Worker):
 
     failing = ""
 
-    async def _finish_handed(self, entries):  # type: ignore[override]
+    async def _finish_handed(self, entries, left):  # type: ignore[override]
         from redis.exceptions import ConnectionError as RedisConnectionError
 
         real_requeue, real_xack, real_lookup = self._requeue, self._client.xack, self._with_results
@@ -131,7 +131,7 @@ class FailingFinish(Worker):
         self._requeue, self._with_results = requeue, lookup
         self._client.xack = xack
         try:
-            return await super()._finish_handed(entries)
+            return await super()._finish_handed(entries, left)
         finally:
             self._requeue, self._with_results = real_requeue, real_lookup
             del self._client.xack

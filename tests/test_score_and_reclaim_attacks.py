@@ -26,7 +26,7 @@ from stream_reward.errors import (
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
-from workers.consumer import Worker
+from workers.consumer import _RELEASED_IDLE_MS, Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -708,19 +708,21 @@ async def test_a_renewal_in_flight_at_a_stop_does_not_undo_the_release(redis_url
 
     stop, released = asyncio.Event(), asyncio.Event()
     wc = connect(redis_url)
-    real_xclaim = wc.xclaim
+    real_xclaim, real_evalsha = wc.xclaim, wc.evalsha
+
+    async def evalsha(*args):
+        out = await real_evalsha(*args)
+        if _RELEASED_IDLE_MS in args:  # the release script
+            released.set()
+        return out
 
     async def xclaim(name, group, consumer, min_idle_time, message_ids, **kw):
-        if "idle" in kw:  # the release
-            out = await real_xclaim(name, group, consumer, min_idle_time, message_ids, **kw)
-            released.set()
-            return out
         if stop.is_set():  # a renewal under way when the stop came: a slow round trip
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(released.wait(), 1.0)
         return await real_xclaim(name, group, consumer, min_idle_time, message_ids, **kw)
 
-    wc.xclaim = xclaim
+    wc.xclaim, wc.evalsha = xclaim, evalsha
     cfg = dict(namespace=namespace, block_ms=20, concurrency=1, reclaim_idle_ms=300, drain_timeout_s=0.4)
     try:
         async with (

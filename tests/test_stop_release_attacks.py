@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import pytest
 from helpers import Counting, exact_traj, identity_score, push_exact, stop_config, unsettled
@@ -16,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from stream_reward import RewardAggregator
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
-from workers.consumer import Worker
+from workers.consumer import _RELEASED_IDLE_MS, Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -90,7 +89,7 @@ async def test_a_sweep_in_flight_at_the_release_does_not_claim_the_released_entr
     stop, released, claimed_back, fired = asyncio.Event(), asyncio.Event(), asyncio.Event(), []
     scorer = Counting()
     wc = connect(redis_url)
-    real_xautoclaim, real_xclaim = wc.xautoclaim, wc.xclaim
+    real_xautoclaim, real_evalsha = wc.xautoclaim, wc.evalsha
 
     async def xautoclaim(*a, **kw):
         if scorer.started.is_set() and not fired:
@@ -103,15 +102,15 @@ async def test_a_sweep_in_flight_at_the_release_does_not_claim_the_released_entr
             return out
         return await real_xautoclaim(*a, **kw)
 
-    async def xclaim(*a, **kw):
-        out = await real_xclaim(*a, **kw)
-        if "idle" in kw:  # the release; its reply is slow, the sweep lands meanwhile
+    async def evalsha(*a):
+        out = await real_evalsha(*a)
+        if _RELEASED_IDLE_MS in a:  # the release; its reply is slow, the sweep lands meanwhile
             released.set()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(claimed_back.wait(), 1.0)
         return out
 
-    wc.xautoclaim, wc.xclaim = xautoclaim, xclaim
+    wc.xautoclaim, wc.evalsha = xautoclaim, evalsha
     w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300), client=wc)
     await run_stopped(w1, stop)
     assert fired and released.is_set() and claimed_back.is_set(), "the interleaving was not reached"
@@ -148,29 +147,27 @@ async def test_a_quarantine_note_landing_after_the_drain_does_not_poison_the_sus
     stop, landed, fired = asyncio.Event(), asyncio.Event(), []
     scorer = Counting(first=0.5)
     wc = connect(redis_url)
-    real_hincrby, real_xclaim = wc.hincrby, wc.xclaim
+    real_hincrby, real_evalsha = wc.hincrby, wc.evalsha
     w1: Worker
 
     async def hincrby(key, field, amount=1):
         if key == keys.quarantine(0) and not fired:
             fired.append(field)
             stop.set()
-            deadline = time.monotonic() + 3
-            while not w1._renewals_over and time.monotonic() < deadline:  # a slow send: the drain goes first
-                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.6)  # a slow send: it lands past the drain deadline (0.3 s)
             out = await real_hincrby(key, field, amount)
             landed.set()
             return out
         return await real_hincrby(key, field, amount)
 
-    async def xclaim(*a, **kw):
-        if "idle" in kw:  # the release: a slow round trip
+    async def evalsha(*a):
+        if _RELEASED_IDLE_MS in a:  # the release: a slow round trip
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(landed.wait(), 1.0)
             await asyncio.sleep(0.05)
-        return await real_xclaim(*a, **kw)
+        return await real_evalsha(*a)
 
-    wc.hincrby, wc.xclaim = hincrby, xclaim
+    wc.hincrby, wc.evalsha = hincrby, evalsha
     w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=0, concurrency=2), client=wc)
     try:
         await run_stopped(w1, stop)

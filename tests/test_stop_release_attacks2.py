@@ -162,7 +162,7 @@ async def test_a_release_does_not_steal_a_let_go_suspect_a_peer_claimed_meanwhil
     (eid,) = await ghost_holds(redis_url, namespace, [2])  # w1's sweep makes it 3 > 2: a suspect
     stop, let_go = asyncio.Event(), asyncio.Event()
     wc = connect(redis_url)
-    real_xclaim = wc.xclaim
+    real_evalsha = wc.evalsha
     peer_client = connect(redis_url)
     stream = Keys(namespace).stream()
 
@@ -171,16 +171,16 @@ async def test_a_release_does_not_steal_a_let_go_suspect_a_peer_claimed_meanwhil
         stop.set()
         raise RedisConnectionError("injected: Redis away")
 
-    async def xclaim(*a, **kw):
-        if kw.get("idle") == _RELEASED_IDLE_MS:
-            # Between the release's XPENDING and its XCLAIM, a live peer's sweep (reclaim
-            # idle 100 ms) finds the let-go suspect idle and claims it.
+    async def evalsha(*a):
+        if _RELEASED_IDLE_MS in a:
+            # Just before the release, a live peer's sweep (reclaim idle 100 ms) finds the
+            # let-go suspect idle and claims it.
             await asyncio.sleep(0.2)
             got = await peer_client.xautoclaim(stream, "scorers", "peer", min_idle_time=100, start_id="0-0")
             assert got[1], "the peer's sweep found nothing to claim"
-        return await real_xclaim(*a, **kw)
+        return await real_evalsha(*a)
 
-    wc.hincrby, wc.xclaim = hincrby, xclaim
+    wc.hincrby, wc.evalsha = hincrby, evalsha
     w1 = Worker(
         redis_url, Counting(), stop_config(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05), client=wc
     )
@@ -249,59 +249,53 @@ async def test_a_stale_note_is_dropped_before_its_suspect_is_released(redis_url,
 # (1)/(4) a sweep stuck on a slow command
 
 
-async def test_a_sweep_whose_xautoclaim_lands_after_the_release_does_not_keep_the_entries(redis_url, namespace) -> None:
-    """w1 scores 2 entries; its background sweep's XAUTOCLAIM is stuck in a slow Redis as the
-    stop comes. The drain waits drain_timeout_s + 2 s for it, then releases without it (as
-    designed). The XAUTOCLAIM, already sent, runs after the release: it claims the released
-    entries (idle for ever) back to the stopped worker, idle-fresh, delivery count bumped.
-    A peer with reclaim_idle_ms=60_000 then finds nothing it may take."""
-    await push_exact(redis_url, namespace, "a", 2)
-    stop, in_sweep, released = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    armed = []
-    late: list[asyncio.Task] = []
+async def test_a_sweep_whose_reply_outlasts_the_stop_does_not_keep_what_it_claimed(redis_url, namespace) -> None:
+    """w1 scores 2 entries; its background sweep's XAUTOCLAIM takes a dead consumer's entry
+    as the stop comes, and its reply is slower than the drain's wait for the sweep (drain
+    deadline + 2 s). The drain goes on without the sweep, which never opens what it claimed:
+    that entry, pending under the stopped worker and idle-fresh, must be released with the
+    others, or a peer with reclaim_idle_ms=60_000 leaves it for a minute.
+
+    (An XAUTOCLAIM that Redis would run only after the release, sent before it, is not
+    modelled: a command sent earlier reaches the single-threaded server first.)"""
+    await push_exact(redis_url, namespace, "a", 3)
+    stream = Keys(namespace).stream()
+    client = connect(redis_url)
+    try:  # a dead consumer holds the first entry, idle for ever
+        got = await client.xreadgroup("scorers", "ghost", {stream: ">"}, count=1)
+        (ghost_entry,) = [eid for eid, _ in got[0][1]]
+        await client.xclaim(stream, "scorers", "ghost", 0, [ghost_entry], idle=HUGE_IDLE, justid=True)
+    finally:
+        await client.aclose()
+    stop, in_sweep = asyncio.Event(), asyncio.Event()
+    armed: list[int] = []
     wc = connect(redis_url)
-    real_xautoclaim, real_xclaim = wc.xautoclaim, wc.xclaim
+    real_xautoclaim = wc.xautoclaim
 
     async def xautoclaim(*a, **kw):
-        if armed and not late:
-
-            async def sent_then_slow():
-                await released.wait()  # Redis runs it late: after the release
-                return await real_xautoclaim(*a, **kw)
-
-            late.append(asyncio.ensure_future(sent_then_slow()))
-            in_sweep.set()
-            return await asyncio.shield(late[0])
-        return await real_xautoclaim(*a, **kw)
-
-    async def xclaim(*a, **kw):
-        out = await real_xclaim(*a, **kw)
-        if kw.get("idle") == _RELEASED_IDLE_MS:
-            released.set()
+        out = await real_xautoclaim(*a, **kw)
+        if armed and out[1] and not in_sweep.is_set():
+            in_sweep.set()  # Redis ran it: the entry is w1's now
+            await asyncio.sleep(5)  # ... and its reply is slow
         return out
 
-    wc.xautoclaim, wc.xclaim = xautoclaim, xclaim
+    wc.xautoclaim = xautoclaim
     scorer = Counting()
     w1 = Worker(
         redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=60_000, reclaim_interval_s=0.05), client=wc
     )
+    armed.append(1)
     run = asyncio.ensure_future(w1.run(stop))
     try:
-        await asyncio.wait_for(scorer.started.wait(), 5)
-        await asyncio.sleep(0.1)
-        armed.append(1)
         await asyncio.wait_for(in_sweep.wait(), 5)
         stop.set()
         await asyncio.wait_for(run, 15)
-        if late:
-            await asyncio.wait([late[0]], timeout=5)
     finally:
         await w1.aclose()
-    assert released.is_set(), "nothing was released"
     _, rewards, left, letters = await peer_finishes(redis_url, namespace, "a")
     assert not letters
     assert unsettled(rewards) == [] and not left, (
-        f"a sweep's claim landing after the release kept entries under the stopped worker: "
+        f"a sweep's claim whose reply outlasted the stop kept an entry under the stopped worker: "
         f"unsettled {unsettled(rewards)}, pending (consumer, idle ms, delivered) {left}"
     )
 

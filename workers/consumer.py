@@ -32,7 +32,7 @@ import socket
 import sys
 import time
 from collections import defaultdict, deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, cast
 
 import anyio
@@ -58,6 +58,7 @@ from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.entries import (
     FIELD_FOR_GROUP,
     FIELD_PAYLOAD,
+    RELEASE_SCRIPT,
     ensure_group,
     member_fields,
     members_from_payloads,
@@ -164,14 +165,10 @@ class Worker:
         # Entries a flush failed to settle (past the drain deadline): no later flush acks
         # them, since some of their samples have no result.
         self._unsettled: set[tuple[int, bytes]] = set()
-        # Suspects a quarantine let go after a Redis error, pending under this consumer
-        # until another worker (or this one) reclaims them: a stop releases them.
-        self._let_go: set[tuple[int, bytes]] = set()
         # Samples an entry held in the last read: a read asks for as many entries as
         # leave room for that many samples each.
         self._per_entry = SAMPLES_PER_ENTRY
         self._group_name = self.config.group.encode()
-        self._consumer_name = self.config.consumer.encode()
         self._stopping = False
         self._reader_active = False  # while the reader reads new entries: what _spill adds gets read
         self._writer_idle = asyncio.Event()
@@ -194,6 +191,7 @@ class Worker:
         client = self._client
         self._ledger = LedgerWriter(client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
         self._requeue = client.register_script(REQUEUE_SCRIPT)
+        self._release_script = client.register_script(RELEASE_SCRIPT)
         for stream in self.keys.streams():
             await with_reconnect(
                 functools.partial(ensure_group, client, stream, self.config.group),
@@ -264,9 +262,10 @@ class Worker:
                         background.cancel()
         finally:
             await self._stop_writer(writer, writer_stop)
-            # Whatever is still pending under this consumer: results the writer could not
-            # write by the drain deadline, suspects let go after a Redis error, a claim that
-            # landed after the drain's release (if Redis is away: reclaimed after reclaim_idle_ms).
+            # Whatever is still pending under this consumer goes back to the group: samples
+            # cancelled or never started, results the writer could not write by the drain
+            # deadline, suspects let go after a Redis error, a claim that landed late (if
+            # Redis is away, they are reclaimed after reclaim_idle_ms).
             await self._release()
             await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
@@ -281,7 +280,7 @@ class Worker:
         self._give_up = asyncio.Event()
         self._reading.set()
         self._hunting = None
-        for state in (self._held, self._open, self._handed, self._unsettled, self._let_go, self._task_entries):
+        for state in (self._held, self._open, self._handed, self._unsettled, self._task_entries):
             state.clear()
         self._tasks = set()
         self._pending = defaultdict(list)
@@ -437,7 +436,6 @@ class Worker:
         group = fields.get(FIELD_FOR_GROUP)
         members = _split(fields) if group is None or group == self._group_name else []
         self._held.add((partition, entry_id))
-        self._let_go.discard((partition, entry_id))
         self._open[partition, entry_id] = len(members)
         if not members:  # another group's hand-back: ours has the sample in the entry it came from
             self._ack_alone(partition, entry_id)
@@ -485,10 +483,10 @@ class Worker:
                 pipe.smembers(self.keys.handed(entry_id.decode(), partition, self.config.group))
             replies = await pipe.execute()
         out = set()
-        for (_, members), uids in zip(several, replies):
-            if uids:
-                names = {u.decode() if isinstance(u, bytes) else u for u in uids}
-                out |= {id(m) for m in members if m.head is not None and m.head[2] in names}
+        for (_, members), recorded in zip(several, replies):
+            if recorded:
+                names = {n.decode() if isinstance(n, bytes) else n for n in recorded}
+                out |= {id(m) for m in members if m.head is not None and _sample_name(m.head) in names}
         return out
 
     async def _with_results(self, partition: int, members: list[_Member]) -> set[int]:
@@ -545,8 +543,8 @@ class Worker:
             self.keys.dead_letters(partition),
             self.keys.handed(entry_id.decode(), partition, self.config.group),
         ]
-        uids = [m.head[2] for m in members]
-        await self._requeue(keys=keys, args=requeue_args(copies, handed=uids, handed_ttl_s=self.config.result_ttl_s))
+        names = [_sample_name(m.head) for m in members if m.head is not None]
+        await self._requeue(keys=keys, args=requeue_args(copies, handed=names, handed_ttl_s=self.config.result_ttl_s))
 
     async def _room_for_one(self) -> bool:
         """Until one more sample fits under ``concurrency`` and no suspect is being scored
@@ -839,7 +837,6 @@ class Worker:
             for entry_id, _, _ in opened:
                 self._open.pop((partition, entry_id), None)
                 self._held.discard((partition, entry_id))
-                self._let_go.add((partition, entry_id))
             raise
         finally:
             self._reading.set()
@@ -932,163 +929,118 @@ class Worker:
                 stopped.cancel()
 
     async def _deliveries(self, stream: str, ids: list[bytes]) -> dict[bytes, int]:
-        rows = await self._pending_rows(stream, ids)
-        return {eid: rows[eid][2] if eid in rows else 1 for eid in ids}
-
-    async def _pending_rows(self, stream: str, ids: list[bytes] | None) -> dict[bytes, tuple[Any, int, int]]:
-        """(the consumer holding it, idle ms, times delivered) of each of ``ids`` still
-        pending; ``None``: of every entry pending under this consumer."""
-        if ids is None:
-            replies = [
-                await self._client.xpending_range(
-                    stream, self.config.group, min="-", max="+", count=100_000, consumername=self.config.consumer
-                )
-            ]
-        else:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for eid in ids:
-                    pipe.xpending_range(stream, self.config.group, min=eid, max=eid, count=1)
-                replies = await pipe.execute()
-        return {
-            row["message_id"]: (row["consumer"], int(row["time_since_delivered"]), int(row["times_delivered"]))
-            for rows in replies
-            for row in rows
-        }
+        async with self._client.pipeline(transaction=False) as pipe:
+            for eid in ids:
+                pipe.xpending_range(stream, self.config.group, min=eid, max=eid, count=1)
+            replies = await pipe.execute()
+        counts = {}
+        for eid, rows in zip(ids, replies):
+            counts[eid] = int(rows[0]["times_delivered"]) if rows else 1
+        return counts
 
     # ------------------------------------------------------------------ shutdown
     async def _drain(self) -> None:
-        """Finish in-flight samples within drain_timeout_s; release the rest to other workers."""
+        """Finish in-flight samples within drain_timeout_s, cancel the rest, and get ready for
+        the release (run() releases what is left pending once the writer has stopped). What
+        Redis work follows the deadline shares 2 s more: a slow Redis must not stretch a stop."""
         loop = asyncio.get_running_loop()
         if self._drain_deadline is None:
             self._drain_deadline = loop.time() + self.config.drain_timeout_s
         deadline = self._drain_deadline
+        cleanup_by = deadline + 2.0
+
+        def left() -> float:
+            return max(0.01, cleanup_by - loop.time())
+
         # A reclaim sweep under way ends at the stop (a hunt between samples). Wait for it:
-        # what it claims as the stop comes must be among what is finished or released below,
-        # and a claim landing after the release would take the released entries back.
+        # what it claims as the stop comes must be among what is finished or released, and
+        # its hunt's note must be settled before the suspect is released.
         swept = False
         try:
-            await asyncio.wait_for(self._sweeping.acquire(), timeout=max(0.0, deadline - loop.time()) + 2.0)
+            await asyncio.wait_for(self._sweeping.acquire(), timeout=left())
             swept = True
         except asyncio.TimeoutError:
-            log.warning("a reclaim sweep did not end at the stop; releasing without it")
+            log.warning("a reclaim sweep did not end at the stop; going on without it")
         try:
-            await self._settle_and_release(deadline)
+            while self.stats.in_flight > 0 and loop.time() < deadline:
+                self._writer_idle.clear()
+                try:
+                    await asyncio.wait_for(self._writer_idle.wait(), timeout=max(0.01, deadline - loop.time()))
+                except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
+                    break
+            unfinished = list(self._task_entries.items())
+            for task, _ in unfinished:
+                task.cancel()
+            if unfinished:
+                await asyncio.wait([t for t, _ in unfinished], timeout=1.0)
+            # Entries that handed samples back hand back the rest and are acked, not released.
+            open_entries = {entry for _, entry in unfinished} | set(self._open)
+            await self._finish_handed(open_entries & self._handed.keys(), left)
+            with contextlib.suppress(asyncio.TimeoutError, *REDIS_ERRORS):
+                if self._hunting is not None:  # a suspect still scored alone (it is not a crash)
+                    await asyncio.wait_for(self._client.hdel(*self._hunting), timeout=left())
+                # A suspect let go after a Redis error may have left its note: drop it, or the
+                # peer that takes the suspect finds it and dead-letters an innocent sample.
+                await asyncio.wait_for(self._drop_stale_notes(), timeout=left())
+            # Renewed no more; and wait out a renewal under way, which would undo the release.
+            self._renewals_over = True
+            try:
+                await asyncio.wait_for(self._renewing.acquire(), timeout=left())
+                self._renewing.release()
+            except asyncio.TimeoutError:  # a renewal stuck on a Redis that is away: so is the release
+                pass
+            self.stats.in_flight -= len(unfinished)
         finally:
             if swept:
                 self._sweeping.release()
 
-    async def _settle_and_release(self, deadline: float) -> None:
-        """Wait for in-flight samples until ``deadline``, cancel the rest, release their entries."""
-        loop = asyncio.get_running_loop()
-        while self.stats.in_flight > 0 and loop.time() < deadline:
-            self._writer_idle.clear()
-            try:
-                await asyncio.wait_for(self._writer_idle.wait(), timeout=max(0.01, deadline - loop.time()))
-            except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
-                break
-        unfinished = list(self._task_entries.items())
-        for task, _ in unfinished:
-            task.cancel()
-        if unfinished:
-            await asyncio.wait([t for t, _ in unfinished], timeout=1.0)
-        # Entries with a sample that never settled: a cancelled one, or one never started.
-        release = {entry for _, entry in unfinished} | set(self._open) | self._let_go
-        release -= await self._finish_handed(release & self._handed.keys())
-        if self._hunting is not None:  # a suspect still being scored alone (it is not a crash)
-            with contextlib.suppress(asyncio.TimeoutError, *REDIS_ERRORS):
-                await asyncio.wait_for(self._client.hdel(*self._hunting), timeout=2.0)
-        # Renewed no more; and wait out a renewal under way, which would undo the release.
-        self._renewals_over = True
-        try:
-            await asyncio.wait_for(self._renewing.acquire(), timeout=2.0)
-            self._renewing.release()
-        except asyncio.TimeoutError:  # a renewal stuck on a Redis that is away: so is the release
-            pass
-        # A suspect let go after a Redis error may have left its note: drop it first, or
-        # the peer that takes the suspect finds it and dead-letters an innocent sample.
-        with contextlib.suppress(asyncio.TimeoutError, *REDIS_ERRORS):
-            await asyncio.wait_for(self._drop_stale_notes(), timeout=2.0)
-        await self._release(release)
-        self.stats.in_flight -= len(unfinished)
-
-    async def _release(self, entries: set[tuple[int, bytes]] | None = None) -> None:
-        """Give unfinished entries back to the group at a stop (``None``: every entry still
-        pending under this consumer): marked long idle, so the next reclaim sweep of any live
-        worker takes them at once.
-
-        Only entries this consumer still holds, and each only if no one claimed it since it
-        was looked at (XCLAIM's min-idle is the idle time seen: a peer's claim resets it).
-        One already released (idle for ever) is left as it is. A graceful stop is not a
-        crash: the delivery it cost is taken back (RETRYCOUNT), or rolling restarts over a
-        slow sample would quarantine it and, at max_deliveries, dead-letter it."""
-        # A suspect whose note could not be dropped (Redis away) is not released: a peer
-        # would find the note and dead-letter it; it waits out reclaim_idle_ms instead.
-        noted = {note.rpartition(b"/")[0] for _, note in self._stale_notes}
-        by_partition: dict[int, list[bytes]] = defaultdict(list)
-        if entries is not None:
-            for partition, entry_id in entries:
-                by_partition[partition].append(entry_id)
-        else:
-            by_partition = {p: [] for p in range(self.keys.partitions)}
+    async def _release(self) -> None:
+        """At a stop, give every entry still pending under this consumer back to the group
+        (RELEASE_SCRIPT): marked idle for ever so that the next sweep of any live worker
+        takes them at once, without the delivery their claim cost (rolling restarts over a
+        slow sample would otherwise quarantine it, and at max_deliveries dead-letter it).
+        Pending under this consumer, not only those it knows of: a claim that landed after
+        the stop (a slow sweep) is released too."""
+        # A suspect whose note could not be dropped (Redis away) is kept: a peer would find
+        # the note and dead-letter it; it waits out reclaim_idle_ms instead.
+        noted = sorted({note.rpartition(b"/")[0] for _, note in self._stale_notes})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 2.0  # for all of it: a slow Redis must not stretch a stop
         released = 0
         try:
-            for partition, ids in by_partition.items():
-                if entries is not None and not ids:
-                    continue
-                stream = self.keys.stream(partition)
-                rows = await asyncio.wait_for(self._pending_rows(stream, ids or None), deadline - loop.time())
-                claims = [
-                    self._client.xclaim(
-                        stream,
-                        self.config.group,
-                        self.config.consumer,
-                        idle_ms,
-                        [entry_id],
-                        idle=_RELEASED_IDLE_MS,
-                        retrycount=max(0, delivered - 1),
-                        justid=True,
-                    )
-                    for entry_id, (consumer, idle_ms, delivered) in rows.items()
-                    if consumer in (self._consumer_name, self.config.consumer)
-                    and idle_ms < _RELEASED_IDLE_MS // 2
-                    and entry_id not in noted
-                ]
-                if claims:
-                    replies = await asyncio.wait_for(asyncio.gather(*claims), deadline - loop.time())
-                    released += sum(1 for reply in replies if reply)
+            for stream in self.keys.streams():
+                args = [self.config.group, self.config.consumer, _RELEASED_IDLE_MS, *noted]
+                released += await asyncio.wait_for(
+                    self._release_script(keys=[stream], args=args), max(0.0, deadline - loop.time())
+                )
             if released:
                 log.info("released %d unfinished entries to other workers", released)
         except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
             # They stay pending under this consumer: reclaimed after reclaim_idle_ms.
             log.warning("could not release the unfinished entries (%s)", type(exc).__name__)
 
-    async def _finish_handed(self, entries: set[tuple[int, bytes]]) -> set[tuple[int, bytes]]:
+    async def _finish_handed(self, entries: set[tuple[int, bytes]], left: Callable[[], float]) -> None:
         """On a stop, entries that handed samples back: hand back the samples started here
-        that are not settled too, and ack the entry, rather than release it whole (the next
-        worker would score the samples handed back a second time). Returns those done;
-        the others are released whole.
+        that are not settled too, and ack the entry, rather than release it whole. Those it
+        cannot finish (Redis failing, or ``left()`` seconds of the stop's budget spent) are
+        released whole; the next worker leaves their handed samples to the copies.
 
         Settled: a result queued since the hand-back (``_queue`` drops it from the list), or
         one in the ledger (settled before it). The ack goes through the writer, after every
         result still queued for the entry: if the writer cannot write them, the entry stays
         pending and is redelivered, never acked without them."""
-        done = set()
         for entry in entries:
             partition, entry_id = entry
             started = self._handed[entry]
             try:
-                have = await asyncio.wait_for(self._with_results(partition, started), timeout=2.0)
+                have = await asyncio.wait_for(self._with_results(partition, started), timeout=left())
                 rest = [m for m in started if id(m) not in have]
                 if rest:
-                    await asyncio.wait_for(self._hand_back(partition, entry_id, rest), timeout=2.0)
+                    await asyncio.wait_for(self._hand_back(partition, entry_id, rest), timeout=left())
             except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
                 log.warning("could not hand back the rest of entry %s (%s); released whole", entry_id, exc)
                 continue
             self._ack_alone(partition, entry_id)
-            done.add(entry)
-        return done
 
     async def _farewell(self) -> None:
         try:
@@ -1192,24 +1144,31 @@ class _Member:
         """What a dead letter of consumer group ``group`` keeps: the entry itself when it
         holds this sample only, else an entry of this sample's own (a redrive queues it
         alone); either names the group, so a redrive queues it for that group only."""
-        if of == 1 or self.head is None:
+        if of == 1:
             return {**entry, FIELD_FOR_GROUP: group.encode()}
         return member_fields(bytes(self.payload), self.head, group=group)
 
 
+def _sample_name(head: Any) -> str:
+    """A sample's name in a hand-back record: its batch and uid (a uid is unique only
+    within its batch, and an entry may hold samples of several batches)."""
+    batch, _, uid, _ = head
+    return f"{len(batch)}:{batch}{uid}"
+
+
 def _split(fields: dict[bytes, bytes]) -> list[_Member]:
     """An entry's samples. Headers that cannot be read: the samples are split by their
-    payloads; failing that, the entry is one sample: its payload may still decode, and if
-    not it is dead-lettered whole."""
+    payloads (one that names no sample is dead-lettered alone); failing that, the entry
+    is one sample: its payload may still decode, and if not it is dead-lettered whole."""
     data = fields.get(FIELD_PAYLOAD, b"")
-    members = read_members(fields) or members_from_payloads(data)
-    if members is None:
+    members = read_members(fields)
+    sized = [(head[3], head) for head in members] if members is not None else members_from_payloads(data)
+    if sized is None:
         return [_Member(data, None)]
     view = memoryview(data)
     out = []
     at = 0
-    for head in members:
-        size = head[3]
+    for size, head in sized:
         out.append(_Member(view[at : at + size], head))
         at += size
     return out

@@ -26,7 +26,7 @@ GETKEYS, a second round trip) before every read.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 from redis.exceptions import ResponseError
@@ -104,37 +104,46 @@ def read_members(fields: dict[Any, Any]) -> list[Member] | None:
     return out if out and total == len(data) else None
 
 
-def members_from_payloads(data: Any) -> list[Member] | None:
-    """The samples of an entry whose headers are lost, from its payloads alone: each is a
-    msgpack map naming its batch, index and uid, and they lie back to back. None unless
-    the data is two or more such payloads and nothing else (one payload is read whole)."""
+def members_from_payloads(data: Any) -> list[tuple[int, Member | None]] | None:
+    """The samples of an entry whose headers are lost, from its payloads: msgpack values
+    back to back, each a map naming its batch, index and uid. Each payload's size and its
+    header, or None for one that names no sample (it is dead-lettered alone, and bytes
+    past a value that cannot be read make one such payload). None unless there are two or
+    more payloads and one names a sample: otherwise the entry is read whole, as one."""
     if not isinstance(data, (bytes, bytearray)):
         return None
     unpacker = msgpack.Unpacker(raw=False)
     unpacker.feed(data)
-    out: list[Member] = []
+    out: list[tuple[int, Member | None]] = []
     at = 0
     try:
         for obj in unpacker:
             end = unpacker.tell()
-            batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
-            if not _names_a_sample(batch, index, uid):
-                return None
-            out.append((batch, index, uid, end - at))
+            head: Member | None = None
+            if isinstance(obj, dict):
+                batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
+                if _names_a_sample(batch, index, uid):
+                    head = cast(Member, (batch, index, uid, end - at))
+            out.append((end - at, head))
             at = end
-    except Exception:  # garbage, or not a map: nothing to split by
-        return None
-    return out if len(out) > 1 and at == len(data) else None
+    except Exception:  # garbage: what follows cannot be split
+        pass
+    if at < len(data):
+        out.append((len(data) - at, None))
+    named = any(head is not None for _, head in out)
+    return out if len(out) > 1 and named else None
 
 
 def member_fields(
-    payload: bytes, member: Member, *, handed_back_from: bytes | None = None, group: str = ""
+    payload: bytes, member: Member | None, *, handed_back_from: bytes | None = None, group: str = ""
 ) -> dict[bytes, bytes]:
     """An entry of its own for one sample of a larger entry: what a dead letter of consumer
     group ``group`` keeps (a redrive queues it for that group only), or what a worker of
-    ``group`` hands back to the stream, from the entry ``handed_back_from``."""
-    batch, index, uid, size = member
-    fields = {FIELD_PAYLOAD: payload, FIELD_HEADER: entry_header(batch, index, uid, size)}
+    ``group`` hands back to the stream, from the entry ``handed_back_from``. A payload
+    that names no sample (``member`` None) goes without a header."""
+    fields = {FIELD_PAYLOAD: payload}
+    if member is not None:
+        fields[FIELD_HEADER] = entry_header(*member)
     if handed_back_from is not None:
         fields[FIELD_HANDED_BACK] = handed_back_from
     if group:
@@ -155,6 +164,29 @@ def read_header(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
         return None, -1, None
     return (batch, index, uid) if _names_a_sample(batch, index, uid) else (None, -1, None)
 
+
+# A stop gives a worker's unfinished entries back to its group: marked idle for ever, so
+# the next reclaim sweep of any worker takes them at once. Atomic per stream: only entries
+# this consumer holds (never one a peer claimed), not released already; the delivery each
+# claim cost is taken back (a graceful stop is not a crash, and deliveries count crashes).
+RELEASE_SCRIPT = """
+-- KEYS[1]: the stream. ARGV[1]: the group; ARGV[2]: the consumer; ARGV[3]: the idle to
+-- mark (ms); ARGV[4...]: ids of entries to keep. Returns how many were released.
+local keep = {}
+for i = 4, #ARGV do
+  keep[ARGV[i]] = true
+end
+local released = 0
+for _, row in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 100000, ARGV[2])) do
+  -- row: id, consumer, idle ms, times delivered
+  if not keep[row[1]] and row[3] < tonumber(ARGV[3]) / 2 then
+    local count = math.max(row[4] - 1, 0)
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, row[1], 'IDLE', ARGV[3], 'RETRYCOUNT', count, 'JUSTID')
+    released = released + 1
+  end
+end
+return released
+"""
 
 # Entries per push-script call (wire/push.py): bounds how long one call holds the
 # server (~2 ms at 2 KB); the entries of a call travel as one msgpack blob.

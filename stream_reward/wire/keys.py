@@ -113,8 +113,9 @@ class Keys:
         return f"{self.tag(partition)}:quarantine"
 
     def handed(self, entry_id: str, partition: int = 0, group: str = DEFAULT_GROUP) -> str:
-        """The uids consumer group ``group`` handed back from stream entry ``entry_id``
-        (a set, expiring): a redelivery of that entry leaves them to their own entries."""
+        """The samples (batch and uid) consumer group ``group`` handed back from stream
+        entry ``entry_id`` (a set, expiring): a redelivery of that entry leaves them to
+        their own entries."""
         return f"{self.tag(partition)}:handed:{group}:{entry_id}"
 
     def pushed(self, partition: int = 0) -> str:

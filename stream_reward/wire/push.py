@@ -265,8 +265,9 @@ REQUEUE_SCRIPT = (
     + """
 -- KEYS[1]: the stream; KEYS[2]: its counts of samples and entries pushed; KEYS[3]: a
 -- dead-letter stream, when ARGV[1] names a letter of it to delete ('' for none); KEYS[4]:
--- when ARGV[3] > 0, the set of uids handed back from an entry, kept ARGV[2] seconds.
--- ARGV[4...]: ARGV[3] uids, then each entry as its field count k, then k fields and values.
+-- when ARGV[3] > 0, the names of the samples handed back from an entry (a set, kept
+-- ARGV[2] seconds). ARGV[4...]: ARGV[3] names, then each entry as its field count k,
+-- then k fields and values.
 if ARGV[1] ~= '' and redis.call('XDEL', KEYS[3], ARGV[1]) == 0 then
   return 0  -- the letter is gone: another redrive queued it already
 end
@@ -304,8 +305,9 @@ return added
 def requeue_args(
     entries: list[dict[Any, Any]], *, delete_letter: str = "", handed: Sequence[str] = (), handed_ttl_s: int = 0
 ) -> list[Any]:
-    """ARGV for REQUEUE_SCRIPT: each entry's fields, less any old stamp; ``handed``, the uids
-    to record as handed back from their entry (KEYS[4]) for ``handed_ttl_s``."""
+    """ARGV for REQUEUE_SCRIPT: each entry's fields, less any old stamp; ``handed``, the
+    names of the samples to record as handed back from their entry (KEYS[4]) for
+    ``handed_ttl_s``."""
     args: list[Any] = [delete_letter, handed_ttl_s, len(handed), *handed]
     for fields in entries:
         kept = [(k, v) for k, v in fields.items() if k not in (FIELD_STAMP, FIELD_STAMP.decode())]
