@@ -261,6 +261,8 @@ class Worker:
                         closing.set()
                         background.cancel()
         finally:
+            for task in list(self._tasks):  # left running only if run() failed before its drain
+                task.cancel()
             await self._stop_writer(writer, writer_stop)
             # Whatever is still pending under this consumer goes back to the group: samples
             # cancelled or never started, results the writer could not write by the drain
