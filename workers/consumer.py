@@ -222,6 +222,7 @@ class Worker:
         # The writer is not in the task group: with Redis away it may retry for ever, and
         # shutdown must not wait on it past the drain deadline (see _stop_writer).
         writer = asyncio.create_task(self._writer(writer_stop))
+        drained = False
         # The housekeeper, the reclaimer and the stop watcher, cancelled together.
         background = anyio.CancelScope()
         try:
@@ -255,6 +256,7 @@ class Worker:
                                     if not await self._reclaim_sweep(self.config.reclaim_idle_ms, stop):
                                         break
                         await self._drain()
+                        drained = True
                     finally:
                         self._reader_active = False
                         reading_done.set()
@@ -264,11 +266,14 @@ class Worker:
             for task in list(self._tasks):  # left running only if run() failed before its drain
                 task.cancel()
             await self._stop_writer(writer, writer_stop)
-            # Whatever is still pending under this consumer goes back to the group: samples
-            # cancelled or never started, results the writer could not write by the drain
-            # deadline, suspects let go after a Redis error, a claim that landed late (if
-            # Redis is away, they are reclaimed after reclaim_idle_ms).
-            await self._release()
+            # After a graceful stop, whatever is still pending under this consumer goes back
+            # to the group: samples cancelled or never started, results the writer could not
+            # write by the drain deadline, suspects let go after a Redis error, a claim that
+            # landed late (if Redis is away, they are reclaimed after reclaim_idle_ms). Not
+            # after a failure: the entries stay pending and their deliveries count, as after
+            # a crash (a sample that takes the worker down must reach quarantine).
+            if drained:
+                await self._release()
             await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
 
