@@ -87,6 +87,40 @@ async def test_a_twin_with_the_same_consumer_name_does_not_release_the_live_twin
         await client.aclose()
 
 
+async def test_a_worker_refuses_a_consumer_name_a_live_worker_beats_under(redis_url, namespace) -> None:
+    """The guard behind the test above: B, started under the name of live worker A (which
+    refreshes its heartbeat), raises a ConfigError naming the clash rather than run; A's
+    heartbeat stays. A name whose worker died (heartbeat no longer refreshed) is taken."""
+    from stream_reward.errors import ConfigError
+
+    keys = Keys(namespace)
+    client = connect(redis_url)
+    await push_exact(redis_url, namespace, "N", 1)
+    a_scorer = Counting(first=3.0)
+    a = Worker(redis_url, a_scorer, stop_config(namespace, "w1", heartbeat_interval_s=0.2))
+    a_stop = asyncio.Event()
+    a_run = asyncio.ensure_future(a.run(a_stop))
+    try:
+        await asyncio.wait_for(a_scorer.started.wait(), 5)
+        b = Worker(redis_url, Counting(first=0.0), stop_config(namespace, "w1", heartbeat_interval_s=0.2))
+        with pytest.raises(ConfigError, match="in use by a live worker"):
+            await asyncio.wait_for(b.run(asyncio.Event()), 5)
+        await b.aclose()
+        assert await client.hexists(keys.workers(), "w1")
+    finally:
+        a_stop.set()
+        await asyncio.wait_for(a_run, 10)
+        await a.aclose()
+    # A heartbeat left behind (a worker that died): taken after it stops changing.
+    from stream_reward.wire.heartbeat import encode_heartbeat
+
+    await client.hset(keys.workers(), "w2", encode_heartbeat({"host": "gone", "pid": 1, "started": 0.0, "seen": 1.0}))
+    c = Worker(redis_url, Counting(first=0.0), stop_config(namespace, "w2", heartbeat_interval_s=0.2))
+    await asyncio.wait_for(c.run(asyncio.Event(), burst=True), 10)
+    await c.aclose()
+    await client.aclose()
+
+
 # ======================================================================================
 # (2) run() ends by an error: the release takes back the delivery of a crash
 

@@ -39,7 +39,7 @@ import anyio
 from redis.exceptions import ResponseError
 
 from stream_reward.config import SAMPLES_PER_ENTRY, ConsumerConfig
-from stream_reward.errors import BrokerError, CodecError, ScoringError
+from stream_reward.errors import BrokerError, CodecError, ConfigError, ScoringError
 from stream_reward.scoring.scorer import Scorer
 from stream_reward.wire.codec import PROTOCOL_VERSION, decode_trajectory, encode_result
 from stream_reward.wire.connection import (
@@ -66,7 +66,7 @@ from stream_reward.wire.entries import (
     read_header,
     read_members,
 )
-from stream_reward.wire.heartbeat import encode_heartbeat
+from stream_reward.wire.heartbeat import decode_heartbeat, encode_heartbeat
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
@@ -203,6 +203,8 @@ class Worker:
         self._epoch = await with_reconnect(
             lambda: join_namespace(client, self.keys), what="join namespace", give_up_after_s=None, stop=stop
         )
+        if not await self._name_is_free(stop):
+            return  # stopped before it began: nothing read, nothing held
         log.info(
             "worker %s joined group %r of namespace %r (%d partitions, concurrency %d)",
             self.config.consumer,
@@ -276,6 +278,38 @@ class Worker:
                 await self._release()
             await self._farewell()
         log.info("worker %s stopped: %s", self.config.consumer, self.stats.as_dict())
+
+    async def _name_is_free(self, stop: asyncio.Event) -> bool:
+        """Refuse (ConfigError) a consumer name that a live worker heartbeats under: two
+        workers under one name share one pending list, and the stop of either would release
+        the other's entries to peers while it scores them. A heartbeat left by a worker that
+        died stops changing: wait that long (about two intervals) to tell the two apart.
+        False if ``stop`` is set meanwhile."""
+        key, name = self.keys.workers(), self.config.consumer
+        me = (self._host, os.getpid(), self._started)
+        loop = asyncio.get_running_loop()
+        patience = 2 * self.config.heartbeat_interval_s + 0.5
+        first_seen = None
+        give_up = loop.time() + patience
+        while not stop.is_set():
+            try:
+                beat = decode_heartbeat(raw) if (raw := await self._client.hget(key, name)) else None
+            except REDIS_ERRORS:
+                beat = None  # the check is a guard against misconfiguration, not a lock
+            if beat is None or (beat.get("host"), beat.get("pid"), beat.get("started")) == me:
+                return True
+            if first_seen is None:
+                first_seen = beat.get("seen")
+            elif beat.get("seen") != first_seen:
+                raise ConfigError(
+                    "consumer",
+                    f"{name!r} is in use by a live worker (host {beat.get('host')}, pid {beat.get('pid')}); "
+                    "give each worker its own name (the default, host-pid, is)",
+                )
+            if loop.time() >= give_up:
+                return True  # it stopped beating: a worker that died, whose entries are reclaimed
+            await _sleep_unless(stop, min(0.5, self.config.heartbeat_interval_s / 2))
+        return False
 
     def _begin_run(self) -> None:
         """Reset what a run's stop leaves behind, so that a Worker may run again: the last
