@@ -26,6 +26,7 @@ GETKEYS, a second round trip) before every read.
 
 from __future__ import annotations
 
+import io
 from typing import Any, cast
 
 import msgpack
@@ -104,34 +105,60 @@ def read_members(fields: dict[Any, Any]) -> list[Member] | None:
     return out if out and total == len(data) else None
 
 
+# The first byte of a msgpack map: where a payload can start.
+_MAP_FIRST = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+# An entry without headers is split by scanning its bytes: bounded work for a hostile one
+# (its size, and how many map-like starts may fail to parse before the split gives up).
+_SPLIT_MAX_BYTES = 1 << 20
+_SPLIT_MAX_MISSES = 1024
+
+
 def members_from_payloads(data: Any) -> list[tuple[int, Member | None]] | None:
-    """The samples of an entry whose headers are lost, from its payloads: msgpack values
-    back to back, each a map naming its batch, index and uid. Each payload's size and its
-    header, or None for one that names no sample (it is dead-lettered alone, and bytes
-    past a value that cannot be read make one such payload). None unless there are two or
-    more payloads and one names a sample: otherwise the entry is read whole, as one."""
-    if not isinstance(data, (bytes, bytearray)):
+    """The samples of an entry whose headers are lost, from its payloads: msgpack maps back
+    to back, each naming its batch, index and uid. Each part's size and its header, or
+    None for bytes that name no sample (dead-lettered alone): past such bytes the scan
+    goes on at the next map that names one, so junk takes no good sample with it. None
+    unless there are two or more parts and one names a sample: the entry is read whole."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > _SPLIT_MAX_BYTES:
         return None
-    unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(data)
+    source = io.BytesIO(data)
     out: list[tuple[int, Member | None]] = []
-    at = 0
-    try:
-        for obj in unpacker:
-            end = unpacker.tell()
-            head: Member | None = None
-            if isinstance(obj, dict):
-                batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
-                if _names_a_sample(batch, index, uid):
-                    head = cast(Member, (batch, index, uid, end - at))
-            out.append((end - at, head))
-            at = end
-    except Exception:  # garbage: what follows cannot be split
-        pass
-    if at < len(data):
-        out.append((len(data) - at, None))
+    at, junk, size, misses = 0, -1, len(data), 0
+    while at < size:
+        found = _sample_at(source, data, at) if data[at] in _MAP_FIRST else None
+        if found is None:
+            misses += data[at] in _MAP_FIRST
+            if misses > _SPLIT_MAX_MISSES:
+                return None
+            junk = at if junk < 0 else junk
+            at += 1
+            continue
+        head, end = found
+        if junk >= 0:
+            out.append((at - junk, None))
+            junk = -1
+        out.append((end - at, head))
+        at = end
+    if junk >= 0:
+        out.append((size - junk, None))
     named = any(head is not None for _, head in out)
     return out if len(out) > 1 and named else None
+
+
+def _sample_at(source: io.BytesIO, data: bytes | bytearray, at: int) -> tuple[Member, int] | None:
+    """The header of the sample whose payload (a msgpack map naming it) starts at ``at``,
+    and where that payload ends; None if none does."""
+    source.seek(at)
+    unpacker = msgpack.Unpacker(source, raw=False, read_size=4096)
+    try:
+        obj = unpacker.unpack()
+    except Exception:  # garbage
+        return None
+    end = at + unpacker.tell()
+    batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
+    if not _names_a_sample(batch, index, uid):
+        return None
+    return cast(Member, (batch, index, uid, end - at)), end
 
 
 def member_fields(
