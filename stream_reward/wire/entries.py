@@ -154,6 +154,8 @@ def _sample_at(source: io.BytesIO, data: bytes | bytearray, at: int) -> tuple[Me
         obj = unpacker.unpack()
     except Exception:  # garbage
         return None
+    if not isinstance(obj, dict):
+        return None
     end = at + unpacker.tell()
     batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
     if not _names_a_sample(batch, index, uid):
