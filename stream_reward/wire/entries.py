@@ -27,6 +27,7 @@ GETKEYS, a second round trip) before every read.
 from __future__ import annotations
 
 import io
+import re
 from typing import Any, cast
 
 import msgpack
@@ -105,62 +106,101 @@ def read_members(fields: dict[Any, Any]) -> list[Member] | None:
     return out if out and total == len(data) else None
 
 
-# The first byte of a msgpack map: where a payload can start.
-_MAP_FIRST = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
-# An entry without headers is split by scanning its bytes: bounded work for a hostile one
-# (its size, and how many map-like starts may fail to parse before the split gives up).
+# Where a payload can start: the first byte of a msgpack map.
+_MAP_START = re.compile(b"[\x80-\x8f\xde\xdf]")
+# An entry without headers is split by scanning its bytes. Bounded work for a hostile one:
+# its size, and the bytes its parses may read in all (a multiple of its size).
 _SPLIT_MAX_BYTES = 1 << 20
-_SPLIT_MAX_MISSES = 1024
+_SPLIT_READ_FACTOR = 4
 
 
 def members_from_payloads(data: Any) -> list[tuple[int, Member | None]] | None:
     """The samples of an entry whose headers are lost, from its payloads: msgpack maps back
     to back, each naming its batch, index and uid. Each part's size and its header, or
-    None for bytes that name no sample (dead-lettered alone): past such bytes the scan
-    goes on at the next map that names one, so junk takes no good sample with it. None
-    unless there are two or more parts and one names a sample: the entry is read whole."""
+    None for bytes that name no sample (dead-lettered alone; a whole value that names
+    none is skipped whole, never searched inside). The scan goes on at the next map that
+    names a sample, so junk takes no good sample with it.
+
+    None (the entry is read whole, as one sample) unless there are two or more parts and
+    one names a sample; and None where the split would be a guess: a sample's map that
+    holds another sample's map (a truncated payload that swallowed the next one, or a
+    payload that carries one), or a scan past its budget."""
     if not isinstance(data, (bytes, bytearray)) or len(data) > _SPLIT_MAX_BYTES:
         return None
-    source = io.BytesIO(data)
+    scan = _Scan(data)
     out: list[tuple[int, Member | None]] = []
-    at, junk, size, misses = 0, -1, len(data), 0
+    at, junk, size = 0, -1, len(data)
     while at < size:
-        found = _sample_at(source, data, at) if data[at] in _MAP_FIRST else None
-        if found is None:
-            misses += data[at] in _MAP_FIRST
-            if misses > _SPLIT_MAX_MISSES:
+        found = scan.value_at(at) if data[at] in _MAP_FIRST else None
+        if found is not None and found[0] is not None:
+            head, end = found
+            if scan.holds_a_sample(at + 1, end):
                 return None
-            junk = at if junk < 0 else junk
-            at += 1
+            if junk >= 0:
+                out.append((at - junk, None))
+                junk = -1
+            out.append((end - at, head))
+            at = end
             continue
-        head, end = found
-        if junk >= 0:
-            out.append((at - junk, None))
-            junk = -1
-        out.append((end - at, head))
-        at = end
+        if scan.over_budget:
+            return None
+        junk = at if junk < 0 else junk
+        # Past a whole value that names no sample (never inside it), else past this byte;
+        # then on to the next byte a map can start at.
+        at = found[1] if found is not None else at + 1
+        next_map = _MAP_START.search(data, at)
+        at = next_map.start() if next_map else size
     if junk >= 0:
         out.append((size - junk, None))
     named = any(head is not None for _, head in out)
     return out if len(out) > 1 and named else None
 
 
-def _sample_at(source: io.BytesIO, data: bytes | bytearray, at: int) -> tuple[Member, int] | None:
-    """The header of the sample whose payload (a msgpack map naming it) starts at ``at``,
-    and where that payload ends; None if none does."""
-    source.seek(at)
-    unpacker = msgpack.Unpacker(source, raw=False, read_size=4096)
-    try:
-        obj = unpacker.unpack()
-    except Exception:  # garbage
-        return None
-    if not isinstance(obj, dict):
-        return None
-    end = at + unpacker.tell()
-    batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
-    if not _names_a_sample(batch, index, uid):
-        return None
-    return cast(Member, (batch, index, uid, end - at)), end
+_MAP_FIRST = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+
+class _Scan:
+    """Parses single msgpack values of ``data`` at given offsets, counting the bytes read."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = data
+        self.source = io.BytesIO(data)
+        self.read = 0
+        self.budget = _SPLIT_READ_FACTOR * len(data) + 65536
+
+    @property
+    def over_budget(self) -> bool:
+        return self.read > self.budget
+
+    def value_at(self, at: int) -> tuple[Member | None, int] | None:
+        """The sample the value at ``at`` names (or None) and where the value ends; None
+        if no whole value starts there (or the budget is spent)."""
+        if self.over_budget:
+            return None
+        self.source.seek(at)
+        unpacker = msgpack.Unpacker(self.source, raw=False, strict_map_key=False, read_size=1024)
+        try:
+            obj = unpacker.unpack()
+        except Exception:  # garbage, or cut short
+            return None
+        finally:
+            self.read += self.source.tell() - at
+        end = at + unpacker.tell()
+        if not isinstance(obj, dict):
+            return None, end
+        batch, index, uid = obj.get("b"), obj.get("i"), obj.get("u")
+        if not _names_a_sample(batch, index, uid):
+            return None, end
+        return cast(Member, (batch, index, uid, end - at)), end
+
+    def holds_a_sample(self, start: int, end: int) -> bool:
+        """Whether a map naming a sample starts anywhere in ``data[start:end]`` (or the
+        budget ran out looking: then it is taken as so)."""
+        for match in _MAP_START.finditer(self.data, start, end):
+            found = self.value_at(match.start())
+            if self.over_budget or (found is not None and found[0] is not None):
+                return True
+        return False
 
 
 def member_fields(
