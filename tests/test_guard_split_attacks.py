@@ -112,8 +112,8 @@ async def test_garbage_in_the_heartbeat_hash_does_not_stop_the_worker(redis_url,
 
 
 async def test_a_live_twin_with_a_longer_heartbeat_interval_is_refused(redis_url, namespace) -> None:
-    """Twin A beats every 3 s; B (0.2 s) waits only 2*0.2+0.5 s for A's `seen` to change,
-    sees none, and takes the live name."""
+    """Twin A beats every 3 s; B (0.2 s) waited only 2*0.2+0.5 s for A's `seen` to change,
+    saw none, and took the live name. B must wait on A's interval (in its heartbeat)."""
     await push_exact(redis_url, namespace, "N", 1)
     a_scorer = Counting(first=8.0)
     a = Worker(redis_url, a_scorer, stop_config(namespace, "w1", heartbeat_interval_s=3.0))
@@ -128,7 +128,8 @@ async def test_a_live_twin_with_a_longer_heartbeat_interval_is_refused(redis_url
         try:
             with pytest.raises(ConfigError, match="in use by a live worker"):
                 b_run = asyncio.ensure_future(b.run(b_stop))
-                done, _ = await asyncio.wait({b_run}, timeout=2.5)
+                # A live worker shows itself by its next beat: up to one of A's intervals.
+                done, _ = await asyncio.wait({b_run}, timeout=7.0)
                 if not done:  # B took the name: it is running next to live A
                     b_stop.set()
                     await asyncio.wait_for(b_run, 10)

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import random
 import socket
@@ -283,24 +284,31 @@ class Worker:
         """Refuse (ConfigError) a consumer name that a live worker heartbeats under: two
         workers under one name share one pending list, and the stop of either would release
         the other's entries to peers while it scores them. A heartbeat left by a worker that
-        died stops changing: wait that long (about two intervals) to tell the two apart.
-        False if ``stop`` is set meanwhile."""
+        died stops changing: wait about two of its intervals to tell the two apart (a value
+        that is not a heartbeat is no worker). False if ``stop`` is set meanwhile."""
         key, name = self.keys.workers(), self.config.consumer
         me = (self._host, os.getpid(), self._started)
         loop = asyncio.get_running_loop()
-        patience = 2 * self.config.heartbeat_interval_s + 0.5
-        first_seen = None
-        give_up = loop.time() + patience
+        first_seen: float | None = None
+        give_up = 0.0
         while not stop.is_set():
             try:
                 beat = decode_heartbeat(raw) if (raw := await self._client.hget(key, name)) else None
             except REDIS_ERRORS:
                 beat = None  # the check is a guard against misconfiguration, not a lock
-            if beat is None or (beat.get("host"), beat.get("pid"), beat.get("started")) == me:
+            seen = beat.get("seen") if beat is not None else None
+            if not (isinstance(seen, (int, float)) and math.isfinite(seen)) or beat is None:
+                return True
+            if (beat.get("host"), beat.get("pid"), beat.get("started")) == me:
                 return True
             if first_seen is None:
-                first_seen = beat.get("seen")
-            elif beat.get("seen") != first_seen:
+                first_seen = seen
+                # Its interval, not ours: a twin that beats less often than this worker
+                # would look dead after two of our intervals.
+                theirs = beat.get("interval_s")
+                theirs = theirs if isinstance(theirs, (int, float)) and 0 < theirs <= 60 else 0.0
+                give_up = loop.time() + 2 * max(self.config.heartbeat_interval_s, theirs) + 0.5
+            elif seen != first_seen:
                 raise ConfigError(
                     "consumer",
                     f"{name!r} is in use by a live worker (host {beat.get('host')}, pid {beat.get('pid')}); "
@@ -1147,6 +1155,7 @@ class Worker:
             "pid": os.getpid(),
             "started": self._started,
             "seen": now,
+            "interval_s": self.config.heartbeat_interval_s,
             "group": self.config.group,
             "partitions": self.keys.partitions,
             "scorer": getattr(self.scorer, "name", type(self.scorer).__name__),

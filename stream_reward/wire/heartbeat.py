@@ -40,7 +40,7 @@ def decode_heartbeat(packed: bytes) -> dict[str, Any] | None:
     """The record, or None for a value that is not a heartbeat (never let one bad value hide the others)."""
     try:
         beat = _text_tree(msgpack.unpackb(packed, raw=False))
-    except (ValueError, msgpack.UnpackException):
+    except (ValueError, msgpack.UnpackException, RecursionError):  # RecursionError: nested past Python's limit
         return None
     return beat if isinstance(beat, dict) else None
 
