@@ -1249,13 +1249,17 @@ async def _awaited(work: Coroutine[Any, Any, None]) -> None:
 @contextlib.contextmanager
 def _sole_error() -> Iterator[None]:
     """Raise a task group's only error as itself, as asyncio.TaskGroup did for an error of its
-    body, so that callers keep catching BrokerError & co. Several errors stay a group."""
+    body, so that callers keep catching BrokerError & co; through nested groups too (the
+    background loops run in a group of their own). Several errors stay a group."""
     try:
         yield
     except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+        sole: BaseException = group
+        while isinstance(sole, BaseExceptionGroup) and len(sole.exceptions) == 1:
+            sole = sole.exceptions[0]
+        if sole is group:
+            raise
+        raise sole from None
 
 
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
