@@ -171,6 +171,8 @@ class Worker:
         self._per_entry = SAMPLES_PER_ENTRY
         self._group_name = self.config.group.encode()
         self._stopping = False
+        self._fatal: BaseException | None = None  # what ends run() as a crash would (see _die)
+        self._fatal_set = asyncio.Event()
         self._reader_active = False  # while the reader reads new entries: what _spill adds gets read
         self._writer_idle = asyncio.Event()
         self._reading = asyncio.Event()  # cleared while suspects are scored alone
@@ -225,6 +227,7 @@ class Worker:
         # The writer is not in the task group: with Redis away it may retry for ever, and
         # shutdown must not wait on it past the drain deadline (see _stop_writer).
         writer = asyncio.create_task(self._writer(writer_stop))
+        writer.add_done_callback(self._task_done)  # a writer that dies of an error fails run()
         drained = False
         # The housekeeper, the reclaimer and the stop watcher, cancelled together.
         background = anyio.CancelScope()
@@ -237,6 +240,7 @@ class Worker:
                         self._housekeeper(closing),
                         self._reclaimer(reading_done),
                         self._watch_stop(stop, reading_done),
+                        self._watch_fatal(),
                     )
                     try:
                         self._reader_active = True
@@ -293,8 +297,9 @@ class Worker:
         give_up = 0.0
         while not stop.is_set():
             try:
-                beat = decode_heartbeat(raw) if (raw := await self._client.hget(key, name)) else None
-            except REDIS_ERRORS:
+                raw = await asyncio.wait_for(self._client.hget(key, name), timeout=2.0)
+                beat = decode_heartbeat(raw) if raw else None
+            except (asyncio.TimeoutError, *REDIS_ERRORS):
                 beat = None  # the check is a guard against misconfiguration, not a lock
             seen = beat.get("seen") if beat is not None else None
             if not (isinstance(seen, (int, float)) and math.isfinite(seen)) or beat is None:
@@ -322,6 +327,8 @@ class Worker:
     def _begin_run(self) -> None:
         """Reset what a run's stop leaves behind, so that a Worker may run again: the last
         run finished or released every entry it held (its stats and stale notes carry on)."""
+        self._fatal = None
+        self._fatal_set = asyncio.Event()
         self._stopping = False
         self._stopped = asyncio.Event()
         self._renewals_over = False
@@ -649,6 +656,23 @@ class Worker:
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._task_entries.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            # _score turns every Exception into a failed result: this is a BaseException (or
+            # a bug past it), and its sample will never settle here. (Or the writer died.)
+            self._die(cast(BaseException, task.exception()))
+
+    def _die(self, exc: BaseException) -> None:
+        """A scoring task or the writer ended by an error nothing here can settle: run()
+        raises it (see _watch_fatal), as a crash would end the process. Its entries stay
+        pending and their deliveries count, rather than be renewed for ever by a worker
+        that will never settle them."""
+        if self._fatal is None:
+            self._fatal = exc
+            self._fatal_set.set()
+
+    async def _watch_fatal(self) -> None:
+        await self._fatal_set.wait()
+        raise cast(BaseException, self._fatal)
 
     # ------------------------------------------------------------------ scoring
     async def _score(self, partition: int, entry_id: bytes, traj: Trajectory) -> None:
