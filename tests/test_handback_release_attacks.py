@@ -8,6 +8,7 @@ holds. Interleavings are forced with wrapped client methods; crashes are real SI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import signal
 from collections import Counter
@@ -81,6 +82,18 @@ async def one_result_each(client, keys: Keys, batch: str, n: int, group: str = "
         f"batch {batch!r} of group {group!r}: results by index {dict(by_index)} (want one for each of 0..{n - 1})"
     )
     return got
+
+
+async def settle(client, keys: Keys, batch: str, n: int, timeout_s: float) -> None:
+    """Wait (up to ``timeout_s``) for ``n`` results of ``batch`` and nothing pending; then
+    assert one result each."""
+
+    async def all_in() -> bool:
+        return len(await results(client, keys, batch)) >= n and await pending_count(client, keys) == 0
+
+    with contextlib.suppress(AssertionError):
+        await wait_until(all_in, timeout_s=timeout_s)
+    await one_result_each(client, keys, batch, n)
 
 
 async def pending_count(client, keys: Keys, group: str = "scorers") -> int:
@@ -180,14 +193,7 @@ async def test_samples_handed_back_to_a_worker_that_also_dies_are_scored_once_by
         assert not await results(client, keys, "h"), "scored before the kills: the test lost its race"
         (survivor,) = spawn_workers(1, *LOGGED, "--reclaim-idle-ms", "600", "--concurrency", "8")
 
-        async def all_in() -> bool:
-            return len(await results(client, keys, "h")) >= 4 and await pending_count(client, keys) == 0
-
-        try:
-            await wait_until(all_in, timeout_s=12)
-        except AssertionError:
-            pass
-        await one_result_each(client, keys, "h", 4)
+        await settle(client, keys, "h", 4, timeout_s=12)
         by_survivor = Counter(tag for tag, pid in calls_by(log) if pid == survivor.pid)
         assert sorted(by_survivor) == ["0", "1", "2", "3"] and set(by_survivor.values()) == {1}, (
             f"the survivor's scorer calls by sample: {dict(by_survivor)}"
@@ -327,14 +333,7 @@ async def test_two_partitions_with_hand_backs_and_a_sigkilled_holder_lose_nothin
         victim.wait()
         (survivor,) = spawn_workers(1, *args, "--concurrency", "32")
 
-        async def all_in() -> bool:
-            return len(await results(client, keys, "P")) >= 16 and await pending_count(client, keys) == 0
-
-        try:
-            await wait_until(all_in, timeout_s=10)
-        except AssertionError:
-            pass
-        await one_result_each(client, keys, "P", 16)
+        await settle(client, keys, "P", 16, timeout_s=10)
         by_survivor = Counter(tag for tag, pid in calls_by(log) if pid == survivor.pid)
         twice = {t: c for t, c in by_survivor.items() if c > 1}
         assert not twice, f"the survivor scored these samples twice: {twice}"
