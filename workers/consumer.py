@@ -229,7 +229,7 @@ class Worker:
         writer = asyncio.create_task(self._writer(writer_stop))
         writer.add_done_callback(self._task_done)  # a writer that dies of an error fails run()
         drained = False
-        # The housekeeper, the reclaimer and the stop watcher, cancelled together.
+        # The housekeeper, the reclaimer and the stop and failure watchers, cancelled together.
         background = anyio.CancelScope()
         try:
             with _sole_error():
