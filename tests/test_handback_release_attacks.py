@@ -211,25 +211,32 @@ async def _len_at_least(awaitable, n: int) -> bool:
 
 
 # ---------------------------------------------------------------------- requeue reply lost
-async def test_a_lost_requeue_reply_loses_no_sample_and_leaves_nothing_pending(redis_url, namespace) -> None:
-    """The requeue script runs (copies queued, record written) but its reply is lost: the
-    worker scores the rest itself. Every sample must end with exactly one result, the
-    source and every copy acked; scoring twice is the known cost."""
-    keys = Keys(namespace)
+def requeue_replies_lost(redis_url: str, *, every: bool) -> tuple:
+    """A worker's client whose requeue script runs but whose reply is lost (the first time,
+    or ``every`` time), and the list of the replies lost."""
     sha = hashlib.sha1(REQUEUE_SCRIPT.encode()).hexdigest()
     wc = connect(redis_url)
-    client = connect(redis_url)
     original = wc.evalsha
     lost: list = []
 
     async def evalsha(script_sha, numkeys, *args):
         reply = await original(script_sha, numkeys, *args)
-        if script_sha == sha and not lost:
+        if script_sha == sha and (every or not lost):
             lost.append(reply)
             raise RedisConnectionError("the requeue reply was lost")
         return reply
 
     wc.evalsha = evalsha
+    return wc, lost
+
+
+async def test_a_lost_requeue_reply_loses_no_sample_and_leaves_nothing_pending(redis_url, namespace) -> None:
+    """The requeue script runs (copies queued, record written) but its reply is lost: the
+    worker scores the rest itself. Every sample must end with exactly one result, the
+    source and every copy acked; scoring twice is the known cost."""
+    keys = Keys(namespace)
+    wc, lost = requeue_replies_lost(redis_url, every=False)
+    client = connect(redis_url)
     try:
         await push(redis_url, namespace, [exact_traj("L", i) for i in range(6)], k=6)
         scorer = Delays(default=0.1)
@@ -251,20 +258,8 @@ async def test_a_lost_requeue_reply_then_a_graceful_stop_loses_no_sample(redis_u
     The peer that takes it leaves the recorded samples to their copies; every sample still
     gets one result."""
     keys = Keys(namespace)
-    sha = hashlib.sha1(REQUEUE_SCRIPT.encode()).hexdigest()
-    wc = connect(redis_url)
+    wc, lost = requeue_replies_lost(redis_url, every=True)
     client = connect(redis_url)
-    original = wc.evalsha
-    lost: list = []
-
-    async def evalsha(script_sha, numkeys, *args):
-        reply = await original(script_sha, numkeys, *args)
-        if script_sha == sha:
-            lost.append(reply)
-            raise RedisConnectionError("the requeue reply was lost")
-        return reply
-
-    wc.evalsha = evalsha
     try:
         await push(redis_url, namespace, [exact_traj("S", i) for i in range(4)], k=4)
         w1 = Worker(redis_url, Delays(default=3.0), cfg(namespace, "w1"), client=wc)

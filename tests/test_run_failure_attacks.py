@@ -188,6 +188,19 @@ async def test_a_redis_error_creating_the_group_is_raised_as_itself(redis_url, n
 # (3) a stop while Redis hangs
 
 
+async def returns_after_stop(w: Worker, run: asyncio.Future, stop: asyncio.Event, what: str) -> None:
+    """Set ``stop``; ``run`` (w.run) must be back within the drain deadline (0.3 s) + 5.5 s."""
+    stop.set()
+    t0 = time.monotonic()
+    done, _ = await asyncio.wait([run], timeout=0.3 + 5.5)
+    try:
+        assert done, f"run() not back {time.monotonic() - t0:.1f} s after {what}"
+    finally:
+        run.cancel()
+        await asyncio.wait([run], timeout=2)
+        await w.aclose()
+
+
 async def test_a_stop_during_the_name_check_returns_while_redis_hangs(redis_url, namespace) -> None:
     """Redis stops answering (every command blocks) as the worker checks its name; the stop
     must still end run() within drain_timeout_s + ~5 s."""
@@ -201,15 +214,7 @@ async def test_a_stop_during_the_name_check_returns_while_redis_hangs(redis_url,
     stop = asyncio.Event()
     run = asyncio.ensure_future(w.run(stop))
     await asyncio.sleep(0.5)
-    stop.set()
-    t0 = time.monotonic()
-    done, _ = await asyncio.wait([run], timeout=0.3 + 5.5)
-    try:
-        assert done, f"run() not back {time.monotonic() - t0:.1f} s after a stop during the name check (HGET hangs)"
-    finally:
-        run.cancel()
-        await asyncio.wait([run], timeout=2)
-        await w.aclose()
+    await returns_after_stop(w, run, stop, "a stop during the name check (HGET hangs)")
 
 
 async def test_a_stop_mid_run_returns_while_redis_hangs(redis_url, namespace) -> None:
@@ -229,15 +234,7 @@ async def test_a_stop_mid_run_returns_while_redis_hangs(redis_url, namespace) ->
     await asyncio.sleep(0.1)
     hang.set()
     await asyncio.sleep(0.2)
-    stop.set()
-    t0 = time.monotonic()
-    done, _ = await asyncio.wait([run], timeout=0.3 + 5.5)
-    try:
-        assert done, f"run() not back {time.monotonic() - t0:.1f} s after a stop with Redis hanging"
-    finally:
-        run.cancel()
-        await asyncio.wait([run], timeout=2)
-        await w.aclose()
+    await returns_after_stop(w, run, stop, "a stop with Redis hanging")
 
 
 # ======================================================================================
