@@ -151,20 +151,26 @@ async def undelivered_samples(client, keys: Keys, group: str = "scorers") -> int
 
 
 @contextlib.asynccontextmanager
+async def started(worker) -> AsyncIterator:
+    """``worker`` running in this loop until the block ends (then stopped, drained, closed)."""
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(worker.run(stop))
+    try:
+        yield worker
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await worker.aclose()
+
+
+@contextlib.asynccontextmanager
 async def running_worker(url: str, ns: str, scorer, client=None, **cfg) -> AsyncIterator:
     """A worker running in this loop until the block ends (then stopped and drained)."""
     from workers.consumer import Worker
 
-    stop = asyncio.Event()
     config = ConsumerConfig(namespace=ns, **{"block_ms": 20, "drain_timeout_s": 0.3, **cfg})
-    w = Worker(url, scorer, config, client=client)
-    task = asyncio.ensure_future(w.run(stop))
-    try:
+    async with started(Worker(url, scorer, config, client=client)) as w:
         yield w
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await w.aclose()
 
 
 class Counting:

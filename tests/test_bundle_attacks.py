@@ -4,12 +4,11 @@ quarantine sample by sample, stops mid-entry, and max_backlog counted in samples
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import random
 
 import pytest
-from helpers import Timed, exact_traj, identity_score, running_worker, samples_of, undelivered_samples
+from helpers import Timed, exact_traj, identity_score, running_worker, samples_of, started, undelivered_samples
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -900,10 +899,10 @@ async def test_a_redis_blip_during_a_quarantine_does_not_strand_the_entry(redis_
 
             setattr(wc, failing, flaky)
             cfg = dict(namespace=namespace, block_ms=20, concurrency=4, reclaim_idle_ms=300, drain_timeout_s=0.5)
-            async with _worker_with_client(redis_url, wc, Ident(0.01), ConsumerConfig(consumer="w1", **cfg)):
+            async with started(Worker(redis_url, Ident(0.01), ConsumerConfig(consumer="w1", **cfg), client=wc)):
                 await wait_until(lambda: asyncio.sleep(0, bool(blips)), timeout_s=10)
                 # A peer joins: it may take whatever w1 does not hold on to.
-                async with _worker_with_client(redis_url, None, Ident(0.01), ConsumerConfig(consumer="peer", **cfg)):
+                async with started(Worker(redis_url, Ident(0.01), ConsumerConfig(consumer="peer", **cfg))):
 
                     async def done() -> bool:
                         return (
@@ -919,19 +918,6 @@ async def test_a_redis_blip_during_a_quarantine_does_not_strand_the_entry(redis_
             assert rewards.status == ["ok"] * n
     finally:
         await client.aclose()
-
-
-@contextlib.asynccontextmanager
-async def _worker_with_client(url: str, client, scorer, config: ConsumerConfig):
-    stop = asyncio.Event()
-    w = Worker(url, scorer, config, client=client)
-    task = asyncio.ensure_future(w.run(stop))
-    try:
-        yield w
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await w.aclose()
 
 
 async def _eventually(predicate, timeout_s: float) -> bool:

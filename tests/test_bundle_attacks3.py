@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 
 import pytest
-from helpers import Timed, exact_traj, identity_score, undelivered_samples, wait_until
+from helpers import Timed, exact_traj, identity_score, started, undelivered_samples, wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -31,18 +31,6 @@ class SlowFlush(Worker):
         if self.flush_s:
             await asyncio.sleep(self.flush_s)
         await super()._flush(batch)
-
-
-@contextlib.asynccontextmanager
-async def started(worker: Worker):
-    stop = asyncio.Event()
-    task = asyncio.ensure_future(worker.run(stop))
-    try:
-        yield worker
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await worker.aclose()
 
 
 async def finish_with_burst(redis_url: str, namespace: str, scorer, **cfg) -> None:
