@@ -10,14 +10,13 @@ client splits by node and sends to the nodes concurrently.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -29,7 +28,7 @@ from stream_reward.errors import (
     PushConflictError,
     StateLostError,
 )
-from stream_reward.trainer.coalescer import Coalescer
+from stream_reward.trainer.coalescer import Coalescer, Verdict
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.batch_meta import BatchMeta
@@ -112,17 +111,24 @@ class _Entry:
         return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, self.implied)
 
 
+# Where score() awaits a sample's result: its listener, result future, partition, batch id,
+# uid and timeout (what the push's verdict callback needs).
+_Awaited = tuple[ResultListener, "asyncio.Future[ScoreResult]", int, str, str, "float | None"]
+
+
 @dataclass(slots=True)
 class _Sent:
     """A push handed to the coalescer: its entries, the uids it reserved, how many it
-    counted into the backlog estimate, and the future of its verdicts."""
+    counted into the backlog estimate, and what gets its verdicts (a future; score()'s
+    Verdict, which calls back at once)."""
 
     entries: list[_Entry]
     reserved: list[tuple[set[str], str]]
     counted: int
-    verdicts: asyncio.Future[list[int]]
+    verdicts: asyncio.Future[list[int]] | Verdict[list[int]] | None = None
     settled: bool = False  # the verdicts were applied (once: by score()'s callback or itself)
     error: BaseException | None = None  # what the push raised or was refused with
+    awaited: _Awaited | None = None  # score()'s sample: for the verdict callback
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -304,27 +310,25 @@ class RolloutProducer:
         fut = listener.expect(traj.batch_id, traj.uid, [part], self.keys, group=self.config.group, landed=False)
         sent: _Sent | None = None
         try:
-            sent = await self._submit((traj,))
-            if sent is None:  # pragma: no cover  # one trajectory always makes one entry
-                raise AssertionError("nothing to push")
             # One wait per sample, not two: the push's verdict reaches the result future by a
             # callback (a refusal or a broker error fails it), and its timeout starts only once
             # the sample is queued, so ResultTimeoutError always means "queued, not yet scored".
-            sent.verdicts.add_done_callback(
-                functools.partial(self._pushed_for_score, listener, sent, fut, part, traj.batch_id, traj.uid, timeout_s)
-            )
+            sent = await self._submit((traj,), (listener, fut, part, traj.batch_id, traj.uid, timeout_s))
+            if sent is None:  # pragma: no cover  # one trajectory always makes one entry
+                raise AssertionError("nothing to push")
             result = await fut
             # A result can come before the verdict: one the listener already held for this uid
             # (an earlier push of it, maybe with other content). It counts only if the push
             # did not contradict that sample.
-            if not sent.verdicts.done():
-                await asyncio.wait((sent.verdicts,))
+            verdicts = cast(Verdict[list[int]], sent.verdicts)
+            if not verdicts.done():
+                await verdicts.wait()
             error = self._applied(sent)
             if error is not None:
                 raise error
             return result
         finally:
-            if sent is not None and not sent.verdicts.done():
+            if sent is not None and sent.verdicts is not None and not sent.verdicts.done():
                 sent.verdicts.cancel()  # not yet in a flush: skipped (the callback releases its uid)
             if not fut.done():
                 fut.cancel()
@@ -339,6 +343,7 @@ class RolloutProducer:
         if not sent.settled:
             sent.settled = True
             verdicts = sent.verdicts
+            assert verdicts is not None  # set at submit, before anyone can settle it
             if verdicts.cancelled():
                 self._unreserve(sent, given_up=True)
                 sent.error = asyncio.CancelledError()
@@ -352,17 +357,10 @@ class RolloutProducer:
                     sent.error = exc
         return sent.error
 
-    def _pushed_for_score(
-        self,
-        listener: ResultListener,
-        sent: _Sent,
-        fut: asyncio.Future[ScoreResult],
-        partition: int,
-        batch_id: str,
-        uid: str,
-        timeout_s: float | None,
-        verdicts: asyncio.Future[list[int]],
-    ) -> None:
+    def _pushed_for_score(self, sent: _Sent) -> None:
+        """score()'s push has its verdict (the Verdict calls this at once)."""
+        listener, fut, partition, batch_id, uid, timeout_s = cast(_Awaited, sent.awaited)
+        verdicts = cast(Verdict[list[int]], sent.verdicts)
         error = self._applied(sent)
         if fut.done() or verdicts.cancelled():
             return
@@ -394,16 +392,17 @@ class RolloutProducer:
         if sent is None:
             return 0
         try:
-            verdicts = await sent.verdicts
+            verdicts = await cast("asyncio.Future[list[int]]", sent.verdicts)
         except BaseException as exc:
             self._unreserve(sent, given_up=isinstance(exc, asyncio.CancelledError))
             raise
         self._settle(sent, verdicts)
         return len(sent.entries)
 
-    async def _submit(self, trajs: Iterable[Trajectory]) -> _Sent | None:
+    async def _submit(self, trajs: Iterable[Trajectory], awaited: _Awaited | None = None) -> _Sent | None:
         """Check and encode ``trajs`` and hand them to the coalescer; returns before the
-        flush, with the future of their verdicts (None for no trajectories)."""
+        flush, with the future of their verdicts (None for no trajectories). With
+        ``awaited`` (score()), a Verdict that calls _pushed_for_score instead."""
         entries: list[_Entry] = []
         reserved: list[tuple[set[str], str]] = []
         counted = 0  # entries counted into the backlog estimate
@@ -460,7 +459,11 @@ class RolloutProducer:
                     max_delay_s=self.config.coalesce_delay_s,
                     max_in_flight=self.config.coalesce_in_flight,
                 )
-            return _Sent(entries, reserved, counted, self._coalescer.submit_nowait(entries))
+            sent = _Sent(entries, reserved, counted, awaited=awaited)
+            sent.verdicts = self._coalescer.submit_nowait(
+                entries, Verdict(self._pushed_for_score, sent) if awaited is not None else None
+            )
+            return sent
         except BaseException:
             self._release(reserved, counted)
             raise
