@@ -366,6 +366,32 @@ def test_status_table_never_shows_the_password(
         assert text in table
 
 
+def test_status_table_says_what_it_counts_when_an_entry_holds_several_samples(redis_url: str, namespace: str) -> None:
+    """Lag and pending are Redis's, in stream entries; with 4 samples to an entry, a table
+    that showed them unlabelled next to sample counts read 4x too low as a backlog."""
+    from rich.console import Console
+
+    from stream_reward.ops.status import render_status
+
+    async def setup() -> dict[str, Any]:
+        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, samples_per_entry=4)) as producer:
+            await producer.open_batch("four", 8, 16)
+            await producer.push_many([gsm8k("four", i) for i in range(8)])
+        return await read_status(redis_url, namespace, window_s=0)
+
+    status = asyncio.run(setup())
+    console = Console(record=True, width=240, color_system=None)
+    render_status(status, console)
+    text = console.export_text()
+    (stream,) = status["streams"]
+    assert (stream["length"], stream["samples_pushed"]) == (2, 8)
+    assert "streams (entries, added, lag, pending: stream entries, of several samples each)" in text
+    header = next(line for line in text.splitlines() if "stream" in line and "group" in line)
+    assert [c.strip() for c in header.split("┃")[1:5]] == ["stream", "entries", "added", "samples"], header
+    row = next(line for line in text.splitlines() if stream["stream"] in line)
+    assert [c.strip() for c in row.split("│")[2:5]] == ["2", "2", "8"], row
+
+
 def test_status_throughput_from_heartbeat_deltas(redis_url: str, namespace: str) -> None:
     keys = Keys(namespace)
 

@@ -378,18 +378,22 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
             f"{t['failed_per_s']:,.1f} failed/s, {t['pushed_per_s']:,.1f} pushed/s"
         )
 
-    table = Table(title="streams", title_justify="left")
-    for col in ("stream", "length", "added", "group", "consumers", "lag", "pending"):
+    # Redis counts a stream's length, lag and pending in entries, and an entry holds up to
+    # samples_per_entry samples: the headers say so, next to the samples pushed.
+    table = Table(
+        title="streams (entries, added, lag, pending: stream entries, of several samples each)", title_justify="left"
+    )
+    for col in ("stream", "entries", "added", "samples", "group", "consumers", "lag", "pending"):
         table.add_column(col, justify="left" if col in ("stream", "group") else "right")
     for s in status["streams"]:
+        counts = (f"{s['length']:,}", f"{s['entries_added']:,}", f"{s.get('samples_pushed', 0):,}")
         if not s["groups"]:
-            table.add_row(s["stream"], str(s["length"]), str(s["entries_added"]), "-", "-", "-", "-")
+            table.add_row(s["stream"], *counts, "-", "-", "-", "-")
         for g in s["groups"]:
             lag = "?" if g["lag"] is None else f"{g['lag']:,}"
             table.add_row(
                 s["stream"],
-                f"{s['length']:,}",
-                f"{s['entries_added']:,}",
+                *counts,
                 g["group"],
                 str(g["consumers"]),
                 lag,
@@ -398,7 +402,7 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
     console.print(table)
 
     if status["consumers"]:
-        table = Table(title="consumers", title_justify="left")
+        table = Table(title="consumers (pending: stream entries; in flight, scored...: samples)", title_justify="left")
         for col in ("name", "state", "host:pid", "beat", "idle", "pending", "in flight", "scored", "failed", "dead"):
             table.add_column(
                 col,
