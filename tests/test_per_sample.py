@@ -347,3 +347,39 @@ async def test_pushes_waiting_for_room_share_one_backlog_reading(redis_url, name
             await client.aclose()
     assert all(isinstance(r, BackpressureError) for r in replies)
     assert stats["cmdstat_xinfo|groups"]["calls"] <= 2  # one reading for all 50, not one each
+
+
+async def test_a_followed_done_stream_is_dropped_only_linger_after_its_last_waiter_left(
+    redis_url, namespace, spawn_workers
+):
+    """The listener stops following a batch's done stream nobody waits on, ``linger_s``
+    after the last waiter left: not while one waits (however long), not at once after."""
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
+        await producer.open_batch("lin", 2, 8)
+        await producer.push(traj("lin", 0, True))
+        # No worker yet: a waiter that outlives several lingers and reader turns.
+        waiter = asyncio.ensure_future(agg.result("lin", "lin/0", timeout_s=30))
+        while agg._listener is None or not agg._listener._readers:
+            await asyncio.sleep(0.01)
+        listener = agg._listener
+        listener.linger_s = 0.6
+        (reader,) = listener._readers.values()
+        name = producer.keys.done("lin")
+        await asyncio.sleep(2.2)  # two reader turns (block_ms 1 s), past linger_s with a waiter
+        assert name in reader.streams
+        spawn_workers(1, "--scorer", SCORER)
+        assert (await asyncio.wait_for(waiter, 30)).status == "ok"
+        left = time.monotonic()
+        await asyncio.sleep(0.2)
+        assert name in reader.streams  # the last waiter just left: not yet
+        while name in reader.streams and time.monotonic() - left < 5:
+            await asyncio.sleep(0.05)
+        assert name not in reader.streams
+        assert time.monotonic() - left >= 0.6
+        # Asked again later: read again from the start.
+        await producer.push(traj("lin", 1, True))
+        assert (await agg.result("lin", "lin/0", timeout_s=10)).status == "ok"
+        assert (await agg.result("lin", "lin/1", timeout_s=30)).status == "ok"

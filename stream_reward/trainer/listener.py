@@ -292,20 +292,25 @@ class ResultListener:
     ) -> asyncio.Future[ScoreResult]:
         """Register interest in a result. ``landed=False`` when the sample is not pushed
         yet (its result cannot have been read), which spares keeping what lands."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[ScoreResult] = loop.create_future()
-        key = uid
-        fut._sr_where = []  # type: ignore[attr-defined]  # (followed, uid) pairs to clean up
+        fut: asyncio.Future[ScoreResult] = asyncio.get_running_loop().create_future()
+        where: list[tuple[_Followed, str]] = []  # (followed, uid) pairs to clean up
+        fut._sr_where = where  # type: ignore[attr-defined]
         for p in partitions:
-            followed = self._reader(p, keys).follow(keys.done(batch_id, p, group))
+            reader = self._reader(p, keys)
+            followed = reader.follow(keys.done(batch_id, p, group))
             if landed and not followed.keep:
-                self._reader(p, keys).reread(followed)
-            row = followed.landed.get(key)
-            if row is not None:
-                fut.set_result(stored_result(row))  # type: ignore[arg-type]  # kept only with a header
-                return fut
-            followed.waiters.setdefault(key, []).append(fut)
-            fut._sr_where.append((followed, key))  # type: ignore[attr-defined]
+                reader.reread(followed)
+            if followed.landed:
+                row = followed.landed.get(uid)
+                if row is not None:
+                    fut.set_result(stored_result(row))  # type: ignore[arg-type]  # kept only with a header
+                    return fut
+            waiting = followed.waiters.get(uid)
+            if waiting is None:
+                followed.waiters[uid] = [fut]
+            else:
+                waiting.append(fut)
+            where.append((followed, uid))
         return fut
 
     def reread(self, batch_id: str, partitions: list[int], keys: Keys, *, group: str = DEFAULT_GROUP) -> None:
@@ -320,18 +325,21 @@ class ResultListener:
 
     def forget(self, fut: asyncio.Future[ScoreResult]) -> None:
         """Drop a future from the waiters (resolved, cancelled or timed out)."""
-        now = asyncio.get_running_loop().time()
-        for followed, key in getattr(fut, "_sr_where", ()):
-            futures = followed.waiters.get(key)
-            if futures is not None:
-                try:
-                    futures.remove(fut)
-                except ValueError:
-                    pass
-                if not futures:
-                    del followed.waiters[key]
-            followed.idle_since = now
-        fut._sr_where = []  # type: ignore[attr-defined]
+        where = getattr(fut, "_sr_where", None)
+        if where:
+            for followed, key in where:
+                waiters = followed.waiters
+                futures = waiters.get(key)
+                if futures is not None:
+                    try:
+                        futures.remove(fut)
+                    except ValueError:
+                        pass
+                    if not futures:
+                        del waiters[key]
+                if not waiters:  # idle from now (only a stream nobody waits on is ever dropped)
+                    followed.idle_since = asyncio.get_running_loop().time()
+            fut._sr_where = []  # type: ignore[attr-defined]
         due = self._due.get(getattr(fut, "_sr_tick", -1))
         if due is not None:
             due.pop(fut, None)  # resolved: its timeout no longer holds it
