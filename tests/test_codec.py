@@ -167,3 +167,124 @@ def test_arbitrary_records_decode_or_raise_codec_error(obj):
         return
     assert isinstance(traj.index, int) and traj.index >= 0
     assert isinstance(traj.batch_id, str) and isinstance(traj.data_source, str)
+
+
+# The decoder before its one-expression check (issue 16, 6th pass), kept as the reference:
+# the fast check must accept exactly what it accepted, and name the same fault.
+_REFERENCE_FIELDS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "u": ("uid", (str,)),
+    "b": ("batch_id", (str,)),
+    "i": ("index", (int,)),
+    "ds": ("data_source", (str,)),
+    "p": ("prompt", (str,)),
+    "ids": ("response_ids", (bytes,)),
+    "vl": ("valid_response_length", (int,)),
+    "ml": ("max_response_length", (int,)),
+    "x": ("extra_info", (dict,)),
+    "g": ("group", (str,)),
+    "rm": ("rm_score", (int, float)),
+}
+
+
+def _reference_decode(obj: dict) -> Trajectory:
+    from stream_reward.errors import BadInputError
+
+    for key, value in obj.items():
+        spec = _REFERENCE_FIELDS.get(key)
+        if spec is not None and value is not None and type(value) not in spec[1]:
+            raise CodecError(
+                f"field {spec[0]!r} must be {' or '.join(t.__name__ for t in spec[1])}, got {type(value).__name__}"
+            )
+    for key in ("i", "u", "b", "ds"):
+        if obj.get(key) is None:
+            raise CodecError(f"missing field {_REFERENCE_FIELDS[key][0]!r}")
+    if type(obj.get("r")) is not str:
+        raise BadInputError(f"field 'response' must be a string, got {type(obj.get('r')).__name__}")
+    if obj["i"] < 0:
+        raise CodecError(f"field 'index' must be >= 0, got {obj['i']}")
+    vl = obj.get("vl")
+    if vl is not None and vl < 0:
+        raise CodecError(f"field 'valid_response_length' must be >= 0, got {vl}")
+    ids, rm = obj.get("ids"), obj.get("rm")
+    return Trajectory(
+        batch_id=obj["b"],
+        index=obj["i"],
+        data_source=obj["ds"],
+        response=obj["r"],
+        ground_truth=obj.get("gt"),
+        uid=obj["u"],
+        prompt=obj.get("p"),
+        response_ids=unpack_ids(ids) if ids is not None else None,
+        valid_response_length=vl,
+        max_response_length=obj.get("ml"),
+        extra_info=obj.get("x") or {},
+        group=obj.get("g"),
+        rm_score=float(rm) if rm is not None else None,
+    )
+
+
+_field_values = {
+    "u": st.none() | st.text(max_size=6) | st.integers(-2, 2) | st.booleans(),
+    "b": st.none() | st.text(max_size=6) | st.integers(-2, 2),
+    "i": st.none() | st.integers(-3, 3) | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=2),
+    "ds": st.none() | st.text(max_size=6) | st.integers(0, 2),
+    "r": st.none() | st.text(max_size=6) | st.integers(0, 2) | st.binary(max_size=4),
+    "gt": json_values,
+    "p": st.none() | st.text(max_size=6) | st.integers(0, 2),
+    "ids": st.none()
+    | st.binary(max_size=8).map(lambda b: b[: len(b) // 4 * 4])
+    | st.lists(st.integers(0, 9), max_size=3),
+    "vl": st.none() | st.integers(-3, 3) | st.booleans() | st.floats(allow_nan=False),
+    "ml": st.none() | st.integers(-3, 3) | st.booleans() | st.text(max_size=2),
+    "x": st.none()
+    | st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2)
+    | st.lists(st.integers(-5, 5), max_size=2),
+    "g": st.none() | st.text(max_size=4) | st.integers(0, 3),
+    "rm": st.none() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.booleans() | st.text(max_size=2),
+}
+
+
+_valid_values = {
+    "u": st.text(max_size=6),
+    "b": st.text(max_size=6),
+    "i": st.integers(0, 3),
+    "ds": st.text(max_size=6),
+    "r": st.text(max_size=6),
+    "gt": json_values,
+    "p": st.none() | st.text(max_size=6),
+    "ids": st.none() | st.binary(max_size=8).map(lambda b: b[: len(b) // 4 * 4]),
+    "vl": st.none() | st.integers(0, 3),
+    "ml": st.none() | st.integers(-3, 3),
+    "x": st.none() | st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2),
+    "g": st.none() | st.text(max_size=4),
+    "rm": st.none() | st.integers(-3, 3) | st.floats(allow_nan=False),
+}
+
+
+@st.composite
+def _payloads(draw: st.DrawFn) -> dict:
+    """A valid payload, then up to two fields given any value of the wide strategies
+    (None: dropped) and the keys in any order: mostly near the line between a sample
+    and a precise error."""
+    obj = {"v": SCHEMA_VERSION, **{k: draw(v) for k, v in _valid_values.items()}}
+    for key in draw(st.lists(st.sampled_from(sorted(_field_values)), max_size=2, unique=True)):
+        value = draw(_field_values[key])
+        if value is None and draw(st.booleans()):
+            del obj[key]
+        else:
+            obj[key] = value
+    return dict(draw(st.permutations(list(obj.items()))))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_payloads())
+def test_the_fast_check_accepts_and_names_exactly_what_the_reference_decoder_does(obj):
+    try:
+        want: object = _reference_decode(obj)
+    except CodecError as exc:
+        want = (type(exc), str(exc))
+    try:
+        got: object = decode_trajectory(msgpack.packb(obj, use_bin_type=True))
+    except CodecError as exc:
+        got = (type(exc), str(exc))
+    assert got == want

@@ -165,43 +165,68 @@ _REQUIRED = ("i", "u", "b", "ds")
 
 def decode_trajectory(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Trajectory:
     obj = _unpack(data, max_bytes)
-    # One pass over the fields present (this runs once per sample on the worker's
-    # hot path): type-check the known ones, then the required and ranged ones.
+    get = obj.get
+    uid, batch_id, index, data_source, response = get("u"), get("b"), get("i"), get("ds"), get("r")
+    prompt, ids, vl, ml, extra, group, rm = get("p"), get("ids"), get("vl"), get("ml"), get("x"), get("g"), get("rm")
+    # The common case in one expression (this runs once per sample on the worker's hot
+    # path); anything off is named precisely by _trajectory_error.
+    if not (
+        type(uid) is str
+        and type(batch_id) is str
+        and type(index) is int
+        and index >= 0
+        and type(data_source) is str
+        and type(response) is str
+        and (prompt is None or type(prompt) is str)
+        and (ids is None or type(ids) is bytes)
+        and (vl is None or (type(vl) is int and vl >= 0))
+        and (ml is None or type(ml) is int)
+        and (extra is None or type(extra) is dict)
+        and (group is None or type(group) is str)
+        and (rm is None or type(rm) in _NUMBER)
+    ):
+        raise _trajectory_error(obj)
+    # Positional, in the dataclass's field order: 13 keyword arguments cost a dataclass
+    # __init__ about 0.5 us more, once per sample on the worker (test_codec checks the order).
+    return Trajectory(
+        batch_id,
+        index,
+        data_source,
+        response,
+        get("gt"),  # ground_truth
+        uid,
+        prompt,
+        unpack_ids(ids) if ids is not None else None,  # response_ids
+        vl,  # valid_response_length
+        ml,  # max_response_length
+        extra or {},  # extra_info
+        group,
+        float(rm) if rm is not None else None,  # rm_score
+    )
+
+
+def _trajectory_error(obj: dict[Any, Any]) -> CodecError:
+    """What is wrong with a decoded payload that failed decode_trajectory's check: the
+    first field of a wrong type (in the payload's order), then a missing one, then a
+    value out of range."""
     for key, value in obj.items():
         spec = _TRAJECTORY_FIELDS.get(key)
         if spec is not None and value is not None and type(value) not in spec[1]:
-            raise CodecError(f"field {spec[0]!r} must be {_type_names(spec[1])}, got {type(value).__name__}")
+            return CodecError(f"field {spec[0]!r} must be {_type_names(spec[1])}, got {type(value).__name__}")
     for key in _REQUIRED:
         if obj.get(key) is None:
-            raise CodecError(f"missing field {_TRAJECTORY_FIELDS[key][0]!r}")
+            return CodecError(f"missing field {_TRAJECTORY_FIELDS[key][0]!r}")
     response = obj.get("r")
     if type(response) is not str:
         # A missing response is the producer's fault, not an empty answer to score 0.
-        raise BadInputError(f"field 'response' must be a string, got {type(response).__name__}")
+        return BadInputError(f"field 'response' must be a string, got {type(response).__name__}")
     index = obj["i"]
     if index < 0:
-        raise CodecError(f"field 'index' must be >= 0, got {index}")
-    get = obj.get
-    vl = get("vl")
+        return CodecError(f"field 'index' must be >= 0, got {index}")
+    vl = obj.get("vl")
     if vl is not None and vl < 0:
-        raise CodecError(f"field 'valid_response_length' must be >= 0, got {vl}")
-    ids = get("ids")
-    rm = get("rm")
-    return Trajectory(
-        uid=obj["u"],
-        batch_id=obj["b"],
-        index=index,
-        data_source=obj["ds"],
-        response=response,
-        ground_truth=get("gt"),
-        prompt=get("p"),
-        response_ids=unpack_ids(ids) if ids is not None else None,
-        valid_response_length=vl,
-        max_response_length=get("ml"),
-        extra_info=get("x") or {},
-        group=get("g"),
-        rm_score=float(rm) if rm is not None else None,
-    )
+        return CodecError(f"field 'valid_response_length' must be >= 0, got {vl}")
+    return CodecError("payload fails the trajectory check")  # pragma: no cover  # the checks above cover it
 
 
 def encode_result(result: ScoreResult) -> bytes:
@@ -312,20 +337,10 @@ def result_from_row(row: Any) -> ScoreResult:
         and (group is None or type(group) is str)
     ):
         raise CodecError(_bad_result_field(row))
+    # Positional, in the dataclass's field order (0.35 us against 0.93 with keywords, per
+    # result on the trainer; test_codec checks the order).
     return ScoreResult(
-        uid=uid,
-        batch_id=batch_id,
-        index=index,
-        score=float(score),
-        status=status,
-        extra=extra or {},
-        reason=reason,
-        error=error,
-        attempts=attempts,
-        valid_response_length=vl,
-        data_source=ds,
-        group=group,
-        scored_at=scored_at,
+        uid, batch_id, index, float(score), status, extra or {}, reason, error, attempts, vl, ds, group, scored_at
     )
 
 
