@@ -338,6 +338,7 @@ async def test_async_scorer_blocking_the_loop_is_named_and_its_timeout_fires(red
     stderr = read_err(proc)
     assert rewards.status == ["failed"] and took < 10, (rewards.status, took)
     assert "blocking" in stderr and "block" in stderr and "event loop" in stderr, stderr
+    assert "on sample 'block/0' (batch 'block', index 0)" in stderr, stderr  # the sample is named
 
 
 # ---------------------------------------------------------------------- the rest

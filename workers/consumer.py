@@ -73,7 +73,7 @@ from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.push import REQUEUE_SCRIPT, requeue_args
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
-from workers.watchdog import SampleInfo, scoring
+from workers.watchdog import scoring
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -480,7 +480,9 @@ class Worker:
                 spill = full and at > 0 and not self._inline and self._reader_active and not self._stopping
                 if spill and await self._spill(partition, entry_id, members[:at], members[at:]):
                     break
-                if not await self._room_for_one():
+                # (The common case, room now, without a coroutine per sample.)
+                busy = self.stats.in_flight >= self.config.concurrency or not self._reading.is_set()
+                if busy and not await self._room_for_one():
                     return  # stopping: the entries go back to the group unsettled (see _drain)
                 await self._start(partition, entry_id, fields, member, len(everyone), deliveries)
         if entries:
@@ -678,7 +680,7 @@ class Worker:
     async def _score(self, partition: int, entry_id: bytes, traj: Trajectory) -> None:
         started = time.perf_counter()
         # What the loop watchdog names if this scorer blocks the loop (see workers.watchdog).
-        token = scoring.set(SampleInfo(self._scorer_name, traj.uid, traj.batch_id, traj.index))
+        token = scoring.set((self._scorer_name, traj))
         try:
             scored = await self.scorer.score(traj)
             # Positional (keywords cost a 13-field dataclass about 0.5 us more, per sample).
