@@ -1,0 +1,871 @@
+"""Attacks on score()'s push verdict handed over by a synchronous callback (coalescer.Verdict,
+commit d1f10f9). Each test asserts a guarantee of score(): a cancel at any point leaks no
+uid, waiter, timeout or logged error; a refusal or a failed flush raises at once and to the
+right caller only; timeout_s counts from the queueing; a close ends every caller; a
+duplicate gets its result; the sync producer behaves alike; and nothing is left for the
+garbage collector."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from helpers import queued, running_worker, wait_until
+
+from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, SyncRolloutProducer, Trajectory
+from stream_reward.errors import BrokerError, ConfigError, PushConflictError, ResultTimeoutError
+from stream_reward.scoring.scorer import Scored
+from stream_reward.trainer import listener as listener_mod
+from stream_reward.wire.connection import connect
+
+pytestmark = pytest.mark.anyio
+
+
+def traj(batch: str, i: int, *, uid: str = "", response: str = "r") -> Trajectory:
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid)
+
+
+class Ident:
+    """Scores a sample by its identity (index + len(response)/1000): a wrong result shows."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+
+    async def score(self, t: Trajectory) -> Scored:
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return Scored(t.index + len(t.response) / 1000)
+
+
+def expected(t: Trajectory) -> float:
+    return t.index + len(t.response) / 1000
+
+
+def worker(redis_url: str, namespace: str, delay: float = 0.0, **cfg):
+    return running_worker(redis_url, namespace, Ident(delay), **cfg)
+
+
+def no_waiters(p: RolloutProducer) -> None:
+    listener = p._listener
+    if listener is None:
+        return
+    assert sum(len(d) for d in listener._due.values()) == 0, listener._due
+    left = {u: f for r in listener._readers.values() for s in r.streams.values() for u, f in s.waiters.items()}
+    assert not left, left
+
+
+@contextlib.contextmanager
+def loop_noise():
+    """Everything the loop's exception handler hears inside the block (and at a gc.collect at its end)."""
+    loop = asyncio.get_running_loop()
+    heard: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _l, ctx: heard.append(f"{ctx.get('message')}: {ctx.get('exception')!r}"))
+    try:
+        yield heard
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+
+
+class Gate:
+    """A flush replacement: signals it started, waits to be opened, then flushes (or raises)."""
+
+    def __init__(self, p: RolloutProducer, *, fail: BaseException | None = None, delay: float = 0.0) -> None:
+        self.p = p
+        self.real = p._flush
+        self.started = asyncio.Event()
+        self.opened = asyncio.Event()
+        self.done = asyncio.Event()
+        self.fail = fail
+        self.delay = delay
+        self.calls: list[int] = []
+        self.ended_at: float | None = None
+        self.on_return = None  # called after the flush returned, before the verdicts are set
+        if delay:
+            self.opened.set()  # a slow flush: open at once, it only sleeps
+        p._coalescer, p._flush = None, self.flush  # type: ignore[method-assign]
+
+    async def flush(self, entries: list) -> list[int]:
+        self.calls.append(len(entries))
+        self.started.set()
+        try:
+            await self.opened.wait()
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if self.fail is not None:
+                raise self.fail
+            verdicts = await self.real(entries)
+            if self.on_return is not None:
+                self.on_return()
+            return verdicts
+        finally:
+            self.ended_at = time.monotonic()
+            self.done.set()
+
+    def restore(self) -> None:
+        self.p._coalescer, self.p._flush = None, self.real  # type: ignore[method-assign]
+
+
+async def outcome(aw) -> object:
+    try:
+        return await aw
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+
+
+async def uid_invariant(redis_url: str, p: RolloutProducer, t: Trajectory) -> str:
+    """After a cancelled score(t): its uid is reserved only if t is queued; a free uid can be
+    scored again (the worker must be running) and returns t's result. Returns which case."""
+    in_redis = (t.batch_id, t.uid, t.index) in await queued(redis_url, p.keys)
+    if not in_redis and t.uid in p._uids(t.batch_id):  # a worker may have scored and deleted its entry
+        async with RewardAggregator(redis_url, namespace=p.config.namespace) as agg:
+            in_redis = isinstance(await outcome(agg.result(t.batch_id, t.uid, timeout_s=2)), ScoreResult)
+    if t.uid in p._uids(t.batch_id):
+        assert in_redis, f"uid {t.uid!r} left reserved for a sample that was never queued"
+        with pytest.raises(ConfigError, match="pushed twice"):
+            await p.score(t, timeout_s=5)
+        return "reserved"
+    r = await asyncio.wait_for(p.score(t, timeout_s=10), 15)
+    assert (r.uid, r.score) == (t.uid, expected(t))
+    return "free"
+
+
+# ======================================================================================
+# Cancelled at every point
+
+
+POINTS = [
+    "in_submit",
+    "queued_not_taken",
+    "flush_in_flight",
+    "as_verdict_lands",
+    "after_verdict",
+    "as_result_lands",
+    "result_before_verdict",
+]
+
+
+@pytest.mark.parametrize("point", POINTS)
+async def test_a_score_cancelled_at_each_point_leaks_nothing_and_the_producer_keeps_working(
+    redis_url, namespace, point, monkeypatch
+) -> None:
+    cfg = ProducerConfig(namespace=namespace)
+    with loop_noise() as heard:
+        async with RolloutProducer(redis_url, cfg) as p, RewardAggregator(redis_url, namespace=namespace) as agg:
+            await p.open_batch("c", 20, 8)
+            t = traj("c", 0)
+            async with contextlib.AsyncExitStack() as stack:
+                if point == "in_submit":
+                    p._groups_ready = False  # the push asks Redis first (an await inside _submit)
+                    task = asyncio.ensure_future(p.score(t, timeout_s=5))
+                    await asyncio.sleep(0)
+                    assert p._coalescer is None or not p._coalescer._pending
+                    task.cancel()
+                elif point == "queued_not_taken":
+                    await p.push(traj("c", 19))  # coalescer and groups ready
+                    task = asyncio.ensure_future(p.score(t, timeout_s=5))
+                    await asyncio.sleep(0)
+                    assert p._coalescer is not None and len(p._coalescer._pending) == 1
+                    task.cancel()
+                elif point == "flush_in_flight":
+                    gate = Gate(p)
+                    task = asyncio.ensure_future(p.score(t, timeout_s=5))
+                    await asyncio.wait_for(gate.started.wait(), 5)
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    gate.opened.set()
+                    await asyncio.wait_for(gate.done.wait(), 5)
+                    await asyncio.sleep(0.05)
+                    gate.restore()
+                elif point == "as_verdict_lands":
+                    # Cancelled in the very loop turn its verdict is set (the callback runs in
+                    # the flush task, with the caller's cancel pending).
+                    gate = Gate(p)
+                    task = asyncio.ensure_future(p.score(t, timeout_s=5))
+                    gate.on_return = task.cancel
+                    await asyncio.wait_for(gate.started.wait(), 5)
+                    gate.opened.set()
+                    await asyncio.wait_for(gate.done.wait(), 5)
+                    await asyncio.gather(task, return_exceptions=True)
+                    gate.restore()
+                elif point == "after_verdict":
+                    task = asyncio.ensure_future(p.score(t, timeout_s=5))  # no worker yet
+                    await wait_until(lambda: _is_queued(redis_url, p, t), 5, 0.01)
+                    await asyncio.sleep(0.05)
+                    assert not task.done()
+                    task.cancel()
+                elif point == "as_result_lands":
+                    await stack.enter_async_context(worker(redis_url, namespace))
+                    holder: list[asyncio.Task] = []
+                    real_land = listener_mod._Reader._land
+
+                    def land(name, followed, entries):
+                        real_land(name, followed, entries)
+                        if holder and not holder[0].done():
+                            holder[0].cancel()
+
+                    monkeypatch.setattr(listener_mod._Reader, "_land", staticmethod(land))
+                    task = asyncio.ensure_future(p.score(t, timeout_s=5))
+                    holder.append(task)
+                elif point == "result_before_verdict":
+                    await stack.enter_async_context(worker(redis_url, namespace))
+                    first = await p.score(t, timeout_s=10)
+                    kept = await agg.result("c", t.uid, timeout_s=10)  # the shared listener keeps it
+                    assert kept.score == first.score
+                    async with RolloutProducer(redis_url, cfg) as p2:
+                        gate = Gate(p2)
+                        task = asyncio.ensure_future(p2.score(t, timeout_s=5))
+                        await asyncio.wait_for(gate.started.wait(), 5)
+                        await asyncio.sleep(0.02)
+                        assert not task.done()
+                        task.cancel()
+                        got = await outcome(task)
+                        assert isinstance(got, asyncio.CancelledError), got
+                        gate.opened.set()
+                        await asyncio.wait_for(gate.done.wait(), 5)
+                        await asyncio.sleep(0.05)
+                        gate.restore()
+                        no_waiters(p2)
+                        assert t.uid not in p2._uids("c")  # given up before its verdict: free
+                        again = await asyncio.wait_for(p2.score(t, timeout_s=10), 15)
+                        assert again.score == first.score
+                        fresh = traj("c", 5)
+                        assert (await asyncio.wait_for(p2.score(fresh, timeout_s=10), 15)).score == expected(fresh)
+                        no_waiters(p2)
+                    no_waiters(p)
+                else:  # pragma: no cover
+                    raise AssertionError(point)
+                if point != "result_before_verdict":
+                    got = await asyncio.wait_for(outcome(task), 10)
+                    if point == "as_result_lands":
+                        assert isinstance(got, (asyncio.CancelledError, ScoreResult)), got
+                        monkeypatch.undo()
+                    else:
+                        assert isinstance(got, asyncio.CancelledError), got
+                    await asyncio.sleep(0.05)
+                    no_waiters(p)
+                    assert p._backlog >= 0
+                    if point in ("in_submit", "queued_not_taken"):
+                        assert await queued(redis_url, p.keys) in ([], [("c", "c/19", 19)])
+                        assert t.uid not in p._uids("c")
+                    if point != "as_result_lands":
+                        await stack.enter_async_context(worker(redis_url, namespace))
+                    await uid_invariant(redis_url, p, t)
+                    # The producer keeps working.
+                    fresh = [traj("c", i) for i in range(1, 6)]
+                    rs = await asyncio.wait_for(asyncio.gather(*(p.score(f, timeout_s=10) for f in fresh)), 15)
+                    assert [r.score for r in rs] == [expected(f) for f in fresh]
+                    no_waiters(p)
+                del task
+    assert heard == [], heard
+
+
+async def test_a_result_before_a_failing_verdict_raises_the_flush_error(redis_url, namespace) -> None:
+    """The listener already holds the uid's result (result() asked for it), so score()'s
+    result future resolves at once; its own push then fails. score() must raise the flush's
+    error (its sample was not queued by it), promptly, and free its uid."""
+    cfg = ProducerConfig(namespace=namespace)
+    with loop_noise() as heard:
+        async with (
+            worker(redis_url, namespace),
+            RolloutProducer(redis_url, cfg) as p,
+            RewardAggregator(redis_url, namespace=namespace) as agg,
+        ):
+            await p.open_batch("rb", 10, 8)
+            t = traj("rb", 0)
+            await p.score(t, timeout_s=10)
+            await agg.result("rb", t.uid, timeout_s=10)
+            async with RolloutProducer(redis_url, cfg) as p2:
+                await p2.push(traj("rb", 9))
+                injected = BrokerError("failed after the result was known")
+                gate = Gate(p2, fail=injected, delay=0.2)
+                got = await asyncio.wait_for(outcome(p2.score(t)), 5)
+                assert got is injected, got
+                assert t.uid not in p2._uids("rb")
+                no_waiters(p2)
+                gate.restore()
+    assert heard == [], heard
+
+
+async def test_chaos_cancels_failures_refusals_and_results_keep_every_invariant(redis_url, namespace) -> None:
+    """Flushes that fail now and then, callers cancelled at random turns, refusals and fresh
+    samples mixed, two flushes in flight: each caller ends with an allowed outcome and
+    nothing is left behind."""
+    import random
+
+    rng = random.Random(7)
+    cfg = ProducerConfig(namespace=namespace, coalesce_in_flight=2, coalesce_max_entries=7)
+    n = 150
+    with loop_noise() as heard:
+        async with (
+            worker(redis_url, namespace, delay=0.001),
+            RolloutProducer(redis_url, cfg) as a,
+            RolloutProducer(redis_url, cfg) as p,
+        ):
+            await a.open_batch("ch", 2 * n, 8)
+            await a.push_many(traj("ch", i, uid=f"t{i}") for i in range(0, n, 5))  # every fifth index taken
+            await p.push(traj("ch", 2 * n - 1))
+            real = p._flush
+            count = 0
+
+            async def flaky(entries: list) -> list[int]:
+                nonlocal count
+                count += 1
+                await asyncio.sleep(rng.random() * 0.01)
+                if count % 3 == 0:
+                    raise BrokerError(f"flaky flush {count}")
+                return await real(entries)
+
+            p._coalescer, p._flush = None, flaky  # type: ignore[method-assign]
+            samples = [traj("ch", i) for i in range(n)]
+            tasks = [asyncio.ensure_future(p.score(t, timeout_s=10)) for t in samples]
+            for _ in range(40):
+                await asyncio.sleep(rng.random() * 0.003)
+                rng.choice(tasks).cancel()
+            got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 20)
+            p._coalescer, p._flush = None, real  # type: ignore[method-assign]
+            bad = []
+            for t, g in zip(samples, got):
+                if isinstance(g, ScoreResult):
+                    ok = g.uid == t.uid and g.score == expected(t) and t.index % 5 != 0
+                elif isinstance(g, PushConflictError):
+                    ok = t.index % 5 == 0
+                else:
+                    ok = isinstance(g, (BrokerError, asyncio.CancelledError)) and not isinstance(g, ResultTimeoutError)
+                if not ok:
+                    bad.append((t.uid, g))
+            assert not bad, bad[:5]
+            await asyncio.sleep(0.1)
+            no_waiters(p)
+            in_redis = set(await queued(redis_url, p.keys))
+            for t, g in zip(samples, got):
+                if t.uid in p._uids("ch"):
+                    assert ("ch", t.uid, t.index) in in_redis, (t.uid, g)
+                if isinstance(g, (BrokerError, PushConflictError)):
+                    assert t.uid not in p._uids("ch"), (t.uid, g)
+            assert p._backlog >= 0
+            del tasks, got
+    assert heard == [], heard
+
+
+async def _is_queued(redis_url: str, p: RolloutProducer, t: Trajectory) -> bool:
+    return (t.batch_id, t.uid, t.index) in await queued(redis_url, p.keys)
+
+
+async def test_cancels_sprayed_over_many_loop_turns_leave_nothing_behind(redis_url, namespace) -> None:
+    """Many score() calls, each cancelled after its own number of loop turns (some before the
+    flush is taken, some with the flush in flight, some after their verdict or result)."""
+    cfg = ProducerConfig(namespace=namespace, coalesce_in_flight=1, coalesce_max_entries=8)
+    n = 120
+    with loop_noise() as heard:
+        async with worker(redis_url, namespace), RolloutProducer(redis_url, cfg) as p:
+            await p.open_batch("s", 2 * n, 8)
+            await p.score(traj("s", 2 * n - 1), timeout_s=10)  # warm
+            samples = [traj("s", i) for i in range(n)]
+            tasks = [asyncio.ensure_future(p.score(t, timeout_s=10)) for t in samples]
+            for turn in range(n):
+                tasks[turn].cancel()
+                await asyncio.sleep(0 if turn % 3 else 0.002)
+            got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 20)
+            assert all(isinstance(g, (asyncio.CancelledError, ScoreResult)) for g in got), [
+                g for g in got if not isinstance(g, (asyncio.CancelledError, ScoreResult))
+            ]
+            await asyncio.sleep(0.2)
+            no_waiters(p)
+            cases = [await uid_invariant(redis_url, p, t) for t in samples]
+            assert "free" in cases  # some were cancelled before their verdict
+            no_waiters(p)
+            del tasks, got
+    assert heard == [], heard
+
+
+# ======================================================================================
+# Refusals
+
+
+async def test_a_refused_score_raises_promptly_not_at_its_timeout(redis_url, namespace) -> None:
+    cfg = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, cfg) as a, RolloutProducer(redis_url, cfg) as b:
+        await a.open_batch("r", 8, 8)
+        await a.push_many([traj("r", 0, uid="taken"), traj("r", 1, uid="content")])
+        for timeout in (None, 30.0, math.inf, math.nan, 0.0):
+            for bad, reason in (
+                (traj("r", 0, uid=f"other-{timeout}"), "another uid"),
+                (traj("r", 1, uid="content", response="changed"), "other content"),
+            ):
+                start = time.monotonic()
+                with pytest.raises(PushConflictError, match=reason):
+                    await asyncio.wait_for(b.score(bad, timeout_s=timeout), 3)
+                assert time.monotonic() - start < 1.0
+                assert bad.uid not in b._uids("r")
+        no_waiters(b)
+
+
+async def test_refused_and_accepted_scores_in_one_flush_each_get_their_own_outcome(redis_url, namespace) -> None:
+    cfg = ProducerConfig(namespace=namespace, coalesce_max_entries=4096)
+    with loop_noise() as heard:
+        async with (
+            worker(redis_url, namespace),
+            RolloutProducer(redis_url, cfg) as a,
+            RolloutProducer(redis_url, cfg) as b,
+        ):
+            await a.open_batch("m", 400, 8)
+            base = [traj("m", i, uid=f"u{i}") for i in range(40)]
+            await a.push_many(base)
+            await b.push(traj("m", 399))  # b's groups ready: no await before the coalescer
+            gate = Gate(b)
+            plan: list[tuple[Trajectory, str]] = []
+            for i in range(40):
+                k = i % 4
+                if k == 0:
+                    plan.append((traj("m", i, uid=f"u{i}", response="other"), "conflict"))  # other content
+                elif k == 1:
+                    plan.append((traj("m", i, uid=f"v{i}"), "conflict"))  # index taken
+                elif k == 2:
+                    plan.append((base[i], "ok"))  # DUPLICATE of a's push
+                else:
+                    plan.append((traj("m", 100 + i, uid=f"w{i}"), "ok"))  # fresh
+            # Two fresh uids racing for one fresh index in the same flush: one wins.
+            pairs = [(traj("m", 300 + j, uid=f"x{j}"), traj("m", 300 + j, uid=f"y{j}")) for j in range(10)]
+            for x, y in pairs:
+                plan.append((x, "ok"))
+                plan.append((y, "conflict"))
+            tasks = [asyncio.ensure_future(b.score(t, timeout_s=20)) for t, _ in plan]
+            await asyncio.wait_for(gate.started.wait(), 5)
+            await asyncio.sleep(0.05)
+            gate.opened.set()
+            got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 25)
+            assert gate.calls == [len(plan)], gate.calls  # all in one flush
+            for (t, want), g in zip(plan, got):
+                if want == "ok":
+                    assert isinstance(g, ScoreResult) and (g.uid, g.score) == (t.uid, expected(t)), (t.uid, g)
+                else:
+                    assert isinstance(g, PushConflictError) and g.uid == t.uid, (t.uid, g)
+                    assert t.uid not in b._uids("m") or t.uid.startswith("u"), t.uid
+            no_waiters(b)
+            assert b._backlog >= 0
+            gate.restore()
+            del tasks, got
+    assert heard == [], heard
+
+
+# ======================================================================================
+# Failing flushes
+
+
+@pytest.mark.parametrize("kind", ["broker", "runtime", "redis_down"])
+async def test_a_failing_flush_fails_each_of_its_scores_promptly_and_later_scores_work(
+    redis_url, namespace, kind
+) -> None:
+    cfg = ProducerConfig(namespace=namespace, coalesce_max_entries=4096)
+    n = 30
+    with loop_noise() as heard:
+        async with RolloutProducer(redis_url, cfg) as p:
+            await p.open_batch("f", 2 * n, 8)
+            await p.push(traj("f", 2 * n - 1))  # script loaded, groups ready
+            samples = [traj("f", i) for i in range(n)]
+            injected: BaseException | None = None
+            gate = None
+            real_client = None
+            if kind == "broker":
+                injected = BrokerError("injected broker error")
+                gate = Gate(p, fail=injected, delay=0.1)
+            elif kind == "runtime":
+                injected = RuntimeError("injected bug")
+                gate = Gate(p, fail=injected, delay=0.1)
+            else:
+                real_client, p._client = p._client, connect("redis://127.0.0.1:1")
+            start = time.monotonic()
+            got = await asyncio.wait_for(
+                asyncio.gather(*(p.score(t, timeout_s=None) for t in samples), return_exceptions=True), 10
+            )
+            took = time.monotonic() - start
+            if injected is not None:
+                assert all(g is injected for g in got), got
+            else:
+                assert all(isinstance(g, BrokerError) for g in got), got
+            assert took < 5, took
+            no_waiters(p)
+            assert not any(t.uid in p._uids("f") for t in samples)
+            if gate is not None:
+                gate.restore()
+            else:
+                bad, p._client = p._client, real_client
+                await bad.aclose()
+            async with worker(redis_url, namespace):
+                rs = await asyncio.wait_for(asyncio.gather(*(p.score(t, timeout_s=10) for t in samples)), 20)
+            assert [r.score for r in rs] == [expected(t) for t in samples]
+            no_waiters(p)
+            del got
+    assert heard == [], heard
+
+
+# ======================================================================================
+# timeout_s
+
+
+async def test_the_timeout_counts_from_the_queueing_never_before(redis_url, namespace) -> None:
+    cfg = ProducerConfig(namespace=namespace, coalesce_max_entries=4096)
+    async with RolloutProducer(redis_url, cfg) as p:
+        await p.open_batch("t", 40, 8)
+        gate = Gate(p, delay=0.4)
+        start = time.monotonic()
+        got = await asyncio.wait_for(
+            asyncio.gather(*(p.score(traj("t", i), timeout_s=0.25) for i in range(20)), return_exceptions=True), 10
+        )
+        end = time.monotonic()
+        assert all(isinstance(g, ResultTimeoutError) for g in got), got
+        assert gate.ended_at is not None
+        assert end - gate.ended_at >= 0.25 - 0.01, (end - gate.ended_at)  # never early
+        assert end - start < 0.4 + 0.25 + 1.0, end - start  # and not much late
+        assert len(await queued(redis_url, p.keys)) == 20  # still queued
+        no_waiters(p)
+        gate.restore()
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, -math.inf])
+async def test_a_zero_or_negative_timeout_raises_timeout_once_queued(redis_url, namespace, timeout) -> None:
+    cfg = ProducerConfig(namespace=namespace)
+    with loop_noise() as heard:
+        async with RolloutProducer(redis_url, cfg) as p:
+            await p.open_batch("z", 40, 8)
+            gate = Gate(p, delay=0.2)
+            start = time.monotonic()
+            got = await asyncio.wait_for(
+                asyncio.gather(*(p.score(traj("z", i), timeout_s=timeout) for i in range(10)), return_exceptions=True),
+                5,
+            )
+            assert all(isinstance(g, ResultTimeoutError) for g in got), got
+            assert time.monotonic() - start >= 0.2 - 0.01  # after the queueing, not before
+            assert len(await queued(redis_url, p.keys)) == 10
+            no_waiters(p)
+            gate.restore()
+            del got
+    assert heard == [], heard
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 1e300])
+async def test_an_infinite_or_nan_timeout_never_fires_and_the_result_still_comes(redis_url, namespace, timeout) -> None:
+    cfg = ProducerConfig(namespace=namespace)
+    with loop_noise() as heard:
+        async with RolloutProducer(redis_url, cfg) as p:
+            await p.open_batch("i", 10, 8)
+            samples = [traj("i", i) for i in range(5)]
+            tasks = [asyncio.ensure_future(p.score(t, timeout_s=timeout)) for t in samples]
+            await asyncio.sleep(0.5)
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            async with worker(redis_url, namespace):
+                rs = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+            assert [r.score for r in rs] == [expected(t) for t in samples]
+            no_waiters(p)
+    assert heard == [], heard
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, 0.01])
+async def test_never_a_timeout_when_the_push_failed_or_was_refused(redis_url, namespace, timeout) -> None:
+    cfg = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, cfg) as a, RolloutProducer(redis_url, cfg) as p:
+        await a.open_batch("n", 40, 8)
+        await a.push(traj("n", 0, uid="taken"))
+        refused = await outcome(asyncio.wait_for(p.score(traj("n", 0, uid="mine"), timeout_s=timeout), 5))
+        assert isinstance(refused, PushConflictError), refused
+        gate = Gate(p, fail=BrokerError("down"), delay=0.1)
+        got = await asyncio.wait_for(
+            asyncio.gather(*(p.score(traj("n", i), timeout_s=timeout) for i in range(1, 11)), return_exceptions=True), 5
+        )
+        assert all(isinstance(g, BrokerError) and not isinstance(g, ResultTimeoutError) for g in got), got
+        no_waiters(p)
+        gate.restore()
+
+
+# ======================================================================================
+# Closing under pending scores
+
+
+async def test_closing_under_many_pending_scores_ends_every_caller_and_logs_nothing(redis_url, namespace) -> None:
+    cfg = ProducerConfig(namespace=namespace, coalesce_in_flight=1, coalesce_max_entries=50)
+    with loop_noise() as heard:
+        p = RolloutProducer(redis_url, cfg)
+        await p.open_batch("x", 400, 8)
+        await p.push(traj("x", 399))
+        waiting = [asyncio.ensure_future(p.score(traj("x", i))) for i in range(50)]  # queued: await results
+        await asyncio.sleep(0.2)
+        gate = Gate(p, delay=0.3)
+        in_flight = [asyncio.ensure_future(p.score(traj("x", i), timeout_s=30)) for i in range(50, 100)]
+        await asyncio.wait_for(gate.started.wait(), 5)
+        behind = [asyncio.ensure_future(p.score(traj("x", i), timeout_s=30)) for i in range(100, 250)]  # next flushes
+        await asyncio.sleep(0)
+        closing = asyncio.ensure_future(p.aclose())
+        late = [asyncio.ensure_future(p.score(traj("x", i))) for i in range(250, 260)]  # called during the close
+        everyone = waiting + in_flight + behind + late
+        done, pending = await asyncio.wait(everyone + [closing], timeout=8)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await p.aclose()
+        assert not pending, f"{len(pending)} callers still pending 8 s after aclose()"
+        bad = [t.exception() for t in everyone if t.exception() is not None and not isinstance(t.exception(), BrokerError)]
+        assert not bad, bad[:5]
+        del waiting, in_flight, behind, late, everyone, done, pending, closing
+    assert heard == [], heard
+
+
+async def test_async_with_exit_with_results_landing_and_flushes_in_flight(redis_url, namespace) -> None:
+    cfg = ProducerConfig(namespace=namespace, coalesce_in_flight=1, coalesce_max_entries=20)
+    with loop_noise() as heard:
+        async with worker(redis_url, namespace, delay=0.01):
+            tasks: list[asyncio.Task] = []
+            async with RolloutProducer(redis_url, cfg) as p:
+                await p.open_batch("y", 300, 8)
+                Gate(p, delay=0.05)
+                tasks = [asyncio.ensure_future(p.score(traj("y", i), timeout_s=20)) for i in range(200)]
+                await asyncio.sleep(0.15)
+            done, pending = await asyncio.wait(tasks, timeout=8)
+            for t in pending:
+                t.cancel()
+            assert not pending, f"{len(pending)} of {len(tasks)} score() calls hang after the producer closed"
+            for t in tasks:
+                exc = t.exception()
+                assert exc is None or isinstance(exc, BrokerError), exc
+                if exc is None:
+                    assert t.result().score == expected(traj("y", tasks.index(t)))
+            del tasks, done, pending
+    assert heard == [], heard
+
+
+async def test_a_score_whose_pending_verdict_the_runner_cancels_still_ends(redis_url, namespace) -> None:
+    """The coalescer runner cancelled (the producer closing under its callers, as at loop
+    teardown) cancels verdicts not yet flushed: score() must end (at the latest at its
+    timeout), not wait for a result of a sample that was never queued."""
+    cfg = ProducerConfig(namespace=namespace, coalesce_in_flight=1, coalesce_max_entries=5)
+    async with RolloutProducer(redis_url, cfg) as p:
+        await p.open_batch("k", 40, 8)
+        gate = Gate(p)
+        tasks = [asyncio.ensure_future(p.score(traj("k", i), timeout_s=0.5)) for i in range(20)]
+        await asyncio.wait_for(gate.started.wait(), 5)
+        assert p._coalescer is not None and p._coalescer._pending
+        p._coalescer._runner.cancel()
+        done, pending = await asyncio.wait(tasks, timeout=4)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        gate.restore()
+        assert not pending, f"{len(pending)} of 20 score(timeout_s=0.5) calls still pending 4 s after the cancel"
+        in_redis = await queued(redis_url, p.keys)
+        leaked = [i for i in range(20) if f"k/{i}" in p._uids("k") and ("k", f"k/{i}", i) not in in_redis]
+        assert not leaked, leaked
+
+
+# ======================================================================================
+# DUPLICATE
+
+
+async def test_duplicates_scored_concurrently_with_new_samples_get_their_results(redis_url, namespace) -> None:
+    cfg = ProducerConfig(namespace=namespace, partitions=2, coalesce_max_entries=4096)
+    with loop_noise() as heard:
+        async with (
+            worker(redis_url, namespace, delay=0.002, partitions=2) as _w,
+            RolloutProducer(redis_url, cfg) as a,
+            RolloutProducer(redis_url, cfg) as b,
+        ):
+            await a.open_batch("d", 200, 8)
+            old = [traj("d", i) for i in range(40)]
+            first = await asyncio.wait_for(asyncio.gather(*(a.score(t, timeout_s=10) for t in old)), 15)
+            new = [traj("d", i) for i in range(40, 120)]
+            mixed = [x for pair in zip(old, new) for x in pair] + new[len(old):]
+            got = await asyncio.wait_for(
+                asyncio.gather(*(b.score(t, timeout_s=5) for t in mixed), return_exceptions=True), 20
+            )
+            wrong = [(t.uid, g) for t, g in zip(mixed, got) if not (isinstance(g, ScoreResult) and g.score == expected(t))]
+            assert not wrong, wrong[:5]
+            assert [r.score for r in first] == [expected(t) for t in old]
+            no_waiters(b)
+            del got
+    assert heard == [], heard
+
+
+async def test_duplicates_of_a_fresh_producer_in_one_flush_with_fresh_ones(redis_url, namespace) -> None:
+    cfg = ProducerConfig(namespace=namespace, coalesce_max_entries=4096)
+    async with worker(redis_url, namespace), RolloutProducer(redis_url, cfg) as a:
+        await a.open_batch("e", 200, 8)
+        old = [traj("e", i) for i in range(30)]
+        await asyncio.wait_for(asyncio.gather(*(a.score(t, timeout_s=10) for t in old)), 15)
+        for round_ in range(3):
+            async with RolloutProducer(redis_url, cfg) as b:
+                await b.push(traj("e", 199 - round_))  # b's groups ready: no await before the coalescer
+                gate = Gate(b)
+                new = [traj("e", 30 + 30 * round_ + i) for i in range(30)]
+                tasks = [asyncio.ensure_future(b.score(t, timeout_s=5)) for t in old + new]
+                await asyncio.wait_for(gate.started.wait(), 5)
+                gate.opened.set()
+                got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 15)
+                assert gate.calls == [60], gate.calls
+                wrong = [(t.uid, g) for t, g in zip(old + new, got) if not isinstance(g, ScoreResult) or g.score != expected(t)]
+                assert not wrong, wrong[:5]
+                no_waiters(b)
+                gate.restore()
+
+
+# ======================================================================================
+# The sync producer
+
+
+def test_sync_score_refusal_failure_timeouts_and_close_from_threads(redis_url, namespace) -> None:
+    cfg = ProducerConfig(namespace=namespace)
+    sp = SyncRolloutProducer(redis_url, cfg)
+    try:
+        sp.open_batch("q", 100, 8)
+        sp.push(traj("q", 0, uid="taken"))
+        start = time.monotonic()
+        with pytest.raises(PushConflictError):
+            sp.score(traj("q", 0, uid="mine"))  # no timeout, no worker: must raise at once
+        assert time.monotonic() - start < 2
+        start = time.monotonic()
+        with pytest.raises(ResultTimeoutError):
+            sp.score(traj("q", 1), timeout_s=0.2)
+        assert 0.2 <= time.monotonic() - start < 2
+        with pytest.raises(ResultTimeoutError):
+            sp.score(traj("q", 2), timeout_s=0)
+
+        async def broken(entries: list) -> list[int]:
+            await asyncio.sleep(0.05)
+            raise BrokerError("sync injected")
+
+        producer = sp._producer
+        real = producer._flush
+
+        def swap(f) -> None:
+            producer._coalescer, producer._flush = None, f
+
+        sp._thread.loop.call_soon_threadsafe(swap, broken)
+        time.sleep(0.05)
+        with pytest.raises(BrokerError, match="sync injected"):
+            sp.score(traj("q", 3), timeout_s=0)
+        sp._thread.loop.call_soon_threadsafe(swap, real)
+        time.sleep(0.05)
+        with pytest.raises(ResultTimeoutError):
+            sp.score(traj("q", 3), timeout_s=0.05)  # its uid was released by the failure
+
+        # close() while threads wait in score() with no timeout: each ends.
+        outcomes: list[object] = []
+
+        def one(i: int) -> None:
+            try:
+                outcomes.append(sp.score(traj("q", i)))
+            except BaseException as exc:  # noqa: BLE001
+                outcomes.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(10, 40)]
+        for th in threads:
+            th.start()
+        time.sleep(0.5)
+        sp.close()
+        for th in threads:
+            th.join(5)
+        assert not any(th.is_alive() for th in threads), "threads still in score() after close()"
+        assert len(outcomes) == 30 and all(isinstance(o, BrokerError) for o in outcomes), outcomes[:3]
+    finally:
+        sp.close()
+
+
+# ======================================================================================
+# Garbage
+
+
+@pytest.mark.parametrize("kind", ["refused", "failed_flush", "timed_out", "cancelled_queued", "cancelled_in_flight"])
+async def test_score_calls_that_end_without_a_result_leave_no_garbage_cycles(redis_url, namespace, kind) -> None:
+    n = 200
+    cfg = ProducerConfig(namespace=namespace, coalesce_max_entries=4096)
+    async with RolloutProducer(redis_url, cfg) as a, RolloutProducer(redis_url, cfg) as p:
+        await a.open_batch("g", 3 * n, 8)
+        await a.push_many(traj("g", i, uid=f"taken{i}") for i in range(n))
+        # warm: connections, scripts, the listener
+        await outcome(p.score(traj("g", 3 * n - 1), timeout_s=0))
+        await outcome(p.score(traj("g", 0, uid="warm"), timeout_s=0))
+        gate = None
+        if kind == "failed_flush":
+            gate = Gate(p, fail=BrokerError("x"))
+            gate.opened.set()
+        elif kind == "cancelled_in_flight":
+            gate = Gate(p)
+        gc.collect()
+        gc.disable()
+        try:
+            if kind == "refused":
+                coros = [p.score(traj("g", i, uid=f"mine{i}"), timeout_s=10) for i in range(1, n)]
+            else:
+                coros = [p.score(traj("g", n + i), timeout_s=0 if kind == "timed_out" else 10) for i in range(n)]
+            tasks = [asyncio.ensure_future(c) for c in coros]
+            del coros
+            if kind == "cancelled_queued":
+                await asyncio.sleep(0)
+                for t in tasks:
+                    t.cancel()
+            elif kind == "cancelled_in_flight":
+                assert gate is not None
+                await asyncio.wait_for(gate.started.wait(), 5)
+                for t in tasks:
+                    t.cancel()
+            got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 15)
+            kinds = {type(g).__name__ for g in got}
+            if gate is not None:
+                gate.opened.set()
+                await asyncio.wait_for(gate.done.wait(), 5)
+            await asyncio.sleep(0.05)
+            del tasks, got
+            cyclic = gc.collect()
+        finally:
+            gc.enable()
+        if gate is not None:
+            gate.restore()
+        no_waiters(p)
+    assert len(kinds) == 1, kinds
+    assert cyclic < n // 4, (kind, kinds, cyclic)
+
+
+async def test_a_kept_refusal_does_not_keep_the_rest_of_its_flush_alive(redis_url, namespace) -> None:
+    """A trainer that keeps the PushConflictError of a refused score() (logs it, collects
+    failures) must not keep the other samples of that coalesced flush alive with it: their
+    payloads are megabytes. The refusal is raised and caught while the verdict callback runs;
+    its traceback's frames must not lead back to the flush's own frame (which holds every
+    entry of the flush)."""
+    import tracemalloc
+
+    cfg = ProducerConfig(namespace=namespace, coalesce_max_entries=4096)
+    big = "z" * 200_000
+    async with RolloutProducer(redis_url, cfg) as a, RolloutProducer(redis_url, cfg) as p:
+        await a.open_batch("kr", 100, 8)
+        await a.push(traj("kr", 0, uid="taken"))
+        await p.push(traj("kr", 99))  # groups ready, script loaded
+        await outcome(p.score(traj("kr", 98), timeout_s=0))  # listener started
+        gc.collect()
+        tracemalloc.start()
+        try:
+            samples = [Trajectory("kr", i, "test/exact", response=big + str(i), ground_truth="1") for i in range(1, 41)]
+            refused = traj("kr", 0, uid="mine")
+            got = await asyncio.wait_for(
+                asyncio.gather(p.score(refused, timeout_s=0), *(p.score(t, timeout_s=0) for t in samples), return_exceptions=True),
+                10,
+            )
+            kept = got[0]
+            assert isinstance(kept, PushConflictError), kept
+            assert all(isinstance(g, ResultTimeoutError) for g in got[1:]), got[1:3]
+            del got, samples
+            await asyncio.sleep(0.05)
+            gc.collect()
+            holding, _ = tracemalloc.get_traced_memory()
+            del kept
+            gc.collect()
+            released, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        no_waiters(p)
+    retained = holding - released
+    assert retained < 1_000_000, f"holding one refusal keeps {retained / 1e6:.1f} MB of its flush alive"
