@@ -13,12 +13,18 @@ import gc
 import math
 import threading
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from helpers import queued, running_worker, wait_until
 
-from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, SyncRolloutProducer, Trajectory
+from stream_reward import (
+    ProducerConfig,
+    RewardAggregator,
+    RolloutProducer,
+    ScoreResult,
+    SyncRolloutProducer,
+    Trajectory,
+)
 from stream_reward.errors import BrokerError, ConfigError, PushConflictError, ResultTimeoutError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.trainer import listener as listener_mod
@@ -523,7 +529,7 @@ async def test_the_timeout_counts_from_the_queueing_never_before(redis_url, name
         end = time.monotonic()
         assert all(isinstance(g, ResultTimeoutError) for g in got), got
         assert gate.ended_at is not None
-        assert end - gate.ended_at >= 0.25 - 0.01, (end - gate.ended_at)  # never early
+        assert end - gate.ended_at >= 0.25 - 0.01, end - gate.ended_at  # never early
         assert end - start < 0.4 + 0.25 + 1.0, end - start  # and not much late
         assert len(await queued(redis_url, p.keys)) == 20  # still queued
         no_waiters(p)
@@ -611,7 +617,9 @@ async def test_closing_under_many_pending_scores_ends_every_caller_and_logs_noth
         await asyncio.gather(*pending, return_exceptions=True)
         await p.aclose()
         assert not pending, f"{len(pending)} callers still pending 8 s after aclose()"
-        bad = [t.exception() for t in everyone if t.exception() is not None and not isinstance(t.exception(), BrokerError)]
+        bad = [
+            t.exception() for t in everyone if t.exception() is not None and not isinstance(t.exception(), BrokerError)
+        ]
         assert not bad, bad[:5]
         del waiting, in_flight, behind, late, everyone, done, pending, closing
     assert heard == [], heard
@@ -679,11 +687,13 @@ async def test_duplicates_scored_concurrently_with_new_samples_get_their_results
             old = [traj("d", i) for i in range(40)]
             first = await asyncio.wait_for(asyncio.gather(*(a.score(t, timeout_s=10) for t in old)), 15)
             new = [traj("d", i) for i in range(40, 120)]
-            mixed = [x for pair in zip(old, new) for x in pair] + new[len(old):]
+            mixed = [x for pair in zip(old, new) for x in pair] + new[len(old) :]
             got = await asyncio.wait_for(
                 asyncio.gather(*(b.score(t, timeout_s=5) for t in mixed), return_exceptions=True), 20
             )
-            wrong = [(t.uid, g) for t, g in zip(mixed, got) if not (isinstance(g, ScoreResult) and g.score == expected(t))]
+            wrong = [
+                (t.uid, g) for t, g in zip(mixed, got) if not (isinstance(g, ScoreResult) and g.score == expected(t))
+            ]
             assert not wrong, wrong[:5]
             assert [r.score for r in first] == [expected(t) for t in old]
             no_waiters(b)
@@ -707,7 +717,11 @@ async def test_duplicates_of_a_fresh_producer_in_one_flush_with_fresh_ones(redis
                 gate.opened.set()
                 got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 15)
                 assert gate.calls == [60], gate.calls
-                wrong = [(t.uid, g) for t, g in zip(old + new, got) if not isinstance(g, ScoreResult) or g.score != expected(t)]
+                wrong = [
+                    (t.uid, g)
+                    for t, g in zip(old + new, got)
+                    if not isinstance(g, ScoreResult) or g.score != expected(t)
+                ]
                 assert not wrong, wrong[:5]
                 no_waiters(b)
                 gate.restore()
@@ -851,7 +865,9 @@ async def test_a_kept_refusal_does_not_keep_the_rest_of_its_flush_alive(redis_ur
             samples = [Trajectory("kr", i, "test/exact", response=big + str(i), ground_truth="1") for i in range(1, 41)]
             refused = traj("kr", 0, uid="mine")
             got = await asyncio.wait_for(
-                asyncio.gather(p.score(refused, timeout_s=0), *(p.score(t, timeout_s=0) for t in samples), return_exceptions=True),
+                asyncio.gather(
+                    p.score(refused, timeout_s=0), *(p.score(t, timeout_s=0) for t in samples), return_exceptions=True
+                ),
                 10,
             )
             kept = got[0]

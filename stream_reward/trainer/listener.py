@@ -264,9 +264,10 @@ class ResultListener:
         One timer per tick for every sample due in it: a timer per sample (call_later,
         then cancel) was a tenth of the per-sample path's cost in this process."""
         loop = asyncio.get_running_loop()
-        at = (loop.time() + timeout_s) / TIMEOUT_TICK_S
+        # A timeout below 0 (-inf too) is due at once; an infinite (or NaN) one never comes.
+        at = (loop.time() + max(timeout_s, 0.0)) / TIMEOUT_TICK_S
         if not math.isfinite(at):
-            return  # an infinite (or NaN) timeout never comes: none
+            return
         tick = math.ceil(at)
         due = self._due.get(tick)
         if due is None:

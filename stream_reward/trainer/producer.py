@@ -131,6 +131,21 @@ class _Sent:
     awaited: _Awaited | None = None  # score()'s sample: for the verdict callback
 
 
+def _cancels() -> int:
+    """Cancel requests pending on the current task (Python 3.11+; 0 before)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if cancelling is not None else 0
+
+
+def _raise_lost_cancel(before: int) -> None:
+    """A cancel that landed inside a redis-py command can be lost: the command completes
+    and returns as if nothing happened (redis-py 8). The task still counts the request:
+    honour it here, before the push goes on to queue a sample its caller gave up on."""
+    if _cancels() > before:
+        raise asyncio.CancelledError()
+
+
 def _retrieve(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -320,23 +335,25 @@ class RolloutProducer:
             # A result can come before the verdict: one the listener already held for this uid
             # (an earlier push of it, maybe with other content). It counts only if the push
             # did not contradict that sample.
-            verdicts = cast(Verdict[list[int]], sent.verdicts)
-            if not verdicts.done():
-                await verdicts.wait()
-            error = self._applied(sent)
-            if error is not None:
-                raise error
+            if not sent.verdicts.done():  # type: ignore[union-attr]  # set by _submit
+                await cast(Verdict[list[int]], sent.verdicts).wait()
+            if self._applied(sent) is not None:
+                raise cast(BaseException, sent.error)
             return result
         finally:
-            if sent is not None and sent.verdicts is not None and not sent.verdicts.done():
-                sent.verdicts.cancel()  # not yet in a flush: skipped (the callback releases its uid)
             if not fut.done():
                 fut.cancel()
             elif not fut.cancelled():
                 # Failed while nothing awaited it (a listener closed under a push that then
                 # raised): the caller got that error or another; asyncio must not report it.
                 fut.exception()
+            if sent is not None and sent.verdicts is not None and not sent.verdicts.done():
+                sent.verdicts.cancel()  # not yet in a flush: skipped (the callback releases its uid)
             listener.forget(fut)
+            # An error raised from here holds this frame in its traceback: drop what holds the
+            # error (the result future, the push), or each refused or timed-out sample is a
+            # reference cycle left to the garbage collector.
+            del fut, sent
 
     def _applied(self, sent: _Sent) -> BaseException | None:
         """Apply a single-sample push's verdicts (they are in), once; what it raised or was refused with."""
@@ -354,7 +371,9 @@ class RolloutProducer:
                 try:
                     self._settle(sent, verdicts.result())
                 except PushConflictError as exc:
-                    sent.error = exc
+                    # Kept without its traceback: run from the verdict's callback, its frames
+                    # reach the flush (every payload of it) for as long as a caller keeps it.
+                    sent.error = exc.with_traceback(None)
         return sent.error
 
     def _pushed_for_score(self, sent: _Sent) -> None:
@@ -362,7 +381,13 @@ class RolloutProducer:
         listener, fut, partition, batch_id, uid, timeout_s = cast(_Awaited, sent.awaited)
         verdicts = cast(Verdict[list[int]], sent.verdicts)
         error = self._applied(sent)
-        if fut.done() or verdicts.cancelled():
+        if fut.done():
+            return
+        if verdicts.cancelled():
+            # Not by score() (it ends its own wait first): the coalescer's runner or flush was
+            # cancelled (its loop closing). The sample may never have been queued, and no
+            # result or timeout would end the wait.
+            fut.cancel()
             return
         if error is not None:
             fut.set_exception(error)
@@ -441,12 +466,16 @@ class RolloutProducer:
                 return None
             # Only a push that must ask Redis first pays for the error context (one push per sample).
             if not self._groups_ready:
+                cancels = _cancels()
                 with redis_errors(f"push of {len(entries)} trajectories failed"):
                     await self._ensure_groups()
+                _raise_lost_cancel(cancels)
             if self.config.max_backlog:
                 if not self._room_known(len(entries)):
+                    cancels = _cancels()
                     with redis_errors(f"push of {len(entries)} trajectories failed"):
                         await self._wait_for_room(len(entries))
+                    _raise_lost_cancel(cancels)
                 # Counted before the flush, with no await since the check: the pushes of one
                 # loop turn see each other, so together they never pass max_backlog.
                 self._backlog += len(entries)
