@@ -131,21 +131,6 @@ class _Sent:
     awaited: _Awaited | None = None  # score()'s sample: for the verdict callback
 
 
-def _cancels() -> int:
-    """Cancel requests pending on the current task (Python 3.11+; 0 before)."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return int(cancelling()) if cancelling is not None else 0
-
-
-def _raise_lost_cancel(before: int) -> None:
-    """A cancel that landed inside a redis-py command can be lost: the command completes
-    and returns as if nothing happened (redis-py 8). The task still counts the request:
-    honour it here, before the push goes on to queue a sample its caller gave up on."""
-    if _cancels() > before:
-        raise asyncio.CancelledError()
-
-
 def _retrieve(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -466,16 +451,16 @@ class RolloutProducer:
                 return None
             # Only a push that must ask Redis first pays for the error context (one push per sample).
             if not self._groups_ready:
-                cancels = _cancels()
                 with redis_errors(f"push of {len(entries)} trajectories failed"):
-                    await self._ensure_groups()
-                _raise_lost_cancel(cancels)
+                    # In a task of its own: redis-py can lose a cancel that lands inside a
+                    # command (it completes and returns as if nothing happened), and the push
+                    # would go on to queue a sample its caller gave up on. Awaited through a
+                    # shield, the cancel is raised here; the (idempotent) setup finishes alone.
+                    await asyncio.shield(self._ensure_groups())
             if self.config.max_backlog:
                 if not self._room_known(len(entries)):
-                    cancels = _cancels()
                     with redis_errors(f"push of {len(entries)} trajectories failed"):
                         await self._wait_for_room(len(entries))
-                    _raise_lost_cancel(cancels)
                 # Counted before the flush, with no await since the check: the pushes of one
                 # loop turn see each other, so together they never pass max_backlog.
                 self._backlog += len(entries)
