@@ -379,7 +379,7 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
         )
 
     # Redis counts a stream's length, lag and pending in entries, and an entry holds up to
-    # samples_per_entry samples: the headers say so, next to the samples pushed.
+    # samples_per_entry samples: the title says so, and the samples pushed stand next to them.
     table = Table(
         title="streams (entries, added, lag, pending: stream entries, of several samples each)", title_justify="left"
     )
