@@ -92,14 +92,20 @@ def read_members(fields: dict[Any, Any]) -> list[Member] | None:
         return None
     unpacker = msgpack.Unpacker(raw=False)
     unpacker.feed(raw)
-    out: list[Member] = []
     total = 0
     try:
-        for head in unpacker:
-            batch, index, uid, size = head
-            if not (_names_a_sample(batch, index, uid) and type(size) is int and size >= 0):
+        out: list[Member] = list(unpacker)  # all at once: the loop below only checks
+        for batch, index, uid, size in out:
+            # (_names_a_sample, inlined: this runs once per sample on the worker.)
+            if not (
+                type(batch) is str
+                and type(uid) is str
+                and type(index) is int
+                and index >= 0
+                and type(size) is int
+                and size >= 0
+            ):
                 return None
-            out.append(head)
             total += size
     except Exception:  # any garbage: the headers are only a best effort for recovery
         return None
