@@ -240,7 +240,9 @@ def test_expected_faults_are_one_line_exit_2_and_debug_shows_the_traceback(tmp_p
 
 def test_collect_timeout_is_honoured_when_nothing_listens(tmp_path):
     done, took = cli("collect", "--redis", f"unix://{tmp_path}/nothing.sock", "--batch", "b", "--timeout-s", "3")
-    assert done.returncode == 2 and took < 3 + 4, (done.returncode, took, done.stderr)
+    # 3 s, not the default wait; the slack is the CLI's start-up (torch's import), which took
+    # 5 s on Python 3.10 in CI's parallel suite on a slow day.
+    assert done.returncode == 2 and took < 3 + 10, (done.returncode, took, done.stderr)
     assert "Traceback" not in done.stderr and "timeout" in done.stderr.splitlines()[-1], done.stderr
 
 
