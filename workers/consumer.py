@@ -94,7 +94,7 @@ class WorkerStats:
 
     def __init__(self) -> None:
         self.scored = self.failed = self.duplicates = self.dead_letters = self.reclaimed = self.in_flight = 0
-        self.spilled = 0  # samples handed back to the stream (see Worker._spill)
+        self.spilled = 0  # samples handed back to the stream (Worker._hand_back: no room here, or at a stop)
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -577,7 +577,6 @@ class Worker:
         except REDIS_ERRORS as exc:
             log.warning("could not hand %d samples back to the stream (%s); scoring them here", len(rest), exc)
             return False
-        self.stats.spilled += len(rest)
         left = self._open[partition, entry_id] - len(rest)
         if left > 0:
             self._open[partition, entry_id] = left
@@ -603,6 +602,7 @@ class Worker:
         ]
         names = [_sample_name(m.head) for m in members if m.head is not None]
         await self._requeue(keys=keys, args=requeue_args(copies, handed=names, handed_ttl_s=self.config.result_ttl_s))
+        self.stats.spilled += len(members)
 
     async def _room_for_one(self) -> bool:
         """Until one more sample fits under ``concurrency`` and no suspect is being scored
