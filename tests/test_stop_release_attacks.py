@@ -318,7 +318,8 @@ async def test_a_stop_during_a_hand_back_loses_and_doubles_nothing(redis_url, na
     wc.evalsha = evalsha
     w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300, concurrency=2), client=wc)
     await run_stopped(w1, stop)
-    assert fired and w1.stats.spilled == 4
+    # 4 handed back for want of room, and the 2 the stop cancelled, unless that hand-back fails.
+    assert fired and w1.stats.spilled == (4 if finish_fails else 6)
     peer, peer_scorer, rewards, left = await peer_finishes(redis_url, namespace, "h")
     assert (unsettled(rewards), left) == ([], [])
     assert [r.score for r in rewards.results] == [identity_score(exact_traj("h", i)) for i in range(6)]
