@@ -103,16 +103,21 @@ class Verdict(Generic[R]):
         self._state, self._value = state, value
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        try:
+            self._settled()
+        except Exception as exc:  # as a future's callback would: reported, and the flush goes on
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": "exception in a verdict callback", "exception": exc}
+            )
+
+    def _settled(self) -> None:
+        """The verdict is set: call ``then(arg)``. A subclass that is itself what a verdict
+        decides about overrides this instead (score()'s call: one object per sample)."""
         # Dropped once called: the argument (score()'s push) holds this verdict, and a cycle
         # would leave every sample's objects to the garbage collector.
         then, arg, self._then, self._arg = self._then, self._arg, None, None
         if then is not None:
-            try:
-                then(arg)
-            except Exception as exc:  # as a future's callback would: reported, and the flush goes on
-                asyncio.get_running_loop().call_exception_handler(
-                    {"message": "exception in a verdict callback", "exception": exc}
-                )
+            then(arg)
 
 
 # What a submission's verdicts go to: a future of the coalescer's, or the submitter's Verdict.

@@ -248,33 +248,35 @@ class ResultListener:
     ) -> ScoreResult:
         """The result of ``uid`` in ``batch_id``, from consumer ``group``'s done streams of ``partitions``."""
         fut = self.expect(batch_id, uid, partitions, keys, group=group)
+        tick = -1
         try:
             # A timeout on the future itself, not wait_for(shield(...)): that costs a task and
             # two more futures per sample, which at thousands of samples a second shows.
             if timeout_s is not None and not fut.done():
-                self.arm(fut, batch_id, uid, timeout_s)
+                tick = self.arm(fut, batch_id, uid, timeout_s)
             return await fut
         finally:
             if not fut.done():
                 fut.cancel()
-            self.forget(fut)
+            self.forget(fut, tick)
 
-    def arm(self, fut: asyncio.Future[ScoreResult], batch_id: str, uid: str, timeout_s: float) -> None:
-        """Time ``fut`` out after ``timeout_s`` (up to TIMEOUT_TICK_S later, never sooner).
-        One timer per tick for every sample due in it: a timer per sample (call_later,
-        then cancel) was a tenth of the per-sample path's cost in this process."""
+    def arm(self, fut: asyncio.Future[ScoreResult], batch_id: str, uid: str, timeout_s: float) -> int:
+        """Time ``fut`` out after ``timeout_s`` (up to TIMEOUT_TICK_S later, never sooner);
+        returns the tick it is due in (-1: never), which ``unwatch`` takes. One timer per
+        tick for every sample due in it: a timer per sample (call_later, then cancel) was a
+        tenth of the per-sample path's cost in this process."""
         loop = asyncio.get_running_loop()
         # A timeout below 0 (-inf too) is due at once; an infinite (or NaN) one never comes.
         at = (loop.time() + max(timeout_s, 0.0)) / TIMEOUT_TICK_S
         if not math.isfinite(at):
-            return
+            return -1
         tick = math.ceil(at)
         due = self._due.get(tick)
         if due is None:
             due = self._due[tick] = {}
             loop.call_at(tick * TIMEOUT_TICK_S, self._time_out, tick)
         due[fut] = (batch_id, uid, timeout_s)
-        fut._sr_tick = tick  # type: ignore[attr-defined]  # for forget()
+        return tick
 
     def _time_out(self, tick: int) -> None:
         for fut, (batch_id, uid, timeout_s) in self._due.pop(tick, {}).items():
@@ -306,13 +308,33 @@ class ResultListener:
                 if row is not None:
                     fut.set_result(stored_result(row))  # type: ignore[arg-type]  # kept only with a header
                     return fut
-            waiting = followed.waiters.get(uid)
-            if waiting is None:
-                followed.waiters[uid] = [fut]
-            else:
-                waiting.append(fut)
+            _add_waiter(followed, uid, fut)
             where.append((followed, uid))
         return fut
+
+    def watch(
+        self, batch_id: str, uid: str, partition: int, keys: Keys, group: str
+    ) -> tuple[asyncio.Future[ScoreResult], _Followed]:
+        """``expect(..., landed=False)`` for score(): one partition. Returns the future and
+        the stream followed, which ``unwatch`` takes: no cleanup list set on the future (an
+        attribute costs the future a dict, once per sample)."""
+        fut: asyncio.Future[ScoreResult] = asyncio.get_running_loop().create_future()
+        followed = self._reader(partition, keys).follow(keys.done(batch_id, partition, group))
+        if followed.landed:  # kept for someone else (the sample may have been pushed before)
+            row = followed.landed.get(uid)
+            if row is not None:
+                fut.set_result(stored_result(row))  # type: ignore[arg-type]  # kept only with a header
+                return fut, followed
+        _add_waiter(followed, uid, fut)
+        return fut, followed
+
+    def unwatch(self, fut: asyncio.Future[ScoreResult], followed: _Followed, uid: str, tick: int) -> None:
+        """Drop a future ``watch`` registered (resolved, cancelled or timed out)."""
+        _drop_waiter(followed, uid, fut)
+        if tick >= 0:
+            due = self._due.get(tick)
+            if due is not None:
+                due.pop(fut, None)  # resolved: its timeout no longer holds it
 
     def reread(self, batch_id: str, partitions: list[int], keys: Keys, *, group: str = DEFAULT_GROUP) -> None:
         """Read ``batch_id``'s done streams of ``partitions`` again from their start, keeping
@@ -324,24 +346,15 @@ class ResultListener:
             if not followed.keep:
                 reader.reread(followed)
 
-    def forget(self, fut: asyncio.Future[ScoreResult]) -> None:
-        """Drop a future from the waiters (resolved, cancelled or timed out)."""
+    def forget(self, fut: asyncio.Future[ScoreResult], tick: int = -1) -> None:
+        """Drop a future ``expect`` registered (resolved, cancelled or timed out); ``tick``
+        is what ``arm`` returned for it."""
         where = getattr(fut, "_sr_where", None)
         if where:
-            for followed, key in where:
-                waiters = followed.waiters
-                futures = waiters.get(key)
-                if futures is not None:
-                    try:
-                        futures.remove(fut)
-                    except ValueError:
-                        pass
-                    if not futures:
-                        del waiters[key]
-                if not waiters:  # idle from now (only a stream nobody waits on is ever dropped)
-                    followed.idle_since = asyncio.get_running_loop().time()
+            for followed, uid in where:
+                _drop_waiter(followed, uid, fut)
             fut._sr_where = []  # type: ignore[attr-defined]
-        due = self._due.get(getattr(fut, "_sr_tick", -1))
+        due = self._due.get(tick)
         if due is not None:
             due.pop(fut, None)  # resolved: its timeout no longer holds it
 
@@ -361,6 +374,32 @@ class ResultListener:
         self._readers.clear()
         if self._owns_client:
             await self.client.aclose()
+
+
+def _add_waiter(followed: _Followed, uid: str, fut: asyncio.Future[ScoreResult]) -> None:
+    waiting = followed.waiters.get(uid)
+    if waiting is None:
+        followed.waiters[uid] = [fut]
+    else:
+        waiting.append(fut)
+
+
+def _drop_waiter(followed: _Followed, uid: str, fut: asyncio.Future[ScoreResult]) -> None:
+    waiters = followed.waiters
+    futures = waiters.get(uid)
+    if futures is not None:
+        if len(futures) == 1:
+            if futures[0] is fut:
+                del waiters[uid]
+        else:
+            try:
+                futures.remove(fut)
+            except ValueError:
+                pass
+            if not futures:
+                del waiters[uid]
+    if not waiters:  # idle from now (only a stream nobody waits on is ever dropped)
+        followed.idle_since = asyncio.get_running_loop().time()
 
 
 # Per event loop (a listener's futures and tasks belong to one loop), then per (server, namespace).

@@ -28,7 +28,7 @@ from stream_reward.errors import (
     PushConflictError,
     StateLostError,
 )
-from stream_reward.trainer.coalescer import Coalescer, Verdict
+from stream_reward.trainer.coalescer import _CANCELLED, _FAILED, _PENDING, Coalescer, Verdict
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.batch_meta import BatchMeta
@@ -111,24 +111,119 @@ class _Entry:
         return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, self.implied)
 
 
-# Where score() awaits a sample's result: its listener, result future, partition, batch id,
-# uid and timeout (what the push's verdict callback needs).
-_Awaited = tuple[ResultListener, "asyncio.Future[ScoreResult]", int, str, str, "float | None"]
-
-
 @dataclass(slots=True)
 class _Sent:
-    """A push handed to the coalescer: its entries, the uids it reserved, how many it
-    counted into the backlog estimate, and what gets its verdicts (a future; score()'s
-    Verdict, which calls back at once)."""
+    """A push_many handed to the coalescer: its entries, the uids it reserved, how many
+    it counted into the backlog estimate, and the future of its verdicts."""
 
     entries: list[_Entry]
     reserved: list[tuple[set[str], str]]
     counted: int
-    verdicts: asyncio.Future[list[int]] | Verdict[list[int]] | None = None
-    settled: bool = False  # the verdicts were applied (once: by score()'s callback or itself)
-    error: BaseException | None = None  # what the push raised or was refused with
-    awaited: _Awaited | None = None  # score()'s sample: for the verdict callback
+    verdicts: asyncio.Future[list[int]] | None = None
+
+
+class _ScoreCall(Verdict[list[int]]):
+    """One score() call's sample from its push to its result: the verdict slot the
+    coalescer sets, and what that verdict decides, applied the moment it is set
+    (release the uid or keep it, correct the backlog count, fail the result wait or
+    arm its timeout).
+
+    One object per sample where there were four (a Verdict, its callback's argument, a
+    push record and a tuple of what the callback needed): on the per-sample path the
+    trainer's cost is mostly such per-sample objects and the calls between them.
+    """
+
+    __slots__ = (
+        "producer",
+        "entry",
+        "seen",
+        "counted",
+        "listener",
+        "fut",
+        "followed",
+        "timeout_s",
+        "tick",
+        "applied",
+        "error",
+    )
+
+    def __init__(
+        self,
+        producer: RolloutProducer,
+        entry: _Entry,
+        seen: set[str],
+        counted: int,
+        listener: ResultListener,
+        fut: asyncio.Future[ScoreResult],
+        followed: Any,
+        timeout_s: float | None,
+    ) -> None:
+        # Verdict's own state, set here rather than by a second __init__ call per sample;
+        # _settled below replaces its then/arg callback.
+        self._state = _PENDING
+        self._value = None
+        self._waiter = None
+        self.producer = producer
+        self.entry = entry
+        self.seen = seen
+        self.counted = counted
+        self.listener = listener
+        self.fut: asyncio.Future[ScoreResult] | None = fut
+        self.followed = followed
+        self.timeout_s = timeout_s
+        self.tick = -1
+        self.applied = False
+        self.error: BaseException | None = None
+
+    def apply(self) -> BaseException | None:
+        """Apply the verdict (it is set), once; what the push raised or was refused with."""
+        if self.applied:
+            return self.error
+        self.applied = True
+        producer, state, entry = self.producer, self._state, self.entry
+        if state == _CANCELLED:
+            # Given up (by score(), or a closing loop): the uid may be pushed again. The
+            # count stays, since the entry may be in a flush already (see _unreserve).
+            self.seen.discard(entry.uid)
+            self.error = asyncio.CancelledError()
+        elif state == _FAILED:
+            self.seen.discard(entry.uid)
+            producer._backlog = max(0, producer._backlog - self.counted)
+            self.error = self._value
+        else:
+            verdict = self._value[0]
+            if verdict != FRESH and self.counted:
+                producer._backlog = max(0, producer._backlog - 1)  # not queued by this call after all
+            if verdict != FRESH and verdict != DUPLICATE:
+                self.seen.discard(entry.uid)
+                # Made, not raised, here: it carries no traceback, which from this callback
+                # would reach the flush (every payload of it) for as long as a caller keeps it.
+                self.error = PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
+        return self.error
+
+    def _settled(self) -> None:
+        """The push's verdict is in (from the flush, a closing runner, or score() giving up)."""
+        error = self.apply()
+        fut = self.fut
+        if fut is None or fut.done():
+            return
+        if self._state == _CANCELLED:
+            # Not by score() (it ends its own wait first): the coalescer's runner or flush was
+            # cancelled (its loop closing). The sample may never have been queued, and no
+            # result or timeout would end the wait.
+            fut.cancel()
+            return
+        if error is not None:
+            fut.set_exception(error)
+            return
+        entry = self.entry
+        producer = self.producer
+        if self._value[0] == DUPLICATE:
+            # Queued before, unchanged: its result may have been read past already. Read the
+            # done stream again from its start, keeping what lands.
+            self.listener.reread(entry.batch, [entry.partition], producer.keys, group=producer.config.group)
+        if self.timeout_s is not None:
+            self.tick = self.listener.arm(fut, entry.batch, entry.uid, self.timeout_s)
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -302,29 +397,37 @@ class RolloutProducer:
         queued; it stays queued and its result still lands in the batch. A refused push
         raises PushConflictError, a failed one BrokerError, whatever the timeout.
         """
-        if self._listener is None:
-            self._listener = acquire_listener(self._url, self._client, self.config.namespace)
         listener = self._listener
+        if listener is None:
+            listener = self._listener = acquire_listener(self._url, self._client, self.config.namespace)
         part = self.keys.partition_of(traj.uid, traj.group)
+        entry, seen = self._entry(traj, part)  # checked, reserved and encoded; nothing to undo if it raised
         # Registered before the push, so that a result landing meanwhile cannot slip by.
-        fut = listener.expect(traj.batch_id, traj.uid, [part], self.keys, group=self.config.group, landed=False)
-        sent: _Sent | None = None
+        fut, followed = listener.watch(traj.batch_id, traj.uid, part, self.keys, self.config.group)
+        call: _ScoreCall | None = None
         try:
-            # One wait per sample, not two: the push's verdict reaches the result future by a
-            # callback (a refusal or a broker error fails it), and its timeout starts only once
-            # the sample is queued, so ResultTimeoutError always means "queued, not yet scored".
-            sent = await self._submit((traj,), (listener, fut, part, traj.batch_id, traj.uid, timeout_s))
-            if sent is None:  # pragma: no cover  # one trajectory always makes one entry
-                raise AssertionError("nothing to push")
+            if not self._has_room(1):
+                await self._make_room(1)
+            counted = self._count(1)
+            # One wait per sample, not two: the push's verdict reaches the result future from
+            # the call object at once (a refusal or a broker error fails it), and the timeout
+            # starts only once the sample is queued, so ResultTimeoutError always means
+            # "queued, not yet scored".
+            call = _ScoreCall(self, entry, seen, counted, listener, fut, followed, timeout_s)
+            self._coalesce([entry], call)
             result = await fut
             # A result can come before the verdict: one the listener already held for this uid
             # (an earlier push of it, maybe with other content). It counts only if the push
             # did not contradict that sample.
-            if not sent.verdicts.done():  # type: ignore[union-attr]  # set by _submit
-                await cast(Verdict[list[int]], sent.verdicts).wait()
-            if self._applied(sent) is not None:
-                raise cast(BaseException, sent.error)
+            if not call.done():
+                await call.wait()
+            if call.apply() is not None:
+                raise cast(BaseException, call.error)
             return result
+        except BaseException:
+            if call is None:  # never handed to the coalescer: only the reservation to undo
+                seen.discard(entry.uid)
+            raise
         finally:
             if not fut.done():
                 fut.cancel()
@@ -332,57 +435,16 @@ class RolloutProducer:
                 # Failed while nothing awaited it (a listener closed under a push that then
                 # raised): the caller got that error or another; asyncio must not report it.
                 fut.exception()
-            if sent is not None and sent.verdicts is not None and not sent.verdicts.done():
-                sent.verdicts.cancel()  # not yet in a flush: skipped (the callback releases its uid)
-            listener.forget(fut)
+            tick = -1
+            if call is not None:
+                call.cancel()  # not yet in a flush: skipped (and its uid released); else a no-op
+                call.fut = None
+                tick = call.tick
+            listener.unwatch(fut, followed, entry.uid, tick)
             # An error raised from here holds this frame in its traceback: drop what holds the
-            # error (the result future, the push), or each refused or timed-out sample is a
+            # error (the result future, the call), or each refused or timed-out sample is a
             # reference cycle left to the garbage collector.
-            del fut, sent
-
-    def _applied(self, sent: _Sent) -> BaseException | None:
-        """Apply a single-sample push's verdicts (they are in), once; what it raised or was refused with."""
-        if not sent.settled:
-            sent.settled = True
-            verdicts = sent.verdicts
-            assert verdicts is not None  # set at submit, before anyone can settle it
-            if verdicts.cancelled():
-                self._unreserve(sent, given_up=True)
-                sent.error = asyncio.CancelledError()
-            elif (error := verdicts.exception()) is not None:
-                self._unreserve(sent)
-                sent.error = error
-            else:
-                try:
-                    self._settle(sent, verdicts.result())
-                except PushConflictError as exc:
-                    # Kept without its traceback: run from the verdict's callback, its frames
-                    # reach the flush (every payload of it) for as long as a caller keeps it.
-                    sent.error = exc.with_traceback(None)
-        return sent.error
-
-    def _pushed_for_score(self, sent: _Sent) -> None:
-        """score()'s push has its verdict (the Verdict calls this at once)."""
-        listener, fut, partition, batch_id, uid, timeout_s = cast(_Awaited, sent.awaited)
-        verdicts = cast(Verdict[list[int]], sent.verdicts)
-        error = self._applied(sent)
-        if fut.done():
-            return
-        if verdicts.cancelled():
-            # Not by score() (it ends its own wait first): the coalescer's runner or flush was
-            # cancelled (its loop closing). The sample may never have been queued, and no
-            # result or timeout would end the wait.
-            fut.cancel()
-            return
-        if error is not None:
-            fut.set_exception(error)
-            return
-        if verdicts.result()[0] == DUPLICATE:
-            # Queued before, unchanged: its result may have been read past already. Read the
-            # done stream again from its start, keeping what lands.
-            listener.reread(batch_id, [partition], self.keys, group=self.config.group)
-        if timeout_s is not None:
-            listener.arm(fut, batch_id, uid, timeout_s)
+            del fut, call
 
     async def push(self, traj: Trajectory) -> None:
         """Queue one trajectory; returns once Redis holds it. Concurrent calls share a round trip."""
@@ -409,78 +471,99 @@ class RolloutProducer:
         self._settle(sent, verdicts)
         return len(sent.entries)
 
-    async def _submit(self, trajs: Iterable[Trajectory], awaited: _Awaited | None = None) -> _Sent | None:
+    async def _submit(self, trajs: Iterable[Trajectory]) -> _Sent | None:
         """Check and encode ``trajs`` and hand them to the coalescer; returns before the
-        flush, with the future of their verdicts (None for no trajectories). With
-        ``awaited`` (score()), a Verdict that calls _pushed_for_score instead."""
+        flush, with the future of their verdicts (None for no trajectories)."""
         entries: list[_Entry] = []
         reserved: list[tuple[set[str], str]] = []
         counted = 0  # entries counted into the backlog estimate
         try:
             for traj in trajs:
-                # Most samples carry their default uid: one comparison, not a parse.
-                implied = traj.uid == default_uid(traj.batch_id, traj.index)
-                named = None if implied else _default_index(traj.batch_id, traj.uid)
-                if named is not None and named != traj.index:
-                    # The push script records no uid for a sample under its default uid (the uid
-                    # names the index); a custom uid naming another index would slip past it.
-                    raise PushConflictError(
-                        traj.batch_id, traj.index, traj.uid, f"its uid is the default uid of index {named}"
-                    )
-                seen = self._uids(traj.batch_id)  # the set itself: an eviction meanwhile cannot lose it
-                if traj.uid in seen:
-                    raise ConfigError("uid", f"uid {traj.uid!r} pushed twice in batch {traj.batch_id!r}")
-                seen.add(traj.uid)  # reserved now, so a concurrent push of the same uid is refused too
+                entry, seen = self._entry(traj, self.keys.partition_of(traj.uid, traj.group))
                 reserved.append((seen, traj.uid))
-                payload = encode_trajectory(traj, self.config.max_message_bytes)
-                length = traj.response_length
-                entries.append(
-                    _Entry(
-                        self.keys.partition_of(traj.uid, traj.group),
-                        traj.batch_id,
-                        traj.index,
-                        traj.uid,
-                        digest(payload),
-                        -1 if length is None else length,
-                        payload,
-                        entry_header(traj.batch_id, traj.index, traj.uid, len(payload)),
-                        1 if implied else 0,
-                    )
-                )
+                entries.append(entry)
             if not entries:
                 return None
-            # Only a push that must ask Redis first pays for the error context (one push per sample).
-            if not self._groups_ready:
-                with redis_errors(f"push of {len(entries)} trajectories failed"):
-                    # In a task of its own: redis-py can lose a cancel that lands inside a
-                    # command (it completes and returns as if nothing happened), and the push
-                    # would go on to queue a sample its caller gave up on. Awaited through a
-                    # shield, the cancel is raised here; the (idempotent) setup finishes alone.
-                    await asyncio.shield(self._ensure_groups())
-            if self.config.max_backlog:
-                if not self._room_known(len(entries)):
-                    with redis_errors(f"push of {len(entries)} trajectories failed"):
-                        await self._wait_for_room(len(entries))
-                # Counted before the flush, with no await since the check: the pushes of one
-                # loop turn see each other, so together they never pass max_backlog.
-                self._backlog += len(entries)
-                self._counted_while_reading += len(entries)
-                counted = len(entries)
-            if self._coalescer is None:
-                self._coalescer = Coalescer(
-                    self._flush,
-                    max_entries=self.config.coalesce_max_entries,
-                    max_delay_s=self.config.coalesce_delay_s,
-                    max_in_flight=self.config.coalesce_in_flight,
-                )
-            sent = _Sent(entries, reserved, counted, awaited=awaited)
-            sent.verdicts = self._coalescer.submit_nowait(
-                entries, Verdict(self._pushed_for_score, sent) if awaited is not None else None
-            )
+            if not self._has_room(len(entries)):
+                await self._make_room(len(entries))
+            counted = self._count(len(entries))
+            sent = _Sent(entries, reserved, counted)
+            sent.verdicts = cast("asyncio.Future[list[int]]", self._coalesce(entries, None))
             return sent
         except BaseException:
             self._release(reserved, counted)
             raise
+
+    def _entry(self, traj: Trajectory, partition: int) -> tuple[_Entry, set[str]]:
+        """Check ``traj``, reserve its uid in its batch and encode it; returns its entry and
+        the batch's uid set that holds the reservation. Raises before reserving anything."""
+        # Most samples carry their default uid: one comparison, not a parse.
+        implied = traj.uid == default_uid(traj.batch_id, traj.index)
+        named = None if implied else _default_index(traj.batch_id, traj.uid)
+        if named is not None and named != traj.index:
+            # The push script records no uid for a sample under its default uid (the uid
+            # names the index); a custom uid naming another index would slip past it.
+            raise PushConflictError(traj.batch_id, traj.index, traj.uid, f"its uid is the default uid of index {named}")
+        seen = self._uids(traj.batch_id)  # the set itself: an eviction meanwhile cannot lose it
+        if traj.uid in seen:
+            raise ConfigError("uid", f"uid {traj.uid!r} pushed twice in batch {traj.batch_id!r}")
+        payload = encode_trajectory(traj, self.config.max_message_bytes)
+        seen.add(traj.uid)  # reserved now, so a concurrent push of the same uid is refused too
+        length = traj.response_length
+        return (
+            _Entry(
+                partition,
+                traj.batch_id,
+                traj.index,
+                traj.uid,
+                digest(payload),
+                -1 if length is None else length,
+                payload,
+                entry_header(traj.batch_id, traj.index, traj.uid, len(payload)),
+                1 if implied else 0,
+            ),
+            seen,
+        )
+
+    def _has_room(self, n: int) -> bool:
+        """``n`` entries may be queued without asking Redis first (the common case)."""
+        return self._groups_ready and (not self.config.max_backlog or self._room_known(n))
+
+    async def _make_room(self, n: int) -> None:
+        """Before queueing ``n`` entries, when _has_room says no: the groups' setup (the
+        first push) and a place under ``max_backlog``."""
+        # Only a push that must ask Redis first pays for the error context (one push per sample).
+        with redis_errors(f"push of {n} trajectories failed"):
+            if not self._groups_ready:
+                # In a task of its own: redis-py can lose a cancel that lands inside a
+                # command (it completes and returns as if nothing happened), and the push
+                # would go on to queue a sample its caller gave up on. Awaited through a
+                # shield, the cancel is raised here; the (idempotent) setup finishes alone.
+                await asyncio.shield(self._ensure_groups())
+            if self.config.max_backlog and not self._room_known(n):
+                await self._wait_for_room(n)
+
+    def _count(self, n: int) -> int:
+        """Count ``n`` entries into the backlog estimate; returns how many it counted.
+        Called with no await since the room check: the pushes of one loop turn see each
+        other, so together they never pass max_backlog."""
+        if not self.config.max_backlog:
+            return 0
+        self._backlog += n
+        self._counted_while_reading += n
+        return n
+
+    def _coalesce(
+        self, entries: list[_Entry], verdict: Verdict[list[int]] | None
+    ) -> asyncio.Future[list[int]] | Verdict[list[int]]:
+        if self._coalescer is None:
+            self._coalescer = Coalescer(
+                self._flush,
+                max_entries=self.config.coalesce_max_entries,
+                max_delay_s=self.config.coalesce_delay_s,
+                max_in_flight=self.config.coalesce_in_flight,
+            )
+        return self._coalescer.submit_nowait(entries, verdict)
 
     def _unreserve(self, sent: _Sent, *, given_up: bool = False) -> None:
         """The push failed or was given up: its uids may be pushed again. A failed push's count
