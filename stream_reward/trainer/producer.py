@@ -508,22 +508,22 @@ class RolloutProducer:
         if traj.uid in seen:
             raise ConfigError("uid", f"uid {traj.uid!r} pushed twice in batch {traj.batch_id!r}")
         payload = encode_trajectory(traj, self.config.max_message_bytes)
-        seen.add(traj.uid)  # reserved now, so a concurrent push of the same uid is refused too
         length = traj.response_length
-        return (
-            _Entry(
-                partition,
-                traj.batch_id,
-                traj.index,
-                traj.uid,
-                digest(payload),
-                -1 if length is None else length,
-                payload,
-                entry_header(traj.batch_id, traj.index, traj.uid, len(payload)),
-                1 if implied else 0,
-            ),
-            seen,
+        entry = _Entry(
+            partition,
+            traj.batch_id,
+            traj.index,
+            traj.uid,
+            digest(payload),
+            -1 if length is None else length,
+            payload,
+            entry_header(traj.batch_id, traj.index, traj.uid, len(payload)),
+            1 if implied else 0,
         )
+        # Reserved last, once nothing here can raise (response ids given as a one-shot
+        # iterator pack, then have no length), so a concurrent push of the uid is refused too.
+        seen.add(traj.uid)
+        return entry, seen
 
     def _has_room(self, n: int) -> bool:
         """``n`` entries may be queued without asking Redis first (the common case)."""
