@@ -28,7 +28,7 @@ from stream_reward.errors import (
     PushConflictError,
     StateLostError,
 )
-from stream_reward.trainer.coalescer import _CANCELLED, _FAILED, _PENDING, Coalescer, Verdict
+from stream_reward.trainer.coalescer import _CANCELLED, _DONE, _PENDING, Coalescer, Verdict
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.batch_meta import BatchMeta
@@ -180,25 +180,16 @@ class _ScoreCall(Verdict[list[int]]):
         if self.applied:
             return self.error
         self.applied = True
-        producer, state, entry = self.producer, self._state, self.entry
-        if state == _CANCELLED:
-            # Given up (by score(), or a closing loop): the uid may be pushed again. The
-            # count stays, since the entry may be in a flush already (see _unreserve).
-            self.seen.discard(entry.uid)
-            self.error = asyncio.CancelledError()
-        elif state == _FAILED:
-            self.seen.discard(entry.uid)
-            producer._backlog = max(0, producer._backlog - self.counted)
-            self.error = self._value
+        state = self._state
+        if state == _DONE:
+            # Made, not raised, here: a refusal carries no traceback, which from this callback
+            # would reach the flush (every payload of it) for as long as a caller keeps it.
+            self.error = self.producer._apply_verdict(self.entry, self._value[0], self.counted, self.seen)
         else:
-            verdict = self._value[0]
-            if verdict != FRESH and self.counted:
-                producer._backlog = max(0, producer._backlog - 1)  # not queued by this call after all
-            if verdict != FRESH and verdict != DUPLICATE:
-                self.seen.discard(entry.uid)
-                # Made, not raised, here: it carries no traceback, which from this callback
-                # would reach the flush (every payload of it) for as long as a caller keeps it.
-                self.error = PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
+            # Given up (by score(), or a closing loop) or failed: as push_many's _unreserve.
+            given_up = state == _CANCELLED
+            self.producer._release([(self.seen, self.entry.uid)], 0 if given_up else self.counted)
+            self.error = asyncio.CancelledError() if given_up else self._value
         return self.error
 
     def _settled(self) -> None:
@@ -580,14 +571,24 @@ class RolloutProducer:
     def _settle(self, sent: _Sent, verdicts: list[int]) -> None:
         """Apply the push script's verdicts; raises PushConflictError for the first refused sample."""
         conflict = None
-        for entry, verdict, (seen, uid) in zip(sent.entries, verdicts, sent.reserved):
-            if verdict != FRESH and sent.counted:
-                self._backlog = max(0, self._backlog - 1)  # not queued by this call after all
-            if verdict not in (FRESH, DUPLICATE):
-                seen.discard(uid)
-                conflict = conflict or PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
+        for entry, verdict, (seen, _) in zip(sent.entries, verdicts, sent.reserved):
+            refused = self._apply_verdict(entry, verdict, sent.counted, seen)
+            conflict = conflict or refused
         if conflict is not None:
             raise conflict
+
+    def _apply_verdict(self, entry: _Entry, verdict: int, counted: int, seen: set[str]) -> PushConflictError | None:
+        """Apply one entry's verdict (push_many and score() alike): a sample counted into the
+        backlog but not queued by this push leaves it, and a refused one's uid is released;
+        returns the refusal, not raised."""
+        if verdict == FRESH:
+            return None
+        if counted:
+            self._backlog = max(0, self._backlog - 1)  # not queued by this call after all
+        if verdict == DUPLICATE:
+            return None
+        seen.discard(entry.uid)
+        return PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
 
     def _uids(self, batch_id: str) -> set[str]:
         seen = self._seen.get(batch_id)
