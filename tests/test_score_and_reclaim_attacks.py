@@ -95,7 +95,9 @@ async def test_a_refused_score_never_returns_the_kept_result_of_its_uid(redis_ur
     the verdict arrives, for a sample that was refused."""
     cfg = ProducerConfig(namespace=namespace)
     async with (
-        running_worker(redis_url, namespace),
+        # No periodic trim: the check at the end reads the stream, and on a slow machine a
+        # trim (every 2 s by default) had removed the acked first entry (CI's lowest job).
+        running_worker(redis_url, namespace, trim_interval_s=3600),
         RolloutProducer(redis_url, cfg) as p1,
         RewardAggregator(redis_url, namespace=namespace) as agg,
     ):
