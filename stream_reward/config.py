@@ -99,12 +99,14 @@ class ProducerConfig:
     on_backlog: Literal["wait", "raise"] = "wait"
     backlog_poll_s: float = 0.05
     result_ttl_s: int = 7 * 24 * 3600
-    # Coalescing: concurrent pushes of one event-loop turn go in one round trip; a
-    # delay above 0 waits that long for more (up to the max) before sending. Groups
-    # of at most coalesce_max_entries, up to coalesce_in_flight at once: a wave of
-    # agent loops resuming together then reaches several workers, not one.
+    # Coalescing: concurrent pushes of one event-loop turn go in one round trip. While
+    # pushes come faster than coalesce_delay_s (the last flush went out less than that
+    # ago), a flush waits that long for more (up to the max); a push after a quiet spell
+    # goes at once. 0: never wait. Groups of at most coalesce_max_entries, up to
+    # coalesce_in_flight at once: a wave of agent loops resuming together then reaches
+    # several workers, not one.
     coalesce_max_entries: int = 128
-    coalesce_delay_s: float = 0.0
+    coalesce_delay_s: float = 0.001
     coalesce_in_flight: int = 2
     # Samples one stream entry holds at most (consecutive samples of one push call or
     # coalesced group, one partition): a stream entry costs the server and the clients
