@@ -192,7 +192,7 @@ async def run_per_sample(
     return {**out, "samples_per_s": args.n / out["elapsed_s"], "ok": ok}
 
 
-async def run_latency(args: argparse.Namespace, pool: list[dict[str, Any]]) -> dict[str, Any]:
+async def run_latency(args: argparse.Namespace, pool: list[dict[str, Any]], pauses: _GcPauses) -> dict[str, Any]:
     from stream_reward import ProducerConfig, RolloutProducer
 
     n = int(args.rate * args.latency_s)
@@ -230,19 +230,20 @@ async def run_latency(args: argparse.Namespace, pool: list[dict[str, Any]]) -> d
             # measured when that debt fell due. What the paced run itself leaves for the
             # collector is still measured (latency_gc_* in the result).
             gc.collect()
-            start = loop.time()
-            run.start()
-            for k, (bid, i) in enumerate(samples):
-                due = start + k / args.rate
-                delay = due - loop.time()
-                if delay > 0.0005:
-                    await asyncio.sleep(delay)
-                task = asyncio.ensure_future(one(due, bid, i))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            while running:
-                await asyncio.wait(list(running))
-            out = run.stop()
+            with pauses:
+                start = loop.time()
+                run.start()
+                for k, (bid, i) in enumerate(samples):
+                    due = start + k / args.rate
+                    delay = due - loop.time()
+                    if delay > 0.0005:
+                        await asyncio.sleep(delay)
+                    task = asyncio.ensure_future(one(due, bid, i))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.wait(list(running))
+                out = run.stop()
             if errors:
                 raise errors[0]
     return {
@@ -308,8 +309,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for side, fn in (("batched", run_batched), ("per_sample", run_per_sample)):
                 runs[side].append(await fn(args, pool, bar))
                 say(args, f"{side} run {rep + 1}: {runs[side][-1]['samples_per_s']:,.0f} samples/s")
-    with gc_pauses:
-        latency = await run_latency(args, pool)
+    latency = await run_latency(args, pool, gc_pauses)
     profile_top = None
     if args.profile:
         profile = cProfile.Profile()

@@ -58,6 +58,11 @@ def test_per_sample(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         assert is_num(r[key]) and r[key] > 0, key
     assert is_num(r["p50_ms"]) and 0 < r["p50_ms"] <= r["p99_ms"]
     assert r["all_ok"] is True and len(r["loadavg_at_start"]) == 3
+    # The paced window's own collections only: the full one that clears the debt of the runs
+    # before it comes before the window (and 200 samples are far from causing one).
+    g0, g1, g2 = r["latency_gc_collections"]
+    assert g0 >= 0 and g1 >= 0 and g2 == 0
+    assert r["latency_all_cpu_us_per_sample"] > r["latency_trainer_cpu_us_per_sample"] > 0
     assert r["profile_top_us_per_sample"] and (tmp_path / "p.out").stat().st_size > 0
     assert set(r["goals"]) == {
         "ratio >= 0.8",
