@@ -562,12 +562,6 @@ async def test_a_lone_submission_while_a_slow_flush_is_in_flight_on_a_free_slot_
     assert_drained(co)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="design gap, not a lost entry: the runner decides on the gap of the LAST submission, so "
-    "a burst submitted in one loop turn after a quiet spell (asyncio.gather of pushes, or score() "
-    "in a loop) waits the whole delay although its first push came after a quiet spell",
-)
 async def test_a_burst_in_one_loop_turn_after_a_quiet_spell_is_not_delayed() -> None:
     flush = Flush()
     co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
@@ -590,14 +584,12 @@ async def test_the_runner_ends_and_restarts_with_a_fresh_consistent_state() -> N
     flush = Flush()
     co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=0.2, max_entries=3)
     runners = []
-    fulls = []
     n = 0
     for round_ in range(4):
         # A lone one, then fast ones that fill a group (round 0, 2) or not (1, 3).
         group = [co.submit_nowait([n])]
         n += 1
         runners.append(co._runner)
-        fulls.append(co._full)
         for _ in range(3 if round_ % 2 == 0 else 1):
             await asyncio.sleep(0.02)
             group.append(co.submit_nowait([n]))
@@ -605,10 +597,10 @@ async def test_the_runner_ends_and_restarts_with_a_fresh_consistent_state() -> N
         await asyncio.wait_for(asyncio.gather(*group), 3)
         await settle(co)
         assert co._runner is not None and co._runner.done()
-        assert co._full is not None and not co._full.is_set(), f"round {round_}: _full left set"
+        assert co._filled is None, f"round {round_}: the runner's wait left behind"
         assert_drained(co)
         await asyncio.sleep(0.25)  # quiet: the next round's first goes at once
-    assert len({id(r) for r in runners}) == 4 and len({id(f) for f in fulls}) == 4
+    assert len({id(r) for r in runners}) == 4
     assert sorted(e for b in flush.batches for e in b) == list(range(n))
     # Each round: the lone one alone, the others together (the full rounds in max_entries chunks).
     assert flush.batches == [[0], [1, 2, 3], [4], [5], [6], [7, 8, 9], [10], [11]]
@@ -802,16 +794,15 @@ async def test_a_verdict_that_submits_when_the_runner_cancels_it_does_not_strand
 
 
 async def test_cancelling_the_runner_in_the_turn_a_group_fills_still_cancels_its_callers() -> None:
-    """The runner waits out the delay in asyncio.wait_for(_full.wait()); a submission fills
-    the group (sets _full) and the producer closes (cancels the runner) in the same loop
-    turn. On Python 3.11 wait_for returns the inner result when the inner wait finished as
+    """The runner waits out the delay; a submission fills the group (ending the wait) and
+    the producer closes (cancels the runner) in the same loop turn. On Python 3.11 wait_for returns the inner result when the inner wait finished as
     it was cancelled, so the runner's cancel would be swallowed: it goes on and flushes."""
     flush = Flush()
     co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=3)
     await co.submit([0])
     a = co.submit_nowait([1])
     await asyncio.sleep(0.05)  # the runner waits out the delay
-    b = co.submit_nowait([2, 3])  # the group is full: _full is set ...
+    b = co.submit_nowait([2, 3])  # the group is full: the wait ends ...
     runner = co._runner
     assert runner is not None and not runner.done()
     runner.cancel()  # ... and the runner cancelled in the same turn

@@ -146,10 +146,10 @@ class Coalescer(Generic[E, R]):
         self._pending: deque[tuple[list[E], _Slot[R]]] = deque()
         self._count = 0
         self._runner: asyncio.Task[None] | None = None
-        self._full: asyncio.Event | None = None
+        self._filled: asyncio.Future[None] | None = None  # set while the runner waits out the delay
         self._flushes: set[asyncio.Task[None]] = set()
         self._last_submit = -math.inf  # time.monotonic() of the last submission
-        self._gap = math.inf  # ... and how long after the one before it it came
+        self._gap = math.inf  # how long after the submission before it the group's first came
 
     async def submit(self, entries: list[E]) -> list[R]:
         # Not shielded: a cancelled caller whose entries are already in a flush still
@@ -160,15 +160,16 @@ class Coalescer(Generic[E, R]):
         """Queue ``entries`` for the next flush; the returned future (or ``verdict``, when
         given) gets their verdicts. Cancelling it skips entries not yet taken into a flush."""
         now = time.monotonic()
-        self._gap, self._last_submit = now - self._last_submit, now
+        if not self._pending:  # the first of a group: the group waits only if it came close behind
+            self._gap = now - self._last_submit
+        self._last_submit = now
         fut: _Slot[R] = verdict if verdict is not None else asyncio.get_running_loop().create_future()
         self._pending.append((entries, fut))
         self._count += len(entries)
         if self._runner is None or self._runner.done():
-            self._full = asyncio.Event()
             self._runner = asyncio.ensure_future(self._run())
-        if self._count >= self.max_entries and self._full is not None:
-            self._full.set()
+        elif self._count >= self.max_entries and self._filled is not None:
+            _resolve(self._filled)
         return fut
 
     async def _run(self) -> None:
@@ -177,14 +178,11 @@ class Coalescer(Generic[E, R]):
             while self._pending:
                 # Waiting pays only while more are coming: at 2,000-5,000 pushes a second,
                 # 1 ms made flushes of 3-8 samples 6-18, and every process spent 15-25% less
-                # CPU a sample (p50 and p99 no worse). A push that came alone (the one
-                # before it over a delay ago) gains nothing by waiting: it goes at once.
+                # CPU a sample. A group whose first push came after a quiet spell (the push
+                # before it over a delay ago) goes at once, with whatever joined it in the
+                # same loop turn (a lone push, a GRPO group's pushes from one gather).
                 if self.max_delay_s > 0 and self._count < self.max_entries and self._gap < self.max_delay_s:
-                    assert self._full is not None
-                    try:
-                        await asyncio.wait_for(self._full.wait(), self.max_delay_s)
-                    except asyncio.TimeoutError:
-                        pass
+                    await self._wait_for_more()
                 else:
                     await asyncio.sleep(0)  # let the callers of this loop turn join
                 while self._pending:
@@ -199,10 +197,27 @@ class Coalescer(Generic[E, R]):
         except asyncio.CancelledError:  # the producer is closing under its callers
             for task in flushes:
                 task.cancel()
-            for _, fut in self._pending:
+            # One by one, counted out: a slot whose cancel submits again (a retry) adds to
+            # the queue meanwhile, and that one is cancelled too, not left behind.
+            while self._pending:
+                entries, fut = self._pending.popleft()
+                self._count -= len(entries)
                 fut.cancel()
-            self._pending.clear()
             raise
+
+    async def _wait_for_more(self) -> None:
+        """Until ``max_delay_s`` is up or the group is full (``submit_nowait`` resolves the
+        future). A future and a timer, not ``wait_for(event.wait())``: that costs a task
+        per flush, and on Python 3.11 it drops a cancel that comes in the loop turn the
+        wait ends (the producer closing as a group fills), so the runner would go on."""
+        loop = asyncio.get_running_loop()
+        self._filled = filled = loop.create_future()
+        timer = loop.call_later(self.max_delay_s, _resolve, filled)
+        try:
+            await filled
+        finally:
+            timer.cancel()
+            self._filled = None
 
     def _take(self) -> list[tuple[list[E], _Slot[R]]]:
         taken: list[tuple[list[E], _Slot[R]]] = []
@@ -214,8 +229,6 @@ class Coalescer(Generic[E, R]):
                 continue
             taken.append((entries, fut))
             size += len(entries)
-        if self._full is not None and self._count < self.max_entries:
-            self._full.clear()
         return taken
 
     async def _send(self, taken: list[tuple[list[E], _Slot[R]]]) -> None:
@@ -238,8 +251,16 @@ class Coalescer(Generic[E, R]):
             at += len(entries)
 
     async def aclose(self) -> None:
-        """Wait for what was submitted to be flushed."""
-        if self._runner is not None:
-            await asyncio.gather(self._runner, return_exceptions=True)
-        if self._flushes:
-            await asyncio.gather(*self._flushes, return_exceptions=True)
+        """Wait for what was submitted to be flushed, and for what that submits in turn
+        (a verdict's callback that submits again starts a new runner meanwhile)."""
+        while True:
+            await asyncio.sleep(0)  # the callbacks of verdicts already set run first
+            busy = [t for t in (self._runner, *self._flushes) if t is not None and not t.done()]
+            if not busy:
+                return  # nothing pending either: a submission always has a runner
+            await asyncio.gather(*busy, return_exceptions=True)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
