@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,15 @@ class Recorder:
         return list(entries)
 
 
+async def just_flushed(**options: Any) -> tuple[Recorder, Coalescer[int, int]]:
+    """A coalescer (delay DELAY_S) whose first push, [0], has just been flushed: the
+    pushes a test makes next come less than the delay after it."""
+    flush = Recorder()
+    coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S, **options)
+    assert await coalescer.submit([0]) == [0]
+    return flush, coalescer
+
+
 async def test_a_lone_push_is_sent_at_once_not_after_the_delay() -> None:
     flush = Recorder()
     coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S)
@@ -49,9 +59,7 @@ async def test_a_lone_push_is_sent_at_once_not_after_the_delay() -> None:
 
 
 async def test_pushes_that_come_within_the_delay_of_the_one_before_wait_and_go_together() -> None:
-    flush = Recorder()
-    coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S)
-    assert await coalescer.submit([0]) == [0]  # sent at once: nothing came before it
+    flush, coalescer = await just_flushed()  # [0] went at once: nothing came before it
     # Three more, each from a later loop turn than the one before and within the delay of
     # it: pushes are coming faster than the delay, so they wait and share one flush.
     calls = []
@@ -78,9 +86,7 @@ async def test_without_a_delay_the_same_pushes_go_one_flush_each() -> None:
 
 
 async def test_a_full_group_does_not_wait_out_the_delay() -> None:
-    flush = Recorder()
-    coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
-    await coalescer.submit([0])
+    flush, coalescer = await just_flushed(max_entries=4)
     t0 = time.monotonic()
     first = asyncio.ensure_future(coalescer.submit([1]))
     await asyncio.sleep(0.01)  # the runner is waiting for more now
@@ -91,9 +97,7 @@ async def test_a_full_group_does_not_wait_out_the_delay() -> None:
 
 
 async def test_a_push_cancelled_while_it_waits_out_the_delay_is_not_sent() -> None:
-    flush = Recorder()
-    coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S)
-    await coalescer.submit([0])
+    flush, coalescer = await just_flushed()
     gone = asyncio.ensure_future(coalescer.submit([1]))
     await asyncio.sleep(0.01)
     kept = asyncio.ensure_future(coalescer.submit([2]))
@@ -108,9 +112,7 @@ async def test_a_push_cancelled_while_it_waits_out_the_delay_is_not_sent() -> No
 
 async def test_closing_while_pushes_wait_out_the_delay_cancels_them() -> None:
     """The producer's close cancels the runner: whoever waits hears it, nothing hangs."""
-    flush = Recorder()
-    coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S)
-    await coalescer.submit([0])
+    flush, coalescer = await just_flushed()
     waiting = asyncio.ensure_future(coalescer.submit([1]))
     await asyncio.sleep(0.01)
     assert coalescer._runner is not None
