@@ -102,9 +102,9 @@ class ProducerConfig:
     # Coalescing: concurrent pushes of one event-loop turn go in one round trip. While
     # pushes come faster than coalesce_delay_s (a group's first push came less than that
     # after the push before it), a flush waits that long for more (up to the max); a
-    # push after a quiet spell goes at once. 0: never wait. Groups of at most coalesce_max_entries, up to
-    # coalesce_in_flight at once: a wave of agent loops resuming together then reaches
-    # several workers, not one.
+    # push after a quiet spell goes at once. 0: never wait. Groups of at most
+    # coalesce_max_entries, up to coalesce_in_flight at once: a wave of agent loops
+    # resuming together then reaches several workers, not one.
     coalesce_max_entries: int = 128
     coalesce_delay_s: float = 0.001
     coalesce_in_flight: int = 2

@@ -8,8 +8,9 @@ one flush. While a flush is in flight new calls gather for the next one, so
 under load the batches grow by themselves and at low load a lone push waits
 one loop turn, not a timer. ``max_delay_s`` applies only while pushes come
 faster than it (a group's first push came less than the delay after the push
-before it): a push after a quiet spell goes at once. A caller's await returns only after its flush
-came back from Redis: the sample is durably queued (or refused) by then.
+before it): a push after a quiet spell goes at once. A caller's await returns
+only after its flush came back from Redis: the sample is durably queued (or
+refused) by then.
 
 A submitter that only needs a callback (``score()``, one sample each) passes a
 ``Verdict`` instead of taking a future: the flush hands it the verdicts at once.
