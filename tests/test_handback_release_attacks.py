@@ -171,15 +171,15 @@ async def test_samples_handed_back_to_a_worker_that_also_dies_are_scored_once_by
     keys = Keys(namespace)
     log = tmp_path / "calls.log"
     log.touch()
+    hold = tmp_path / "hold"
+    hold.touch()
+    info = {"log": str(log), "hold": str(hold), "sleep_s": 0.1}
     client = connect(redis_url)
     try:
         await push(
             redis_url,
             namespace,
-            [
-                Trajectory("h", i, "test", response="ok", extra_info={"log": str(log), "tag": i, "sleep_s": 1.5})
-                for i in range(4)
-            ],
+            [Trajectory("h", i, "test", response="ok", extra_info={**info, "tag": i}) for i in range(4)],
             k=4,
         )
         (v1,) = spawn_workers(1, *LOGGED, "--reclaim-idle-ms", "600", "--concurrency", "1")
@@ -190,7 +190,8 @@ async def test_samples_handed_back_to_a_worker_that_also_dies_are_scored_once_by
         for v in (v1, v2):
             v.send_signal(signal.SIGKILL)
             v.wait()
-        assert not await results(client, keys, "h"), "scored before the kills: the test lost its race"
+        assert not await results(client, keys, "h"), "scored before the kills, while held"
+        hold.unlink()
         (survivor,) = spawn_workers(1, *LOGGED, "--reclaim-idle-ms", "600", "--concurrency", "8")
 
         await settle(client, keys, "h", 4, timeout_s=12)
