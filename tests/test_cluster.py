@@ -23,6 +23,7 @@ from workers.consumer import Worker
 pytestmark = pytest.mark.anyio
 
 ECHO = "python:tests/data/cluster_scorers.py:echo_slow"
+HOLD_ENV = "SR_TEST_HOLD_FILE"  # as in tests/data/cluster_scorers.py
 GROUP_SIZE = 5
 
 
@@ -32,8 +33,9 @@ def cluster() -> Iterator[LocalCluster]:
         yield local
 
 
-def echo_batch(batch_id: str, n: int, sleep_s: float = 0.0) -> tuple[list[Trajectory], list[float]]:
-    """Samples in GRPO groups of GROUP_SIZE whose score is their own number."""
+def echo_batch(batch_id: str, n: int, sleep_s: float = 0.0, holdable: int = 0) -> tuple[list[Trajectory], list[float]]:
+    """Samples in GRPO groups of GROUP_SIZE whose score is their own number; with
+    ``holdable`` k, every k-th is marked holdable (see tests/data/cluster_scorers.py)."""
     trajs, expected = [], []
     for i in range(n):
         score = round((i * 37 % 101) / 100, 2)
@@ -45,7 +47,7 @@ def echo_batch(batch_id: str, n: int, sleep_s: float = 0.0) -> tuple[list[Trajec
                 response=str(score),
                 valid_response_length=1 + i % 7,
                 group=f"{batch_id}-g{i // GROUP_SIZE}",
-                extra_info={"sleep_s": sleep_s},
+                extra_info={"sleep_s": sleep_s, **({"holdable": True} if holdable and i % holdable == 0 else {})},
             )
         )
         expected.append(score)
@@ -123,15 +125,30 @@ async def test_groups_stay_in_one_partition_and_the_aggregator_gathers_them_all(
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["holding-entries", "half-scored"])
-async def test_cluster_workers_lose_nothing_when_one_is_killed_mid_batch(cluster, namespace, spawn_workers, late):
+async def test_cluster_workers_lose_nothing_when_one_is_killed_mid_batch(
+    cluster, namespace, spawn_workers, late, tmp_path, monkeypatch
+):
     n, partitions = 300, 3
     keys = Keys(namespace, partitions)
     args = ("--partitions", str(partitions), "--scorer", ECHO, "--reclaim-idle-ms", "800", "--concurrency", "30")
+    # The victim (only it) holds every 4th sample until it is killed: it has entries pending
+    # from its first held sample on, however late the kill comes. With the batch's 1.25 s of
+    # scoring free, a loaded test could poll past its end (victim_is_busy never true again),
+    # or the survivor could score all of it while the victim was still starting.
+    hold = tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setenv(HOLD_ENV, str(hold))
     (victim,) = spawn_workers(1, *args, "--consumer", "victim", url=cluster.url)
+    monkeypatch.delenv(HOLD_ENV)
     (survivor,) = spawn_workers(1, *args, "--consumer", "survivor", url=cluster.url)
-    trajs, expected = echo_batch("kill", n, sleep_s=0.25)
+    trajs, expected = echo_batch("kill", n, sleep_s=0.25, holdable=4)
     client = connect(cluster.url)
     try:
+
+        async def both_joined() -> bool:  # heartbeats in: neither is still starting
+            return await client.hlen(keys.workers()) >= 2
+
+        await wait_until(both_joined, timeout_s=30)
         async with (
             RolloutProducer(cluster.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer,
             RewardAggregator(cluster.url, namespace=namespace) as agg,
