@@ -31,7 +31,11 @@ pytestmark = pytest.mark.anyio
 SLOW = "python:tests/data/reliability_scorers.py:slow"
 
 
-def slow_batch(batch_id: str, n: int, sleep_s: float, poison: set[int] = frozenset()) -> list[Trajectory]:
+def slow_batch(
+    batch_id: str, n: int, sleep_s: float, poison: set[int] = frozenset(), held: dict[int, str] | None = None
+) -> list[Trajectory]:
+    """``held`` maps indices to a hold file: those samples are not finished while it exists."""
+    held = held or {}
     return [
         Trajectory(
             batch_id,
@@ -39,7 +43,7 @@ def slow_batch(batch_id: str, n: int, sleep_s: float, poison: set[int] = frozens
             "test",
             response="poison" if i in poison else "ok",
             valid_response_length=1,
-            extra_info={"sleep_s": sleep_s},
+            extra_info={"sleep_s": sleep_s, **({"hold": held[i]} if i in held else {})},
         )
         for i in range(n)
     ]
@@ -60,15 +64,20 @@ async def ledger_sizes(url: str, namespace: str, batch_id: str) -> tuple[int, in
         await client.aclose()
 
 
-async def test_sigkilled_worker_mid_batch_loses_nothing(redis_url, namespace, spawn_workers):
+async def test_sigkilled_worker_mid_batch_loses_nothing(redis_url, namespace, spawn_workers, tmp_path):
     n = 120
+    # The odd samples are held until the victim is dead: it can score the even ones, never
+    # the whole batch, however late this test gets to its kill (with a bare 0.4 s scorer, a
+    # victim running ahead of a loaded test could finish all 120 first: no survivor pid).
+    hold = tmp_path / "hold"
+    hold.touch()
     (victim,) = spawn_workers(1, "--scorer", SLOW, "--reclaim-idle-ms", "800", "--concurrency", "40")
     async with (
         RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
         RewardAggregator(redis_url, namespace=namespace) as agg,
     ):
         await producer.open_batch("kill", n, 4)
-        await producer.push_many(slow_batch("kill", n, 0.4))
+        await producer.push_many(slow_batch("kill", n, 0.4, held={i: str(hold) for i in range(1, n, 2)}))
 
         async def victim_is_busy() -> bool:
             return await pending_count(redis_url, namespace) >= 20
@@ -76,6 +85,7 @@ async def test_sigkilled_worker_mid_batch_loses_nothing(redis_url, namespace, sp
         await wait_until(victim_is_busy)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
+        hold.unlink()
         (survivor,) = spawn_workers(1, "--scorer", SLOW, "--reclaim-idle-ms", "800", "--concurrency", "200")
         rewards = await agg.collect("kill", timeout_s=60)
     assert rewards.status == ["ok"] * n
