@@ -122,6 +122,11 @@ async def test_the_hand_back_record_does_not_settle_a_sample_of_another_batch_wi
     keys = Keys(namespace)
     log = tmp_path / "calls.log"
     log.touch()
+    # A/x is held until the victim is dead: it dies scoring A, however late the kill comes
+    # (a 2 s scorer could finish first on a loaded machine, and its 2 s again in the survivor
+    # plus the survivor's start and the reclaim were most of the 6 s this test waited).
+    hold = tmp_path / "hold"
+    hold.touch()
     client = connect(redis_url)
     try:
         info = {"log": str(log)}
@@ -129,7 +134,14 @@ async def test_the_hand_back_record_does_not_settle_a_sample_of_another_batch_wi
             redis_url,
             namespace,
             [
-                Trajectory("A", 0, "test", response="ok", uid="x", extra_info={**info, "tag": "A", "sleep_s": 2.0}),
+                Trajectory(
+                    "A",
+                    0,
+                    "test",
+                    response="ok",
+                    uid="x",
+                    extra_info={**info, "tag": "A", "hold": str(hold), "sleep_s": 0.1},
+                ),
                 Trajectory("B", 0, "test", response="ok", uid="x", extra_info={**info, "tag": "B", "sleep_s": 0.1}),
             ],
             k=2,
@@ -142,13 +154,15 @@ async def test_the_hand_back_record_does_not_settle_a_sample_of_another_batch_wi
         await wait_until(handed, timeout_s=15, every_s=0.01)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
+        assert not await results(client, keys, "A"), "A/x scored before the kill, while held"
+        hold.unlink()
         spawn_workers(1, *LOGGED, "--reclaim-idle-ms", "600", "--concurrency", "4")
 
         async def both() -> bool:
             return bool(await results(client, keys, "A")) and bool(await results(client, keys, "B"))
 
         try:
-            await wait_until(both, timeout_s=6)
+            await wait_until(both, timeout_s=15)
         except AssertionError:
             pass
         a, b = await results(client, keys, "A"), await results(client, keys, "B")
