@@ -194,19 +194,20 @@ async def test_a_stop_releases_every_entry_of_the_last_read_not_only_the_opened_
 SLOW = "python:tests/data/reliability_scorers.py:slow"
 
 
-def slow_traj(batch: str, i: int, sleep_s: float, poison: bool = False) -> Trajectory:
+def slow_traj(batch: str, i: int, sleep_s: float, poison: bool = False, hold: str | None = None) -> Trajectory:
+    """``hold``: a file; the sample is not finished while it exists."""
     return Trajectory(
         batch,
         i,
         "test",
         response="poison" if poison else "ok",
         valid_response_length=1,
-        extra_info={"sleep_s": sleep_s},
+        extra_info={"sleep_s": sleep_s, **({"hold": hold} if hold else {})},
     )
 
 
 async def test_sigkill_between_hand_back_and_the_source_ack_scores_each_sample_once(
-    redis_url, namespace, spawn_workers
+    redis_url, namespace, spawn_workers, tmp_path
 ) -> None:
     """A worker of concurrency 3 takes entries of 16 and hands 13 of each back; it is SIGKILLed
     while the source entries are still pending. The survivor scores the redelivered source
@@ -221,6 +222,11 @@ async def test_sigkill_between_hand_back_and_the_source_ack_scores_each_sample_o
     keys = Keys(namespace)
     n = 64
     args = ("--scorer", SLOW, "--reclaim-idle-ms", "600", "--concurrency", "3")
+    # Every sample is held until the victim is dead: its source entries are still pending at
+    # the kill however late the kill comes (with a bare 0.3 s scorer a loaded test could
+    # kill after the acks, and miss its moment).
+    hold = tmp_path / "hold"
+    hold.touch()
     client = connect(redis_url)
     try:
         async with (
@@ -228,7 +234,7 @@ async def test_sigkill_between_hand_back_and_the_source_ack_scores_each_sample_o
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("k", n, 4)
-            await producer.push_many(slow_traj("k", i, 0.3) for i in range(n))
+            await producer.push_many(slow_traj("k", i, 0.3, hold=str(hold)) for i in range(n))
             assert await client.xlen(keys.stream()) == 4
             (victim,) = spawn_workers(1, *args)
 
@@ -240,6 +246,7 @@ async def test_sigkill_between_hand_back_and_the_source_ack_scores_each_sample_o
             victim.wait()
             pending = await client.xpending_range(keys.stream(), "scorers", min="-", max="+", count=100)
             assert pending, "the victim had acked its source entries already: the test missed its moment"
+            hold.unlink()
             spawn_workers(1, *args)
             rewards = await agg.collect("k", timeout_s=60, on_timeout="resolve")
             assert rewards.status == ["ok"] * n, [
@@ -276,6 +283,12 @@ async def test_after_a_sigkill_the_samples_a_worker_handed_back_are_not_scored_a
     n = 32
     log = tmp_path / "calls.log"
     log.touch()
+    # The second entry's samples are held until the victim is dead (it hands that entry back
+    # once it has scored the first's 3): that source is still pending at the kill however
+    # late the kill comes. With a bare 0.5 s scorer a loaded test could kill after its ack,
+    # leaving the survivor nothing to score twice: the test would pass without testing.
+    hold = tmp_path / "hold"
+    hold.touch()
     args = ("--scorer", "python:tests/data/reliability_scorers.py:logged", "--reclaim-idle-ms", "600")
     client = connect(redis_url)
     try:
@@ -285,7 +298,13 @@ async def test_after_a_sigkill_the_samples_a_worker_handed_back_are_not_scored_a
         ):
             await producer.open_batch("h", n, 4)
             await producer.push_many(
-                Trajectory("h", i, "test", response="ok", extra_info={"sleep_s": 0.5, "tag": i, "log": str(log)})
+                Trajectory(
+                    "h",
+                    i,
+                    "test",
+                    response="ok",
+                    extra_info={"sleep_s": 0.5, "tag": i, "log": str(log), **({"hold": str(hold)} if i >= 16 else {})},
+                )
                 for i in range(n)
             )
             (victim,) = spawn_workers(1, *args, "--concurrency", "3")
@@ -298,6 +317,7 @@ async def test_after_a_sigkill_the_samples_a_worker_handed_back_are_not_scored_a
             victim.send_signal(signal.SIGKILL)
             victim.wait()
             assert (await client.xpending(keys.stream(), "scorers"))["pending"], "the sources were acked already"
+            hold.unlink()
             spawn_workers(1, *args, "--concurrency", "8")
             rewards = await agg.collect("h", timeout_s=60, on_timeout="resolve")
             assert rewards.status == ["ok"] * n
