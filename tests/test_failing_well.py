@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import pending_samples
+from helpers import pending_samples, undelivered_samples
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.wire.connection import connect
+from stream_reward.wire.keys import Keys
 
 pytestmark = pytest.mark.anyio
 
@@ -305,7 +306,14 @@ async def test_redis_outage_logs_a_few_lines_not_a_flood(namespace):
             worker_argv(server.url, namespace, "--drain-timeout-s", "1"), cwd=ROOT, stderr=subprocess.PIPE
         )
         try:
-            await asyncio.sleep(2.5)  # joined
+            # Joined: its heartbeat is in. A fixed 2.5 s raced the worker's start on a loaded
+            # machine; started after the kill, it gave up at start-up (exit 2) and the
+            # test passed without a running worker ever seeing the outage.
+            client = connect(server.url)
+            try:
+                await wait_until(lambda: client.hlen(Keys(namespace).workers()), timeout_s=30)
+            finally:
+                await client.aclose()
             server.kill()
             await asyncio.sleep(5)
             proc.send_signal(signal.SIGTERM)
@@ -331,6 +339,13 @@ async def test_async_scorer_blocking_the_loop_is_named_and_its_timeout_fires(red
         ):
             await producer.open_batch("block", 1, 4)
             await producer.push_many(batch("block", 1, 30.0))
+
+            async def delivered() -> bool:
+                return await undelivered_samples(producer.client, Keys(namespace)) == 0
+
+            # Timed from the delivery, not the push: the worker's start (5 s and more of
+            # imports on a loaded machine) is no part of the 1 s timeout under test.
+            await wait_until(delivered, timeout_s=30)
             started = time.monotonic()
             rewards = await agg.collect("block", timeout_s=25)
             took = time.monotonic() - started
