@@ -41,6 +41,7 @@ from stream_reward.wire.codec import row_header, stored_result
 from stream_reward.wire.connection import REDIS_ERRORS, connect, is_cluster, with_reconnect
 from stream_reward.wire.entries import read_streams
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.lane import Lane
 from stream_reward.wire.ledger import done_rows
 from stream_reward.wire.trajectory import ScoreResult
 
@@ -78,6 +79,9 @@ class _Reader:
         self.task: asyncio.Task[None] | None = None
         self.reading: set[str] = set()  # streams in the XREAD in flight
         self.woken = False
+        # Its reads on a connection of its own where one serves (wire/lane.py): a round trip
+        # per page of results, and redis-py's cost a round trip was most of a page's.
+        self.lane = Lane.for_client(listener.client)
 
     def follow(self, name: str) -> _Followed:
         followed = self.streams.get(name)
@@ -129,7 +133,12 @@ class _Reader:
                 try:
                     reply = await with_reconnect(
                         functools.partial(
-                            read_streams, listener.client, cursors, count=PAGE_COUNT, block=listener.block_ms
+                            read_streams,
+                            listener.client,
+                            cursors,
+                            count=PAGE_COUNT,
+                            block=listener.block_ms,
+                            lane=self.lane,
                         ),
                         what="read results",
                     )
@@ -371,6 +380,8 @@ class ResultListener:
         error = BrokerError("the result listener was closed (its producer or aggregator closed) before the result came")
         for reader in self._readers.values():
             reader.fail_waiters(error)
+            if reader.lane is not None:
+                reader.lane.close()
         self._readers.clear()
         if self._owns_client:
             await self.client.aclose()

@@ -18,6 +18,7 @@ from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from stream_reward.config import BatchPolicy, ProducerConfig
@@ -33,9 +34,10 @@ from stream_reward.trainer.listener import ResultListener, acquire_listener, rel
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.codec import encode_result, encode_trajectory
-from stream_reward.wire.connection import connect, is_cluster, mask_url, redis_errors
+from stream_reward.wire.connection import connect, is_cluster, is_permanent, mask_url, redis_errors
 from stream_reward.wire.entries import XADD_MANY_CHUNK, ensure_group, entry_header, group_state
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.lane import Lane
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.packed import can_send_packed, pack_command, send_packed
@@ -49,6 +51,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RECENT_BATCHES = 64
+# A push whose lane connection is lost is sent again on a new one: up to 3 tries, 50 then 100 ms apart.
+_LANE_ATTEMPTS = 3
+_LANE_BACKOFF_S = 0.05
 _HISTORY_KEEP_S = 7 * 86400  # how long a batch id is remembered, to tell "expired" from "never opened"
 
 # Create a batch unless its id exists, atomically (two producers racing on an id
@@ -251,6 +256,8 @@ class RolloutProducer:
         self._backlog_reading: asyncio.Future[None] | None = None
         self._counted_while_reading = 0  # see _read_backlog
         self._listener: ResultListener | None = None  # the process's result listener, on first score()
+        self._lane: Lane | None = None  # the pushes' own connection (wire/lane.py), where one serves
+        self._lane_client: Any = None  # the client the lane was made for
 
     @property
     def client(self) -> Any:
@@ -267,6 +274,9 @@ class RolloutProducer:
     async def aclose(self) -> None:
         if self._coalescer is not None:
             await self._coalescer.aclose()
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
         if self._listener is not None:
             listener, self._listener = self._listener, None
             await release_listener(listener)
@@ -659,7 +669,7 @@ class RolloutProducer:
                     packed = [
                         pack_command("EVALSHA", self._push_sha, len(keys), *keys, *args) for _, keys, args in calls
                     ]
-                    replies = await send_packed(self.client, packed)
+                    replies = await self._send_packed(packed)
                     for reply in replies:
                         if isinstance(reply, Exception):
                             raise reply
@@ -678,6 +688,29 @@ class RolloutProducer:
                 self._push_sha = await self.client.script_load(PUSH_SCRIPT)
                 self._groups_ready = False  # a restarted server may have lost them too
                 await self._ensure_groups()
+        raise AssertionError("unreachable")
+
+    async def _send_packed(self, packed: list[bytes]) -> list[Any]:
+        """The push calls on the producer's lane (where one serves, see wire/lane.py). A lost
+        connection is tried again on a new one, a few times: a push sent twice is found as a
+        duplicate, and a connection reset (a server restart, a proxy's idle cut) is not worth
+        failing the pushes of a whole flush for."""
+        client = self.client
+        if self._lane_client is not client:  # the first push, or a client swapped since
+            if self._lane is not None:
+                self._lane.close()
+            self._lane_client = client
+            self._lane = Lane.for_client(client)
+        lane = self._lane
+        if lane is None:
+            return await send_packed(self.client, packed)
+        for attempt in range(_LANE_ATTEMPTS):
+            try:
+                return await lane.call(packed)
+            except RedisConnectionError as exc:
+                if attempt == _LANE_ATTEMPTS - 1 or is_permanent(exc):
+                    raise
+                await asyncio.sleep(_LANE_BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable")
 
     async def fail(

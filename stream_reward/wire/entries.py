@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import io
 import re
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
 from redis.exceptions import ResponseError
 
 from stream_reward.wire.codec import packb
 from stream_reward.wire.connection import is_cluster
+from stream_reward.wire.packed import pack_command
+
+if TYPE_CHECKING:
+    from stream_reward.wire.lane import Lane
 
 __all__ = [
     "group_state",
@@ -293,14 +297,34 @@ async def read_group(
     return await _routed(client, "XREADGROUP", args, streams)
 
 
-async def read_streams(client: Any, streams: dict[str, str], *, count: int, block: int | None) -> Any:
-    """XREAD of ``streams`` (name -> last id seen); in a cluster they must share one slot."""
+async def read_streams(
+    client: Any, streams: dict[str, str], *, count: int, block: int | None, lane: Lane | None = None
+) -> Any:
+    """XREAD of ``streams`` (name -> last id seen); in a cluster they must share one slot.
+    On ``lane`` when given (a single node's), in redis-py's reply shape."""
+    if lane is not None:
+        args: list[Any] = ["XREAD", "COUNT", count]
+        if block is not None:
+            args += ["BLOCK", block]
+        (reply,) = await lane.call([pack_command(*args, "STREAMS", *streams.keys(), *streams.values())])
+        if isinstance(reply, BaseException):
+            raise reply
+        if reply is None:  # the block ran out
+            return None
+        return [
+            [name, [(None, None) if e is None else (e[0], _pairs(e[1])) for e in entries]] for name, entries in reply
+        ]
     if not is_cluster(client):
         return await client.xread(streams, count=count, block=block)
-    args: list[Any] = ["COUNT", count]
+    routed: list[Any] = ["COUNT", count]
     if block is not None:
-        args += ["BLOCK", block]
-    return await _routed(client, "XREAD", args, streams)
+        routed += ["BLOCK", block]
+    return await _routed(client, "XREAD", routed, streams)
+
+
+def _pairs(flat: list[Any]) -> dict[Any, Any]:
+    """An entry's [field, value, ...] as redis-py's dict (a deleted entry's: none)."""
+    return dict(zip(flat[::2], flat[1::2])) if flat else {}
 
 
 async def _routed(client: Any, command: str, args: list[Any], streams: dict[str, str]) -> Any:
