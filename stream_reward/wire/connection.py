@@ -19,6 +19,10 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster
+
+# The asyncio Retry: redis-py's synchronous one, given to an asyncio client, returns the
+# command's coroutine from call_with_retry unawaited, and nothing was ever retried.
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import (
     AuthenticationError,
@@ -33,7 +37,6 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from stream_reward.errors import BrokerError
 

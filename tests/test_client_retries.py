@@ -1,0 +1,52 @@
+"""connect()'s clients retry a command whose connection was lost under it, as its docstring
+promises ("short commands get a few quick retries inside redis-py"). Until 2026-12-01 they
+were given redis-py's synchronous Retry, whose call_with_retry returns the asyncio client's
+coroutine unawaited and so never retried anything: one reset connection failed the command."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from stream_reward.wire.connection import connect
+
+pytestmark = pytest.mark.anyio
+
+
+async def _blocked_on(admin, command: str) -> int:
+    for _ in range(200):
+        for c in await admin.client_list():
+            if c.get("cmd") == command:
+                return int(c["id"])
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no client blocked in {command}")
+
+
+async def test_a_command_whose_connection_is_killed_mid_command_is_sent_again(redis_url, namespace) -> None:
+    client = connect(redis_url)
+    admin = connect(redis_url)
+    key = f"{namespace}:list"
+    try:
+        blocked = asyncio.ensure_future(client.blpop([key], timeout=5))
+        victim = await _blocked_on(admin, "blpop")
+        await admin.client_kill_filter(_id=victim)
+        await _blocked_on(admin, "blpop")  # sent again, on a new connection
+        await admin.rpush(key, "x")
+        assert list(await asyncio.wait_for(blocked, 10)) == [key.encode(), b"x"]
+    finally:
+        await client.aclose()
+        await admin.aclose()
+
+
+async def test_a_server_that_stays_away_still_fails_the_command_within_the_retries() -> None:
+    client = connect("redis://127.0.0.1:1")
+    try:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(client.ping(), 30)
+        assert loop.time() - start < 10
+    finally:
+        await client.aclose()
