@@ -273,3 +273,30 @@ async def test_score_gets_its_result_when_the_listeners_connection_is_killed_mid
                 assert (result.index, result.status, result.score) == (i, "ok", 1.0)
     finally:
         await admin.aclose()
+
+
+async def test_a_push_answered_loading_is_sent_again(namespace) -> None:
+    """A restarted server replaying its AOF answers -LOADING: redis-py raises that as a
+    ConnectionError and retries it; the producer's lane sends the push again as well."""
+    answered: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.read(65536):
+                reply = b"-LOADING Redis is loading the dataset in memory\r\n" if not answered else b":1\r\n"
+                answered.append(reply)
+                writer.write(reply)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    producer = RolloutProducer(f"redis://127.0.0.1:{port}", ProducerConfig(namespace=namespace))
+    try:
+        assert await producer._send_packed([pack_command("EVALSHA", "0" * 40, 0)]) == [1]
+        assert len(answered) == 2
+    finally:
+        await producer.aclose()
+        server.close()
+        await server.wait_closed()

@@ -315,11 +315,6 @@ async def test_close_twice_with_calls_in_flight_and_calls_after(redis_url, names
     assert no_unclosed_transports() == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="call([]) queues a _Call with n=0 that no reply completes: it never returns, and the "
-    "next caller's replies are appended to it, so every later call on the lane hangs",
-)
 async def test_a_call_of_no_commands_returns_at_once_and_leaves_the_lane_usable(redis_url) -> None:
     client = connect(redis_url)
     lane = lane_of(client)
@@ -449,12 +444,6 @@ async def test_the_producer_pushes_through_redis_py_on_clients_the_lane_refuses(
         await admin.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the lane sends AUTH '' for password='' (redis-py sends no AUTH for an empty "
-    "password): a server without a password refuses it, so every push through the lane fails "
-    "with BrokerError 'refused authentication' where redis-py's own path works",
-)
 async def test_an_empty_password_is_sent_as_redis_py_sends_it(redis_url, namespace) -> None:
     client = Redis(unix_socket_path=redis_url[len("unix://") :], password="")
     try:
@@ -466,11 +455,6 @@ async def test_an_empty_password_is_sent_as_redis_py_sends_it(redis_url, namespa
         await client.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the lane sends AUTH '' <password> for username='' (redis-py sends AUTH <password>, "
-    "the default user): the server answers WRONGPASS and every push fails with BrokerError",
-)
 async def test_an_empty_username_is_sent_as_redis_py_sends_it(namespace) -> None:
     with EmbeddedServer(extra_args=["--requirepass", "pw-2"]) as server:
         client = Redis(unix_socket_path=server.socket_path, username="", password="pw-2")
@@ -540,12 +524,6 @@ async def test_max_backlog_control_without_lost_replies(redis_url, namespace) ->
             await producer.push(Trajectory("m", 3, "test", response="a"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a push the lane sends again after its reply was lost comes back DUPLICATE, and "
-    "_apply_verdict takes it out of the backlog estimate although this very call queued it: "
-    "the estimate falls below the truth and pushes pass max_backlog",
-)
 async def test_max_backlog_holds_when_push_replies_are_lost(redis_url, namespace) -> None:
     config = ProducerConfig(namespace=namespace, max_backlog=3, on_backlog="raise", backlog_poll_s=60)
     async with CutProxy(redis_url[len("unix://") :]) as proxy:

@@ -588,15 +588,16 @@ class RolloutProducer:
             raise conflict
 
     def _apply_verdict(self, entry: _Entry, verdict: int, counted: int, seen: set[str]) -> PushConflictError | None:
-        """Apply one entry's verdict (push_many and score() alike): a sample counted into the
-        backlog but not queued by this push leaves it, and a refused one's uid is released;
-        returns the refusal, not raised."""
+        """Apply one entry's verdict (push_many and score() alike): a refused sample leaves the
+        backlog count and its uid is released; returns the refusal, not raised."""
         if verdict == FRESH:
             return None
-        if counted:
-            self._backlog = max(0, self._backlog - 1)  # not queued by this call after all
         if verdict == DUPLICATE:
+            # Left counted: it may be this very call's sample, found by a send retried after
+            # its reply was lost. The estimate then errs high until the next reading, never low.
             return None
+        if counted:
+            self._backlog = max(0, self._backlog - 1)  # refused: not queued by this call
         seen.discard(entry.uid)
         return PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
 
@@ -706,7 +707,11 @@ class RolloutProducer:
             return await send_packed(self.client, packed)
         for attempt in range(_LANE_ATTEMPTS):
             try:
-                return await lane.call(packed)
+                replies = await lane.call(packed)
+                for reply in replies:
+                    if isinstance(reply, RedisConnectionError):  # -LOADING: a restarted server replaying its AOF
+                        raise reply
+                return replies
             except RedisConnectionError as exc:
                 if attempt == _LANE_ATTEMPTS - 1 or is_permanent(exc):
                     raise

@@ -133,6 +133,8 @@ class Lane:
         """Send packed ``commands`` in one write; their replies in order, an error reply as
         its exception (not raised). Raises redis-py's ConnectionError if the connection is
         lost before all replies came (the commands may or may not have run)."""
+        if not commands:  # no reply would ever complete it, and every later call would queue behind
+            return []
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
@@ -173,9 +175,9 @@ class Lane:
         try:
             # What redis-py's handshake sends for the options for_client lets through.
             setup = []
-            if a["password"] is not None:
-                user = () if a["username"] is None else (a["username"],)
-                setup.append(pack_command("AUTH", *user, a["password"]))
+            if a["username"] or a["password"]:  # as redis-py: nothing for empty ones, no user for ""
+                user = (a["username"],) if a["username"] else ()
+                setup.append(pack_command("AUTH", *user, a["password"] or ""))
             if a["db"]:
                 setup.append(pack_command("SELECT", int(a["db"])))
             if a["client_name"]:
