@@ -300,3 +300,27 @@ async def test_a_push_answered_loading_is_sent_again(namespace) -> None:
         await producer.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_closing_a_producer_with_a_backlog_reading_in_flight_leaves_no_connection_open(namespace) -> None:
+    """A push starts a backlog reading in the background and returns; the producer closes
+    at once. The reading must end with it: left running it reached for a client after the close
+    (a new one, or redis-py's retry reconnecting the closed one), a connection nobody closes."""
+    with EmbeddedServer() as server:
+        admin = connect(server.url)
+        try:
+            (mine,) = [c["id"] for c in await admin.client_list()]
+            for k in range(10):
+                producer = RolloutProducer(server.url, ProducerConfig(namespace=namespace, backlog_poll_s=0.001))
+                await producer.open_batch(f"b{k}", 1, 4)
+                await producer.push(Trajectory(f"b{k}", 0, "test", response="a"))
+                # As a push that finds the last reading stale starts one, and returns.
+                reading = producer._start_backlog_reading()
+                for _ in range(k % 3):
+                    await asyncio.sleep(0)
+                await producer.aclose()
+                assert reading is not None and reading.done(), "a backlog reading outlived its producer"
+            await asyncio.sleep(0.3)
+            assert [c["id"] for c in await admin.client_list()] == [mine]
+        finally:
+            await admin.aclose()

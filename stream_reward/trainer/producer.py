@@ -274,6 +274,13 @@ class RolloutProducer:
     async def aclose(self) -> None:
         if self._coalescer is not None:
             await self._coalescer.aclose()
+        reading, self._backlog_reading = self._backlog_reading, None
+        if reading is not None and not reading.done():
+            # A reading a push started and left running would reach for the client after
+            # the close below (a new one, or redis-py's retry reconnecting this one): a
+            # connection nobody closes. A push still waiting on it is closed under anyway.
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
         if self._lane is not None:
             self._lane.close()
             self._lane = None
