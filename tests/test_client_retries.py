@@ -10,6 +10,7 @@ import asyncio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.wire.connection import connect
 
 pytestmark = pytest.mark.anyio
@@ -24,9 +25,11 @@ async def _blocked_on(admin, command: str) -> int:
     raise AssertionError(f"no client blocked in {command}")
 
 
-async def test_a_command_whose_connection_is_killed_mid_command_is_sent_again(redis_url, namespace) -> None:
-    client = connect(redis_url)
-    admin = connect(redis_url)
+async def test_a_command_whose_connection_is_killed_mid_command_is_sent_again(namespace) -> None:
+    # Its own server: it kills whichever client blocks in BLPOP.
+    server = EmbeddedServer().start()
+    client = connect(server.url)
+    admin = connect(server.url)
     key = f"{namespace}:list"
     try:
         blocked = asyncio.ensure_future(client.blpop([key], timeout=5))
@@ -38,6 +41,7 @@ async def test_a_command_whose_connection_is_killed_mid_command_is_sent_again(re
     finally:
         await client.aclose()
         await admin.aclose()
+        server.stop()
 
 
 async def test_a_server_that_stays_away_still_fails_the_command_within_the_retries() -> None:

@@ -27,6 +27,14 @@ from stream_reward.wire.packed import pack_command
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture
+def own_url():
+    """A server of the test's own, for tests that CLIENT PAUSE it: a pause of the shared
+    session server would stall every test running beside this one."""
+    with EmbeddedServer() as server:
+        yield server.url
+
+
 def lane_of(client) -> Lane:
     lane = Lane.for_client(client)
     assert lane is not None
@@ -210,13 +218,13 @@ async def test_a_peer_that_breaks_the_protocol_fails_the_call_and_the_next_call_
 
 
 # ------------------------------------------------------------------ through the producer
-async def test_a_push_whose_connection_the_server_kills_mid_flush_lands_once(redis_url, namespace) -> None:
+async def test_a_push_whose_connection_the_server_kills_mid_flush_lands_once(own_url, namespace) -> None:
     """The server pauses writes, the producer's lane is killed with its push queued: the push
     is sent again on a new connection (redis-py's retry), and the sample is queued once."""
     keys = Keys(namespace)
-    admin = connect(redis_url)
+    admin = connect(own_url)
     try:
-        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        async with RolloutProducer(own_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("k", 2, 4)
             await producer.push(Trajectory("k", 0, "test", response="a"))
             lane = producer._lane

@@ -29,6 +29,14 @@ from stream_reward.wire.packed import pack_command
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture
+def own_url():
+    """A server of the test's own, for tests that CLIENT PAUSE it: a pause of the shared
+    session server would stall every test running beside this one."""
+    with EmbeddedServer() as server:
+        yield server.url
+
+
 def lane_of(client) -> Lane:
     lane = Lane.for_client(client)
     assert lane is not None
@@ -208,13 +216,13 @@ async def test_a_storm_of_callers_with_random_cancels_errors_and_multi_mb_replie
     assert no_unclosed_transports() == []
 
 
-async def test_callers_giving_up_while_the_first_connect_hangs_leave_one_connection(redis_url, namespace) -> None:
+async def test_callers_giving_up_while_the_first_connect_hangs_leave_one_connection(own_url, namespace) -> None:
     """The server is paused, so the lane's handshake (CLIENT SETNAME) waits: six callers wait
     on that one connect, two give up. The other four get their replies once the pause ends,
     on the one connection the lane opened."""
     name = f"slowconn-{namespace}"
-    template = connect(f"{redis_url}?client_name={name}")
-    admin = connect(redis_url)
+    template = connect(f"{own_url}?client_name={name}")
+    admin = connect(own_url)
     lane = lane_of(template)
     try:
         await admin.execute_command("CLIENT", "PAUSE", 500, "ALL")
@@ -240,10 +248,10 @@ async def test_callers_giving_up_while_the_first_connect_hangs_leave_one_connect
     assert no_unclosed_transports() == []
 
 
-async def test_every_caller_giving_up_during_connect_still_leaves_one_usable_connection(redis_url, namespace) -> None:
+async def test_every_caller_giving_up_during_connect_still_leaves_one_usable_connection(own_url, namespace) -> None:
     name = f"allgone-{namespace}"
-    template = connect(f"{redis_url}?client_name={name}")
-    admin = connect(redis_url)
+    template = connect(f"{own_url}?client_name={name}")
+    admin = connect(own_url)
     lane = lane_of(template)
     try:
         await admin.execute_command("CLIENT", "PAUSE", 300, "ALL")
@@ -264,10 +272,10 @@ async def test_every_caller_giving_up_during_connect_still_leaves_one_usable_con
     assert no_unclosed_transports() == []
 
 
-async def test_close_while_the_first_connect_hangs_leaves_no_connection(redis_url, namespace) -> None:
+async def test_close_while_the_first_connect_hangs_leaves_no_connection(own_url, namespace) -> None:
     name = f"closeconn-{namespace}"
-    template = connect(f"{redis_url}?client_name={name}")
-    admin = connect(redis_url)
+    template = connect(f"{own_url}?client_name={name}")
+    admin = connect(own_url)
     lane = lane_of(template)
     try:
         await admin.execute_command("CLIENT", "PAUSE", 400, "ALL")
@@ -652,10 +660,12 @@ async def test_a_push_in_flight_when_the_server_dies_for_good_raises_broker_erro
 
 # ------------------------------------------------------------------ the listener
 async def test_score_calls_get_their_own_results_while_the_listeners_lane_is_killed_again_and_again(
-    redis_url, namespace, spawn_workers
+    own_url, namespace, spawn_workers
 ) -> None:
-    spawn_workers(1)
-    admin = connect(redis_url)
+    # Its own server: the killer kills every XREAD client, and on the shared one those
+    # include the tests running beside it.
+    spawn_workers(1, url=own_url)
+    admin = connect(own_url)
     stop = asyncio.Event()
     kills = 0
 
@@ -672,7 +682,7 @@ async def test_score_calls_get_their_own_results_while_the_listeners_lane_is_kil
             await asyncio.sleep(0.005 + random.random() * 0.03)
 
     try:
-        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        async with RolloutProducer(own_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("L", 200, 4)
             warm = await producer.score(Trajectory("L", 0, "openai/gsm8k", response="#### 2", ground_truth="2"))
             assert warm.status == "ok"
