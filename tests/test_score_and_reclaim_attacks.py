@@ -289,6 +289,45 @@ async def test_scores_cancelled_mid_flush_do_not_let_the_producer_pass_max_backl
         no_waiters(p)
 
 
+async def test_a_push_waiting_on_a_backlog_reading_that_aclose_ends_gets_an_error_not_a_cancel(
+    redis_url, namespace
+) -> None:
+    """score() and push() wait for room on a backlog reading; aclose() ends that reading (so
+    it cannot reach for a client after the close). The waiters were not cancelled: each must
+    end with an error it can handle, not a CancelledError nobody asked for."""
+    cfg = ProducerConfig(namespace=namespace, max_backlog=2, on_backlog="wait", backlog_poll_s=0.02)
+    p = RolloutProducer(redis_url, cfg)
+    await p.open_batch("rc", 10, 8)
+    await p.push_many(traj("rc", i) for i in range(2))
+    reading_started = asyncio.Event()
+    real_backlog = p.backlog
+
+    async def slow_backlog() -> int:
+        reading_started.set()
+        await asyncio.sleep(5)
+        return await real_backlog()
+
+    p.backlog = slow_backlog  # type: ignore[method-assign]
+    waiters = [
+        asyncio.ensure_future(p.score(traj("rc", 5), timeout_s=30)),
+        asyncio.ensure_future(p.push(traj("rc", 6))),
+    ]
+    try:
+        await asyncio.wait_for(reading_started.wait(), 5)
+        assert not any(w.done() for w in waiters)
+        await asyncio.wait_for(p.aclose(), 5)
+        done, _ = await asyncio.wait(waiters, timeout=5)
+        assert len(done) == 2, "a waiter still pending after the close"
+        for w in waiters:
+            assert not w.cancelled(), "a waiter the caller never cancelled ended cancelled"
+            assert isinstance(w.exception(), BrokerError), w.exception()
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        await p.aclose()
+
+
 async def test_score_pending_when_the_producer_closes_does_not_hang_past_its_timeout(redis_url, namespace) -> None:
     """score() waiting for room when aclose() runs; then room appears. Its timeout must still
     hold: the callback arms it only if ``self._listener`` is set, which aclose cleared."""

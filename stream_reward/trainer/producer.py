@@ -25,6 +25,7 @@ from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.errors import (
     BackpressureError,
     BatchExistsError,
+    BrokerError,
     ConfigError,
     PushConflictError,
     StateLostError,
@@ -220,6 +221,13 @@ class _ScoreCall(Verdict[list[int]]):
             self.listener.reread(entry.batch, [entry.partition], producer.keys, group=producer.config.group)
         if self.timeout_s is not None:
             self.tick = self.listener.arm(fut, entry.batch, entry.uid, self.timeout_s)
+
+
+def _cancel_requested() -> bool:
+    """Whether the running task was asked to cancel (Python 3.11+; on 3.10, which cannot
+    tell, False: a cancel landing together with aclose() then ends as its error)."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return bool(cancelling and cancelling())
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -833,7 +841,15 @@ class RolloutProducer:
         # since) is good enough between.
         while True:
             if time.monotonic() - self._backlog_checked_at >= self.config.backlog_poll_s:
-                await asyncio.shield(self._start_backlog_reading())
+                reading = self._start_backlog_reading()
+                try:
+                    await asyncio.shield(reading)
+                except asyncio.CancelledError:
+                    if reading.cancelled() and not _cancel_requested():
+                        # aclose() ended the reading, not this push's caller: an error it can
+                        # handle, not a cancel nobody asked for.
+                        raise BrokerError("the producer was closed while this push waited for room") from None
+                    raise
             if self._backlog + incoming <= limit or self._backlog == 0:
                 return
             if self.config.on_backlog == "raise":
