@@ -263,6 +263,7 @@ class RolloutProducer:
         self._coalescer: Coalescer[_Entry, int] | None = None
         self._backlog_reading: asyncio.Future[None] | None = None
         self._counted_while_reading = 0  # see _read_backlog
+        self._reading_closed: asyncio.Future[None] | None = None  # the reading aclose() ended, if any
         self._listener: ResultListener | None = None  # the process's result listener, on first score()
         self._lane: Lane | None = None  # the pushes' own connection (wire/lane.py), where one serves
         self._lane_client: Any = None  # the client the lane was made for
@@ -284,6 +285,7 @@ class RolloutProducer:
             await self._coalescer.aclose()
         reading, self._backlog_reading = self._backlog_reading, None
         if reading is not None and not reading.done():
+            self._reading_closed = reading
             # A reading a push started and left running would reach for the client after
             # the close below (a new one, or redis-py's retry reconnecting this one): a
             # connection nobody closes. A push still waiting on it is closed under anyway.
@@ -845,9 +847,11 @@ class RolloutProducer:
                 try:
                     await asyncio.shield(reading)
                 except asyncio.CancelledError:
-                    if reading.cancelled() and not _cancel_requested():
+                    if reading is self._reading_closed and not _cancel_requested():
                         # aclose() ended the reading, not this push's caller: an error it can
-                        # handle, not a cancel nobody asked for.
+                        # handle, not a cancel nobody asked for. (A loop cancelling every task,
+                        # as asyncio.run does on the way out, cancels the reading too: that is
+                        # this push's cancel, and stays one, on 3.10 as well.)
                         raise BrokerError("the producer was closed while this push waited for room") from None
                     raise
             if self._backlog + incoming <= limit or self._backlog == 0:
