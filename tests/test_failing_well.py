@@ -8,6 +8,7 @@ exit code, and what it printed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -247,19 +248,67 @@ def test_collect_timeout_is_honoured_when_nothing_listens(tmp_path):
     assert "Traceback" not in done.stderr and "timeout" in done.stderr.splitlines()[-1], done.stderr
 
 
-def test_ctrl_c_on_demo_is_one_line():
+def demo_argv(n: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "stream_reward.cli", "demo", "--n", str(n), "--generation-s", "60", *args]
+
+
+def ctrl_c(proc: subprocess.Popen) -> tuple[int | None, float, str]:
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the demo and its workers
+    code, waited = timed_wait(proc, 40)
+    return code, waited, read_err(proc)
+
+
+# A demo of 2,000,000 samples: whatever setup grows with n (making the samples, their
+# finish times) must not stand between a Ctrl-C and the exit. 20 s is CI's slack for a
+# loaded machine; here the exit takes about 2 s. Made up front, the samples alone took
+# 30 s of CPU that no Ctrl-C could cut short.
+@pytest.mark.parametrize("after_s", [1.5, 6.0], ids=["while_starting", "after_6s"])
+def test_ctrl_c_on_a_large_demo_is_one_line_and_prompt(after_s):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "stream_reward.cli", "demo", "--n", "200000", "--generation-s", "60"],
+        demo_argv(2_000_000),
         cwd=ROOT,
         start_new_session=True,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    time.sleep(6)  # workers up, rollouts streaming
-    os.killpg(proc.pid, signal.SIGINT)
-    code, waited = timed_wait(proc, 30)
-    stderr = read_err(proc)
+    try:
+        time.sleep(after_s)
+        code, waited, stderr = ctrl_c(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a worker the demo left behind
+    assert code == 130 and waited < 20, (code, waited, stderr)
+    assert "interrupted" in one_line(stderr)
+
+
+async def test_ctrl_c_on_a_demo_while_rollouts_stream_is_one_line(redis_url, namespace):
+    """The signal lands once pushes are on the stream (seen there, not guessed by a sleep)."""
+    proc = subprocess.Popen(
+        demo_argv(200_000, "--redis", redis_url, "--namespace", namespace),
+        cwd=ROOT,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        client = await connect(redis_url)
+        try:
+            stream = Keys(namespace).stream()
+
+            async def streaming() -> bool:
+                return await client.xlen(stream) > 0 or proc.poll() is not None
+
+            await wait_until(streaming, timeout_s=60)
+        finally:
+            await client.aclose()
+        assert proc.poll() is None, read_err(proc)
+        code, waited, stderr = await asyncio.to_thread(ctrl_c, proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a demo or a worker still there
+        proc.wait()
     assert code == 130 and waited < 20, (code, waited, stderr)
     assert "interrupted" in one_line(stderr)
 
