@@ -374,6 +374,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ) as pipeline,
         progress_bar("scoring as rollouts stream", total=args.n, enabled=not args.json) as progress,
     ):
+        # torch's import takes seconds. Here, outside the event loop, a Ctrl-C interrupts
+        # it at once; inside, it could only cancel the demo once the import was over.
+        from stream_reward.trainer.tensors import import_torch
+
+        import_torch("the demo's reward tensors")
         report = _run_async(
             pipeline.guard(
                 run_demo(

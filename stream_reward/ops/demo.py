@@ -17,6 +17,7 @@ from typing import Any
 from stream_reward.config import DEFAULT_NAMESPACE, ProducerConfig
 from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.trainer.tensors import import_torch
 from stream_reward.wire.trajectory import Trajectory
 
 __all__ = ["DemoReport", "run_demo", "make_gsm8k_sample"]
@@ -75,12 +76,17 @@ async def run_demo(
 ) -> DemoReport:
     rng = random.Random(seed)
     batch_id = f"demo-{int(time.time() * 1000)}"
-    samples = [make_gsm8k_sample(rng, batch_id, i) for i in range(n)]
-    # Long-tailed generation times (lognormal), scaled so the slowest finishes at generation_s.
-    raw = sorted(rng.lognormvariate(0, 0.6) for _ in range(n))
-    finish = [generation_s * t / raw[-1] for t in raw]
-    order = list(range(n))
-    rng.shuffle(order)
+    # Samples are made as they "finish", not all up front: making 200,000 takes seconds of
+    # CPU in the loop's thread, where a Ctrl-C could not cancel anything until it ended.
+    sample_rng = random.Random(seed + 1)
+    # Long-tailed generation times (lognormal), scaled so the slowest finishes at generation_s,
+    # and the order samples finish in. torch draws them in C: Python's random took 5 s for
+    # 2,000,000, in the loop's thread.
+    torch = import_torch("the demo")
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.empty(n, dtype=torch.float64).log_normal_(0.0, 0.6, generator=gen).sort().values
+    finish: list[float] = (raw * (generation_s / float(raw[-1]))).tolist() if n else []
+    order: list[int] = torch.randperm(n, generator=gen).tolist()
 
     start = time.perf_counter()
     last_push = 0.0
@@ -95,9 +101,11 @@ async def run_demo(
             pos = 0
             while pos < n:
                 now = time.perf_counter() - start
-                ready = []
-                while pos < n and finish[pos] <= now:
-                    ready.append(samples[order[pos]])
+                ready: list[Trajectory] = []
+                # At most 1,000 a push: a demo running behind its clock still yields, so
+                # a Ctrl-C lands between pushes rather than after a backlog of them.
+                while pos < n and finish[pos] <= now and len(ready) < 1000:
+                    ready.append(make_gsm8k_sample(sample_rng, batch_id, order[pos]))
                     pos += 1
                 if ready:
                     await producer.push_many(ready)  # everything that finished since the last tick
@@ -126,7 +134,10 @@ async def run_demo(
         # Then the pipeline's capacity: the same number of trajectories pushed at
         # once, timed from the first push to rm_scores.
         burst_id = f"{batch_id}-burst"
-        burst = [make_gsm8k_sample(rng, burst_id, i) for i in range(n)]
+        burst: list[Trajectory] = []
+        for pos in range(0, n, 1000):  # made before the clock starts, a Ctrl-C apart
+            burst.extend(make_gsm8k_sample(rng, burst_id, i) for i in range(pos, min(n, pos + 1000)))
+            await asyncio.sleep(0)
         burst_start = time.perf_counter()
         await producer.open_batch(burst_id, n, RESPONSE_LEN)
         for pos in range(0, n, 1000):
