@@ -476,6 +476,77 @@ def test_sigterm_to_score_removes_its_temp_dir(tmp_path):
     assert not any(path.exists() for path in mine)
 
 
+def start_score(tmp_path: Path, sleep_s: float, env: dict[str, str] | None = None) -> subprocess.Popen:
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"data_source": "test", "response": "ok", "extra_info": {"sleep_s": sleep_s}}) + "\n")
+    return subprocess.Popen(
+        [sys.executable, "-m", "stream_reward.cli", "score", str(src), "--scorer", SLOW, "--processes", "1"],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def private_server_dirs(pid: int) -> list[Path]:
+    import tempfile
+
+    found = []
+    for path in Path(tempfile.gettempdir()).glob("stream-reward-*"):
+        with contextlib.suppress(OSError):
+            if (path / "owner.pid").read_text() == str(pid):
+                found.append(path)
+    return found
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.7, 1.4, 2.1, 3.0])
+def test_sigterm_to_score_at_any_moment_exits_143_without_a_traceback(tmp_path, after_s):
+    """Counted from the private server's start: the signal lands while the trajectories
+    are pushed, while torch imports inside the event loop, or while the worker scores.
+    SIGTERM raised SystemExit wherever Python stood, and inside a task that was not the
+    loop's main one it came out as "Task exception was never retrieved" and a traceback."""
+    proc = start_score(tmp_path, sleep_s=30)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not private_server_dirs(proc.pid) and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(after_s)
+        proc.send_signal(signal.SIGTERM)
+        code, waited = timed_wait(proc, 40)
+        stderr = read_err(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 143, (code, waited, stderr)
+    assert "Traceback" not in stderr and "never retrieved" not in stderr, stderr
+
+
+def test_sigterm_to_score_does_not_wait_out_its_workers_drain(tmp_path):
+    """A drain hands in-flight samples back to other workers. The server of a plain
+    ``score`` is private and goes with it, so nobody is left to take them: waiting out a
+    60 s drain (or the 15 s the pipeline gives its workers) saves nothing."""
+    proc = start_score(tmp_path, sleep_s=300, env={"STREAM_REWARD_CONSUMER_DRAIN_TIMEOUT_S": "60"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not private_server_dirs(proc.pid):
+            time.sleep(0.1)
+        mine = private_server_dirs(proc.pid)
+        assert mine, read_err(proc)
+        time.sleep(6)  # the sample is with the worker (a later moment only makes the exit shorter)
+        proc.send_signal(signal.SIGTERM)
+        code, waited = timed_wait(proc, 40)
+        stderr = read_err(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # About 2 s here; 14 s is CI's slack, under the 15 s after which the pipeline kills.
+    assert code == 143 and waited < 14, (code, waited, stderr)
+    assert not any(path.exists() for path in mine)
+
+
 async def test_many_callers_retrying_through_one_outage_log_one_warning(caplog):
     """The quota check of every in-flight sample retried on its own: one warning each, every ~30 ms."""
     from redis.exceptions import ConnectionError as RedisConnectionError
