@@ -187,43 +187,60 @@ T = TypeVar("T")
 
 
 def _run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run``, with Python 3.11's Ctrl-C on 3.10 too: the interrupt cancels the
-    main task (so its ``finally`` blocks run) and surfaces here as KeyboardInterrupt.
-    3.10's own asyncio.run lets the interrupt escape from inside a task, which then
-    logs its traceback ("Task exception was never retrieved") after the one-line message."""
-    if sys.version_info >= (3, 11):
-        return asyncio.run(coro)
-    interrupted = False
+    """``asyncio.run``, where a signal cancels the main task (so its ``finally`` blocks
+    run) and surfaces once the loop is closed: SIGTERM as ``SystemExit(143)``, Ctrl-C as
+    KeyboardInterrupt (3.11's own asyncio.run does that for Ctrl-C; 3.10's let the
+    interrupt escape from inside a task, which then logged "Task exception was never
+    retrieved" after the one-line message). SIGTERM's handler outside the loop raises
+    SystemExit wherever Python stands: inside a task other than the main one, that
+    came out as the same traceback."""
+    signals = [signal.SIGTERM] if sys.version_info >= (3, 11) else [signal.SIGTERM, signal.SIGINT]
+    received: list[int] = []
 
     async def main() -> T:
-        nonlocal interrupted
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
 
-        def on_sigint() -> None:
-            nonlocal interrupted
-            interrupted = True
+        def on_signal(signum: int) -> None:
+            received.append(signum)
             if task is not None:
                 task.cancel()
 
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        if in_main_thread:
-            loop.add_signal_handler(signal.SIGINT, on_sigint)
+        if threading.current_thread() is not threading.main_thread():
+            return await coro
+        previous = {signum: signal.getsignal(signum) for signum in signals}
+        for signum in signals:
+            loop.add_signal_handler(signum, on_signal, signum)
         try:
             return await coro
         finally:
-            if in_main_thread:
-                loop.remove_signal_handler(signal.SIGINT)
+            for signum, handler in previous.items():
+                loop.remove_signal_handler(signum)
+                # remove_signal_handler leaves SIG_DFL: the caller's handler is what
+                # unwinds the steps after the loop (stopping workers, the temp dir).
+                signal.signal(signum, handler)
 
     try:
         result = asyncio.run(main())
     except asyncio.CancelledError:
-        if interrupted:
-            raise KeyboardInterrupt from None
+        if received:
+            raise _signalled(received[0]) from None
         raise
-    if interrupted:  # the coroutine took the cancel and returned: still an interrupt
-        raise KeyboardInterrupt
+    if received:  # the coroutine took the cancel and returned: still a signal
+        raise _signalled(received[0])
     return result
+
+
+def _signalled(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
+def _import_torch_first(feature: str) -> None:
+    """torch's import takes seconds. Before the event loop, a signal interrupts it at
+    once; inside, it could only cancel the command once the import was over."""
+    from stream_reward.trainer.tensors import import_torch
+
+    import_torch(feature)
 
 
 # ---------------------------------------------------------------------- commands
@@ -339,6 +356,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         ) as pipeline,
         progress_bar("scoring", total=rollouts.size) as progress,
     ):
+        _import_torch_first("the reward tensors")
 
         async def run() -> Any:
             await _produce(pipeline.url, rollouts, args.response_len, settings)
@@ -374,11 +392,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ) as pipeline,
         progress_bar("scoring as rollouts stream", total=args.n, enabled=not args.json) as progress,
     ):
-        # torch's import takes seconds. Here, outside the event loop, a Ctrl-C interrupts
-        # it at once; inside, it could only cancel the demo once the import was over.
-        from stream_reward.trainer.tensors import import_torch
-
-        import_torch("the demo's reward tensors")
+        _import_torch_first("the demo's reward tensors")
         report = _run_async(
             pipeline.guard(
                 run_demo(

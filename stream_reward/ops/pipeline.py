@@ -91,9 +91,15 @@ class LocalPipeline:
     def start(self) -> LocalPipeline:
         if self.redis_url is None and self.server is None:
             self.server = EmbeddedServer().start()
+        worker_args = list(self.worker_args)
+        if self.server is not None:
+            # A drain hands in-flight samples back for other workers to score. A private
+            # server goes with the pipeline: nobody is left to take them, and a stop (a
+            # Ctrl-C, a SIGTERM) would wait out the drain for nothing.
+            worker_args += ["--drain-timeout-s", "0"]
         for _ in range(self.processes):
             proc = spawn_worker(
-                self.url, *self.worker_args, namespace=self.namespace, quiet=self.quiet, stderr=subprocess.PIPE
+                self.url, *worker_args, namespace=self.namespace, quiet=self.quiet, stderr=subprocess.PIPE
             )
             self.workers.append(proc)
             relay = _StderrRelay(proc)
