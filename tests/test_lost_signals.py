@@ -1,4 +1,10 @@
-"""A Ctrl-C that lands while the demo imports torch is lost, and the demo runs on.
+"""Signals whose raise Python loses must still stop the CLI.
+
+A Ctrl-C or SIGTERM raises from wherever the main thread stands, and some places
+drop what is raised there: torch's C extension, and the at-fork hooks subprocess
+runs in the parent after each fork ("Exception ignored in: _releaseLock").
+
+A Ctrl-C that lands while the demo imports torch is lost, and the demo runs on.
 
 ``cmd_demo`` imports torch in the main thread, before the event loop, so that a
 Ctrl-C "interrupts it at once". But torch's C extension (``torch._C``) imports
@@ -90,3 +96,39 @@ def test_ctrl_c_while_the_demo_imports_torch_is_not_lost(tmp_path, redis_url, na
     assert code == 130, (code, round(took, 1), mark.read_text(), stderr[-2000:])
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines == ["stream-reward demo: interrupted"], stderr
+
+
+# The same for SIGTERM, sent from an at-fork hook in the parent: the first fork after
+# `score` starts (its private server's or a worker's spawn). Python reports what the hook
+# raised as "Exception ignored" and goes on; CI's py310 job hit this by chance, when a
+# SIGTERM to `score` came as it started its worker, and `score` ran its sample to the end.
+LAUNCH_FORK = r"""
+import os, signal, sys
+
+def after_fork_in_parent():
+    if "stream_reward.ops.pipeline" in sys.modules and not getattr(after_fork_in_parent, "fired", False):
+        after_fork_in_parent.fired = True
+        os.kill(os.getpid(), signal.SIGTERM)
+
+os.register_at_fork(after_in_parent=after_fork_in_parent)
+from stream_reward.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_raised_inside_an_at_fork_hook_still_stops_score(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"data_source": "test", "response": "ok", "extra_info": {"sleep_s": 60}}\n')
+    scorer = "python:tests/data/failwell_scorers.py:slow"
+    argv = [sys.executable, "-c", LAUNCH_FORK, "score", str(src), "--scorer", scorer, "--processes", "1"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=40)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = None  # scoring its 60 s sample: the SIGTERM was lost
+        proc.kill()
+        _, err = proc.communicate()
+    stderr = err.decode(errors="replace")
+    assert code == 143, (code, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr
