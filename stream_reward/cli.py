@@ -186,32 +186,66 @@ async def _produce(url: str, rollouts: Any, response_len: int, settings: Any, ra
 T = TypeVar("T")
 
 
+# Signals the command was sent (SIGTERM, Ctrl-C), kept: their raise can be lost where it
+# lands (see _on_signal), so the next safe point raises them again (_check_signals).
+_received: list[int] = []
+
+
+def _signalled(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """Outside the event loop: unwind like Ctrl-C does, so the with-blocks stop the
+    workers and the private server and remove the temp dir (a plain SIGTERM death would
+    leave them). Some places drop what is raised there: torch's C extension (its own
+    numpy import), the at-fork hooks subprocess runs after each fork. The signal is
+    kept for _check_signals."""
+    _received.append(signum)
+    raise _signalled(signum)
+
+
+def _check_signals() -> None:
+    if _received:
+        raise _signalled(_received[0])
+
+
+def _quiet_lost_signal(unraisable: Any) -> None:
+    """A raise of _on_signal that Python dropped, in an at-fork hook or a __del__: not a
+    fault to print with a traceback; _check_signals raises it again."""
+    if _received and isinstance(unraisable.exc_value, (KeyboardInterrupt, SystemExit)):
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def _run_async(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run``, where a signal cancels the main task (so its ``finally`` blocks
     run) and surfaces once the loop is closed: SIGTERM as ``SystemExit(143)``, Ctrl-C as
-    KeyboardInterrupt (3.11's own asyncio.run does that for Ctrl-C; 3.10's let the
-    interrupt escape from inside a task, which then logged "Task exception was never
-    retrieved" after the one-line message). SIGTERM's handler outside the loop raises
-    SystemExit wherever Python stands: inside a task other than the main one, that
-    came out as the same traceback."""
-    signals = [signal.SIGTERM] if sys.version_info >= (3, 11) else [signal.SIGTERM, signal.SIGINT]
-    received: list[int] = []
+    KeyboardInterrupt; a second one raises at once. Raised wherever Python stood, inside
+    a task other than the main one it came out as "Task exception was never retrieved"
+    and a traceback (3.10's asyncio.run let Ctrl-C do that too)."""
 
     async def main() -> T:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
 
         def on_signal(signum: int) -> None:
-            received.append(signum)
+            _received.append(signum)
+            if len(_received) > 1:
+                raise _signalled(signum)  # the second: the operator means it
             if task is not None:
                 task.cancel()
 
         if threading.current_thread() is not threading.main_thread():
             return await coro
-        previous = {signum: signal.getsignal(signum) for signum in signals}
-        for signum in signals:
+        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        for signum in previous:
             loop.add_signal_handler(signum, on_signal, signum)
         try:
+            if _received and task is not None:
+                # One whose raise was lost before the loop (torch's import, a fork): the
+                # coroutine starts and takes the cancel at once (never awaited, it warns).
+                task.cancel()
             return await coro
         finally:
             for signum, handler in previous.items():
@@ -223,16 +257,10 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
     try:
         result = asyncio.run(main())
     except asyncio.CancelledError:
-        if received:
-            raise _signalled(received[0]) from None
+        _check_signals()
         raise
-    if received:  # the coroutine took the cancel and returned: still a signal
-        raise _signalled(received[0])
+    _check_signals()  # the coroutine took the cancel and returned: still a signal
     return result
-
-
-def _signalled(signum: int) -> BaseException:
-    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
 
 
 def _import_torch_first(feature: str) -> None:
@@ -673,12 +701,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    # Unwind like Ctrl-C does: the with-blocks stop the workers and the private
-    # server, and remove the temp dir, which a plain SIGTERM death would leave.
-    raise SystemExit(128 + signum)
-
-
 def _expected_fault(exc: BaseException) -> str | None:
     """The one line for a fault a user can cause and fix (None: a bug, show the traceback)."""
     from redis.exceptions import RedisError
@@ -710,15 +732,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         args.worker_argv = argv[argv.index("worker") + 1 :]
     func: Callable[[argparse.Namespace], int] = args.func
-    previous = None
+    previous: dict[int, Any] = {}
     if args.command not in ("worker", "server") and threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        _received.clear()
+        previous = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+        previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_signal
     try:
         if args.command != "worker":  # the worker configures its own logging, from its settings
             resolve = getattr(args, "resolve", None) or (_settings if hasattr(args, "config") else None)
             settings = resolve(args) if resolve is not None else None
             _configure_logging(args, settings)
-        return func(args)
+        code = func(args)
+        _check_signals()  # one whose raise was lost in the command's last steps
+        return code
     except KeyboardInterrupt:
         if debug:
             raise
@@ -731,8 +757,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stream-reward {args.command}: {line}", file=sys.stderr)
         return 2
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if previous:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            sys.unraisablehook = previous_hook
 
 
 if __name__ == "__main__":
