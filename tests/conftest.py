@@ -26,6 +26,15 @@ def redis_url(server: EmbeddedServer) -> str:
 
 
 @pytest.fixture
+def own_url() -> Iterator[str]:
+    """A server of the test's own, for a test that pauses or kills its clients (on the
+    shared session server that would stall or cut the tests xdist runs beside it) or
+    counts commands server-wide (theirs would count too)."""
+    with EmbeddedServer() as srv:
+        yield srv.url
+
+
+@pytest.fixture
 def namespace() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 

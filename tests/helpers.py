@@ -16,6 +16,7 @@ from stream_reward.wire.codec import decode_trajectory
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import FIELD_HANDED_BACK, FIELD_PAYLOAD, read_members
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.lane import Lane
 
 
 async def wait_until(
@@ -227,3 +228,10 @@ def no_waiters(p: RolloutProducer) -> None:
     assert sum(len(d) for d in listener._due.values()) == 0, listener._due
     left = {u: f for r in listener._readers.values() for s in r.streams.values() for u, f in s.waiters.items()}
     assert not left, left
+
+
+def lane_of(client: object) -> Lane:
+    """The lane a plain single-node client gets (the test fails if it gets none)."""
+    lane = Lane.for_client(client)
+    assert lane is not None
+    return lane

@@ -12,6 +12,7 @@ import random
 import socket
 
 import pytest
+from helpers import lane_of
 from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -25,20 +26,6 @@ from stream_reward.wire.lane import Lane
 from stream_reward.wire.packed import pack_command
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def own_url():
-    """A server of the test's own, for tests that CLIENT PAUSE it: a pause of the shared
-    session server would stall every test running beside this one."""
-    with EmbeddedServer() as server:
-        yield server.url
-
-
-def lane_of(client) -> Lane:
-    lane = Lane.for_client(client)
-    assert lane is not None
-    return lane
 
 
 async def lane_client_id(lane: Lane) -> int:

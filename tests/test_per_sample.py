@@ -35,9 +35,10 @@ async def xread_calls(redis_url: str) -> int:
 
 
 async def test_many_concurrent_score_calls_each_get_their_own_result_without_an_xread_each(
-    redis_url, namespace, spawn_workers
+    own_url, namespace, spawn_workers
 ):
-    spawn_workers(2, "--scorer", SCORER, "--partitions", "2")
+    redis_url = own_url
+    spawn_workers(2, "--scorer", SCORER, "--partitions", "2", url=redis_url)
     n_batches, per_batch = 3, 200
     before = await xread_calls(redis_url)
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, partitions=2)) as producer:
