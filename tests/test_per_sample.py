@@ -50,8 +50,10 @@ async def test_many_concurrent_score_calls_each_get_their_own_result_without_an_
         assert (r.uid, r.batch_id, r.index, r.status) == (t.uid, t.batch_id, t.index, "ok")
         assert r.score == (1.0 if t.response == t.ground_truth else 0.0)
     reads = await xread_calls(redis_url) - before
-    # One XREAD per page of results (whatever worker flushes landed meanwhile), never one per result.
-    assert reads <= len(samples) // 2, reads
+    # One XREAD per page of results (whatever worker flushes landed meanwhile), never one
+    # per result. How many results a flush holds is the workers' timing: on a loaded
+    # machine they flush nearly one by one (345 reads for 600 results once), so the bound
+    # is on flushes, below.
     client = connect(redis_url)
     try:
         keys = producer.keys
