@@ -721,7 +721,7 @@ class RolloutProducer:
             self._lane = Lane.for_client(client)
         lane = self._lane
         if lane is None:
-            return await send_packed(self.client, packed)
+            return await send_packed(client, packed)
         for attempt in range(_LANE_ATTEMPTS):
             try:
                 replies = await lane.call(packed)
