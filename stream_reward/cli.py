@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from stream_reward._version import __version__
@@ -191,18 +192,45 @@ T = TypeVar("T")
 _received: list[int] = []
 
 
+@dataclass
+class _LoopSignals:
+    """While _run_async runs a loop: its main task, which a signal cancels instead of
+    raising inside the loop (where a raise in any task but the main one came out as
+    "Task exception was never retrieved"). ``task`` is None in asyncio.run's set-up and
+    tear-down, where a signal is only kept (raised there, it left the command's coroutine
+    "never awaited", or the loop half closed)."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    task: asyncio.Task[Any] | None = None
+
+
+_in_loop: _LoopSignals | None = None
+
+
 def _signalled(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    """Outside the event loop: unwind like Ctrl-C does, so the with-blocks stop the
-    workers and the private server and remove the temp dir (a plain SIGTERM death would
-    leave them). Some places drop what is raised there: torch's C extension (its own
-    numpy import), the at-fork hooks subprocess runs after each fork. The signal is
-    kept for _check_signals."""
+    """The CLI's SIGTERM and SIGINT handler, from main() to its return.
+
+    Outside the event loop: unwind like Ctrl-C does, so the with-blocks stop the workers
+    and the private server and remove the temp dir (a plain SIGTERM death would leave
+    them). Some places drop what is raised there: torch's C extension (its own numpy
+    import), the at-fork hooks subprocess runs after each fork. The signal is kept for
+    _check_signals. Inside the loop: cancel the main task, as asyncio.run does for
+    Ctrl-C (the first time; a second signal raises at once: the operator means it)."""
     _received.append(signum)
-    raise _signalled(signum)
+    state = _in_loop
+    if state is None:
+        raise _signalled(signum)
+    if state.task is None:
+        return  # asyncio.run's set-up or tear-down: _run_async raises it once out
+    if len(_received) > 1:
+        raise _signalled(signum)
+    state.task.cancel()
+    if state.loop is not None:
+        state.loop.call_soon_threadsafe(lambda: None)  # wake a loop asleep in select()
 
 
 def _check_signals() -> None:
@@ -221,44 +249,35 @@ def _quiet_lost_signal(unraisable: Any) -> None:
 def _run_async(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run``, where a signal cancels the main task (so its ``finally`` blocks
     run) and surfaces once the loop is closed: SIGTERM as ``SystemExit(143)``, Ctrl-C as
-    KeyboardInterrupt; a second one raises at once. Raised wherever Python stood, inside
-    a task other than the main one it came out as "Task exception was never retrieved"
-    and a traceback (3.10's asyncio.run let Ctrl-C do that too)."""
+    KeyboardInterrupt (see _on_signal). Signals stay with main()'s handler throughout:
+    handing them to the loop (``add_signal_handler``) and back left SIG_DFL for a moment,
+    where a SIGTERM killed the command without its clean-up."""
+    global _in_loop
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != _on_signal:
+        return asyncio.run(coro)  # not under main(): the caller's signals, as they are
+    state = _LoopSignals()
 
     async def main() -> T:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-
-        def on_signal(signum: int) -> None:
-            _received.append(signum)
-            if len(_received) > 1:
-                raise _signalled(signum)  # the second: the operator means it
-            if task is not None:
-                task.cancel()
-
-        if threading.current_thread() is not threading.main_thread():
-            return await coro
-        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-        for signum in previous:
-            loop.add_signal_handler(signum, on_signal, signum)
+        state.loop = asyncio.get_running_loop()
+        state.task = asyncio.current_task()
         try:
-            if _received and task is not None:
-                # One whose raise was lost before the loop (torch's import, a fork): the
+            if _received and state.task is not None:
+                # One kept from before the loop (a lost raise: torch's import, a fork): the
                 # coroutine starts and takes the cancel at once (never awaited, it warns).
-                task.cancel()
+                state.task.cancel()
             return await coro
         finally:
-            for signum, handler in previous.items():
-                loop.remove_signal_handler(signum)
-                # remove_signal_handler leaves SIG_DFL: the caller's handler is what
-                # unwinds the steps after the loop (stopping workers, the temp dir).
-                signal.signal(signum, handler)
+            state.task = None
 
+    previous, _in_loop = _in_loop, state
     try:
         result = asyncio.run(main())
     except asyncio.CancelledError:
+        _in_loop = previous
         _check_signals()
         raise
+    finally:
+        _in_loop = previous
     _check_signals()  # the coroutine took the cancel and returned: still a signal
     return result
 
@@ -751,6 +770,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stream-reward {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        if _received and not debug:
+            # A fault left by a signal whose raise was lost (torch's import, half done,
+            # fails the next import of numpy): the signal is what stopped the command.
+            if _received[0] == signal.SIGINT:
+                print(f"stream-reward {args.command}: interrupted", file=sys.stderr)
+                return 130
+            return 128 + _received[0]
         line = _expected_fault(exc)
         if line is None or debug:
             raise
