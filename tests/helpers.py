@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 from stream_reward import BatchPolicy, BatchRewards, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -235,3 +238,17 @@ def lane_of(client: object) -> Lane:
     lane = Lane.for_client(client)
     assert lane is not None
     return lane
+
+
+def start_in_own_group(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """A CLI process in a session of its own, run from the repository, stderr piped: a
+    ``killpg`` reaches it and its children, as a terminal's Ctrl-C does."""
+    return subprocess.Popen(
+        argv,
+        cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        **kwargs,
+    )

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import pending_samples, undelivered_samples
+from helpers import pending_samples, start_in_own_group, undelivered_samples
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.ops.embedded import EmbeddedServer
@@ -264,14 +264,7 @@ def ctrl_c(proc: subprocess.Popen) -> tuple[int | None, float, str]:
 # 30 s of CPU that no Ctrl-C could cut short.
 @pytest.mark.parametrize("after_s", [1.5, 6.0], ids=["while_starting", "after_6s"])
 def test_ctrl_c_on_a_large_demo_is_one_line_and_prompt(after_s):
-    proc = subprocess.Popen(
-        demo_argv(2_000_000),
-        cwd=ROOT,
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = start_in_own_group(demo_argv(2_000_000))
     try:
         time.sleep(after_s)
         code, waited, stderr = ctrl_c(proc)
@@ -284,14 +277,7 @@ def test_ctrl_c_on_a_large_demo_is_one_line_and_prompt(after_s):
 
 async def test_ctrl_c_on_a_demo_while_rollouts_stream_is_one_line(redis_url, namespace):
     """The signal lands once pushes are on the stream (seen there, not guessed by a sleep)."""
-    proc = subprocess.Popen(
-        demo_argv(200_000, "--redis", redis_url, "--namespace", namespace),
-        cwd=ROOT,
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = start_in_own_group(demo_argv(200_000, "--redis", redis_url, "--namespace", namespace))
     try:
         client = await connect(redis_url)
         try:
@@ -500,25 +486,31 @@ def private_server_dirs(pid: int) -> list[Path]:
     return found
 
 
+def sigterm_once_started(proc: subprocess.Popen, after_s: float) -> tuple[int | None, float, str, list[Path]]:
+    """SIGTERM ``after_s`` after the private server's temp dir appears: (exit code, seconds
+    to the exit, stderr, the temp dirs it owned)."""
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not private_server_dirs(proc.pid) and proc.poll() is None:
+            time.sleep(0.02)
+        mine = private_server_dirs(proc.pid)
+        time.sleep(after_s)
+        proc.send_signal(signal.SIGTERM)
+        code, waited = timed_wait(proc, 40)
+        return code, waited, read_err(proc), mine
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("after_s", [0.0, 0.7, 1.4, 2.1, 3.0])
 def test_sigterm_to_score_at_any_moment_exits_143_without_a_traceback(tmp_path, after_s):
     """Counted from the private server's start: the signal lands while the trajectories
     are pushed, while torch imports inside the event loop, or while the worker scores.
     SIGTERM raised SystemExit wherever Python stood, and inside a task that was not the
     loop's main one it came out as "Task exception was never retrieved" and a traceback."""
-    proc = start_score(tmp_path, sleep_s=30)
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not private_server_dirs(proc.pid) and proc.poll() is None:
-            time.sleep(0.02)
-        time.sleep(after_s)
-        proc.send_signal(signal.SIGTERM)
-        code, waited = timed_wait(proc, 40)
-        stderr = read_err(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    code, waited, stderr, _ = sigterm_once_started(start_score(tmp_path, sleep_s=30), after_s)
     assert code == 143, (code, waited, stderr)
     assert "Traceback" not in stderr and "never retrieved" not in stderr, stderr
 
@@ -528,20 +520,9 @@ def test_sigterm_to_score_does_not_wait_out_its_workers_drain(tmp_path):
     ``score`` is private and goes with it, so nobody is left to take them: waiting out a
     60 s drain (or the 15 s the pipeline gives its workers) saves nothing."""
     proc = start_score(tmp_path, sleep_s=300, env={"STREAM_REWARD_CONSUMER_DRAIN_TIMEOUT_S": "60"})
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not private_server_dirs(proc.pid):
-            time.sleep(0.1)
-        mine = private_server_dirs(proc.pid)
-        assert mine, read_err(proc)
-        time.sleep(6)  # the sample is with the worker (a later moment only makes the exit shorter)
-        proc.send_signal(signal.SIGTERM)
-        code, waited = timed_wait(proc, 40)
-        stderr = read_err(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # 6 s: the sample is with the worker (a later moment only makes the exit shorter).
+    code, waited, stderr, mine = sigterm_once_started(proc, 6.0)
+    assert mine, stderr
     # About 2 s here; 14 s is CI's slack, under the 15 s after which the pipeline kills.
     assert code == 143 and waited < 14, (code, waited, stderr)
     assert not any(path.exists() for path in mine)

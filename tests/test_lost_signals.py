@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import start_in_own_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,14 +70,7 @@ def test_ctrl_c_while_the_demo_imports_torch_is_not_lost(tmp_path, redis_url, na
     mark = tmp_path / "fired"
     argv = [sys.executable, "-c", LAUNCH, str(mark), "demo", "--n", "200000", "--generation-s", "60"]
     argv += ["--processes", "1", "--redis", redis_url, "--namespace", namespace]
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = start_in_own_group(argv)
     try:
         started = time.monotonic()
         try:
