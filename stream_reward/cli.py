@@ -273,8 +273,7 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
     try:
         result = asyncio.run(main())
     except asyncio.CancelledError:
-        _in_loop = previous
-        _check_signals()
+        _check_signals()  # a signal's cancel, as the signal
         raise
     finally:
         _in_loop = previous
