@@ -4,14 +4,14 @@ A Ctrl-C or SIGTERM raises from wherever the main thread stands, and some places
 drop what is raised there: torch's C extension, and the at-fork hooks subprocess
 runs in the parent after each fork ("Exception ignored in: _releaseLock").
 
-A Ctrl-C that lands while the demo imports torch is lost, and the demo runs on.
+A Ctrl-C that landed while the demo imported torch was lost, and the demo ran on.
 
 ``cmd_demo`` imports torch in the main thread, before the event loop, so that a
-Ctrl-C "interrupts it at once". But torch's C extension (``torch._C``) imports
+Ctrl-C interrupts it at once. But torch's C extension (``torch._C``) imports
 numpy from its module init and clears whatever that import raised: a
-KeyboardInterrupt raised inside numpy's import (the Ctrl-C landing then) is
-swallowed, ``import torch`` returns normally, and the demo goes on to run its
-whole generation (60 s here) as if no Ctrl-C had come. On a loaded 2-core machine
+KeyboardInterrupt raised inside numpy's import (the Ctrl-C landing then) was
+swallowed, ``import torch`` returned normally, and the demo went on to run its
+whole generation (60 s here) as if no Ctrl-C had come (now the kept signal cancels it as the loop starts). On a loaded 2-core machine
 torch's import takes 5-9 s, which is how a Ctrl-C 8-10 s after start hit it.
 
 The test sends a real SIGINT to the demo's process group at that moment: from an
@@ -86,7 +86,7 @@ def test_ctrl_c_while_the_demo_imports_torch_is_not_lost(tmp_path, redis_url, na
             os.killpg(proc.pid, signal.SIGKILL)  # a worker the demo left behind
     stderr = err.decode(errors="replace")
     assert mark.exists(), f"the Ctrl-C was never sent (numpy imported before the demo started?): {stderr}"
-    # Today: code None (still running at 30 s; left alone it finishes the 60 s demo and exits 0).
+    # Before the fix: code None (still running at 30 s; left alone it finishes the 60 s demo and exits 0).
     assert code == 130, (code, round(took, 1), mark.read_text(), stderr[-2000:])
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines == ["stream-reward demo: interrupted"], stderr

@@ -1,4 +1,4 @@
-"""Signals at the moments the CLI's "SIGTERM/Ctrl-C at any moment" promise misses.
+"""Signals at the moments the CLI's "SIGTERM/Ctrl-C at any moment" promise missed.
 
 Each test runs the real CLI in a process group of its own, with a real signal sent
 (``os.kill``/``os.killpg``) from a small launcher at one precise moment instead of a
@@ -9,9 +9,9 @@ run gets a TMPDIR of its own, so its private server's temp dir can be looked for
    (numpy's ``_multiarray_umath`` imports ``numpy.exceptions`` etc. from its module
    init) leaves numpy half-imported: torch's next ``import numpy`` fails with
    ``ImportError: cannot load module more than once per process`` (3.11) or
-   ``RuntimeError: CPU dispatcher tracer already initlized`` (3.10). ``main`` treats
-   that as a bug (``except Exception`` never looks at ``_received``): a traceback and
-   exit 1. Hit by a plain time sweep too (SIGTERM 1.44 s after torch's import began).
+   ``RuntimeError: CPU dispatcher tracer already initlized`` (3.10). ``main`` treated
+   that as a bug (its ``except Exception`` did not look at ``_received``): a traceback
+   and exit 1. Hit by a plain time sweep too (SIGTERM 1.44 s after torch's import began).
 2. A signal as asyncio.run's loop starts (before the command's coroutine runs) went out
    of ``asyncio.run`` with that coroutine never started: "coroutine ... was never
    awaited".
@@ -150,7 +150,7 @@ DEMO = ["demo", "--n", "200000", "--generation-s", "60", "--processes", "1"]
 @pytest.mark.parametrize(("sig", "who"), [("SIGTERM", "proc"), ("SIGINT", "group")], ids=["sigterm", "ctrl-c"])
 def test_signal_while_torch_imports_numpys_extension_is_not_a_traceback(tmp_path, sig, who):
     """The signal lands inside numpy's C extension init (its import of numpy.exceptions),
-    inside torch._C's import of numpy, which drops the raise. Today: exit 1 and
+    inside torch._C's import of numpy, which drops the raise. Before the fix: exit 1 and
     'ImportError: cannot load module more than once per process' (3.11) or
     'RuntimeError: CPU dispatcher tracer already initlized' (3.10), with a traceback."""
     pytest.importorskip("torch")
