@@ -261,10 +261,11 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
         state.loop = asyncio.get_running_loop()
         state.task = asyncio.current_task()
         try:
-            if _received and state.task is not None:
-                # One kept from before the loop (a lost raise: torch's import, a fork): the
-                # coroutine starts and takes the cancel at once (never awaited, it warns).
-                state.task.cancel()
+            if _received:
+                # One kept from before the loop ran the command (a lost raise: torch's
+                # import, a fork; or asyncio.run's set-up): the command never starts.
+                _discard(coro)
+                raise asyncio.CancelledError
             return await coro
         finally:
             state.task = None
@@ -279,6 +280,18 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
         _in_loop = previous
     _check_signals()  # the coroutine took the cancel and returned: still a signal
     return result
+
+
+def _discard(coro: Any) -> None:
+    """Close a coroutine that never started, and those it was given as arguments
+    (``guard(run_demo(...))``): left to the garbage collector, each would warn
+    "coroutine ... was never awaited"."""
+    frame = getattr(coro, "cr_frame", None)
+    args = list(frame.f_locals.values()) if frame is not None else []
+    coro.close()
+    for arg in args:
+        if asyncio.iscoroutine(arg):
+            _discard(arg)
 
 
 def _import_torch_first(feature: str) -> None:
