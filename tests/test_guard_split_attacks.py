@@ -16,7 +16,7 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import members_from_payloads
 from stream_reward.wire.heartbeat import encode_heartbeat
 from stream_reward.wire.keys import Keys
-from tests.helpers import Counting, push_exact, stop_config
+from tests.helpers import Counting, push_exact, stop_config, wait_until
 from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio
@@ -136,7 +136,9 @@ async def test_a_live_twin_with_a_longer_heartbeat_interval_is_refused(redis_url
     client = connect(redis_url)
     try:
         await asyncio.wait_for(a_scorer.started.wait(), 5)
-        assert await client.hexists(Keys(namespace).workers(), "w1")
+        # A's first heartbeat is written beside its first read, not before it: on a loaded
+        # machine its scorer can start first (CI saw no "w1" yet once).
+        await wait_until(lambda: client.hexists(Keys(namespace).workers(), "w1"), timeout_s=5)
         b = Worker(redis_url, Counting(first=0.0), stop_config(namespace, "w1", heartbeat_interval_s=0.2))
         b_stop = asyncio.Event()
         try:
