@@ -252,3 +252,73 @@ def start_in_own_group(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes
         stderr=subprocess.PIPE,
         **kwargs,
     )
+
+
+class CutProxy:
+    """TCP in front of the unix-socket server. ``arm(marker)``: the next request holding
+    ``marker`` is passed on (so the server runs it), and the server's next bytes on that
+    connection (its reply) are swallowed and both sides closed: a reply lost after the
+    command ran, the worst moment for a retry."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.marker = b""
+        self.arms = 0
+        self.cuts = 0
+        self.tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> CutProxy:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.url = f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+    def arm(self, marker: bytes, times: int = 1) -> None:
+        self.marker, self.arms = marker, times
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        sw = None
+        cut = False
+        try:
+            sr, sw = await asyncio.open_unix_connection(self.path)
+
+            async def up() -> None:
+                nonlocal cut
+                while data := await cr.read(65536):
+                    if self.arms and self.marker in data:
+                        self.arms -= 1
+                        cut = True
+                    sw.write(data)
+                    await sw.drain()
+
+            async def down() -> None:
+                while data := await sr.read(65536):
+                    if cut:
+                        self.cuts += 1
+                        return
+                    cw.write(data)
+                    await cw.drain()
+
+            pumps = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
+            try:
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for p in pumps:
+                    p.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            cw.close()
+            if sw is not None:
+                sw.close()
+            self.tasks.discard(task)
