@@ -16,6 +16,7 @@ from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.connection import connect
 from stream_reward.wire.heartbeat import decode_heartbeat
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import LedgerWriter
 from tests.helpers import Counting, identity_score, pending_samples, push_exact, stop_config, wait_until
 from workers.consumer import Worker
 
@@ -124,20 +125,22 @@ async def test_a_task_scorer_raising_a_base_exception_does_not_strand_its_sample
         await w.aclose()
 
 
-async def test_a_writer_failure_fails_run_with_the_real_error(redis_url, namespace) -> None:
+async def test_a_writer_failure_fails_run_with_the_real_error(redis_url, namespace, monkeypatch) -> None:
     """The ledger write raising an unexpected (non-Redis) error kills the writer task. run()
     must fail with it (or its entries go to a peer), not go on with nothing settling."""
     armed = asyncio.Event()
+    real_write = LedgerWriter.write_partitions  # the flushes, on the worker's lane or through redis-py
 
-    async def fault(name, orig, args, kwargs):
-        if armed.is_set() and name in ("EVALSHA", "EVAL", "FCALL"):
+    async def write_partitions(self, batch):
+        if armed.is_set():
             armed.clear()
             raise RuntimeError("ledger write broke")
-        return await orig(*args, **kwargs)
+        return await real_write(self, batch)
 
+    monkeypatch.setattr(LedgerWriter, "write_partitions", write_partitions)
     await push_exact(redis_url, namespace, "a", 4)
     scorer = Counting(first=0.3, on_first=armed.set)
-    w = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300), client=faulty(redis_url, fault))
+    w = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300))
     stop = asyncio.Event()
     run = asyncio.ensure_future(w.run(stop))
     try:

@@ -14,7 +14,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from stream_reward import RewardAggregator
 from stream_reward.wire.connection import connect
+from stream_reward.wire.entries import read_group
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import LedgerWriter
 from workers.consumer import _RELEASED_IDLE_MS, Worker
 
 pytestmark = pytest.mark.anyio
@@ -228,7 +230,9 @@ async def test_a_quarantine_note_failing_at_a_stop_still_releases_the_suspect(re
 # The writer at the stop
 
 
-async def test_results_the_writer_could_not_write_by_the_deadline_are_released(redis_url, namespace) -> None:
+async def test_results_the_writer_could_not_write_by_the_deadline_are_released(
+    redis_url, namespace, monkeypatch
+) -> None:
     """A sample finishes just after the stop; the writer's flush fails (the writer's
     connection is reset) until the drain deadline, while the rest of Redis answers. The entry
     was not in the drain's release (its sample had settled in memory) and the writer gives
@@ -237,17 +241,16 @@ async def test_results_the_writer_could_not_write_by_the_deadline_are_released(r
     stop = asyncio.Event()
     scorer = Counting(first=0.05, on_first=stop.set)
     wc = connect(redis_url)
-    real_evalsha = wc.evalsha
-    w1: Worker
+    real_write = LedgerWriter.write_partitions  # the writer's flushes, on its lane or through redis-py
     failed = []
 
-    async def evalsha(sha, *a, **kw):
-        if stop.is_set() and sha == w1._ledger._script.sha:
+    async def write_partitions(self, batch):
+        if stop.is_set() and self is w1._ledger:  # the peer's flushes go through
             failed.append(1)
             raise RedisConnectionError("Connection reset by peer (injected)")
-        return await real_evalsha(sha, *a, **kw)
+        return await real_write(self, batch)
 
-    wc.evalsha = evalsha
+    monkeypatch.setattr(LedgerWriter, "write_partitions", write_partitions)
     w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300), client=wc)
     await run_stopped(w1, stop)
     assert failed, "the flush never failed"
@@ -262,24 +265,23 @@ async def test_results_the_writer_could_not_write_by_the_deadline_are_released(r
 # Reads and hand-backs at the stop
 
 
-async def test_a_stop_before_the_first_read_returns_loses_nothing(redis_url, namespace) -> None:
+async def test_a_stop_before_the_first_read_returns_loses_nothing(redis_url, namespace, monkeypatch) -> None:
     """The stop comes while the first XREADGROUP's reply is on its way: the entries it brings
     are opened after the stop; they must be scored within the drain or released."""
     await push_exact(redis_url, namespace, "r", 6, k=2)
     stop, fired = asyncio.Event(), []
     scorer = Counting()
     wc = connect(redis_url)
-    real = wc.xreadgroup
 
-    async def xreadgroup(*a, **kw):
-        out = await real(*a, **kw)
+    async def first_read(*a, **kw):  # the worker's reads, on its lane or through redis-py
+        out = await read_group(*a, **kw)
         if out and not fired:
             fired.append(1)
             stop.set()
             await asyncio.sleep(0.05)
         return out
 
-    wc.xreadgroup = xreadgroup
+    monkeypatch.setattr("workers.consumer.read_group", first_read)
     w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300, concurrency=8), client=wc)
     await run_stopped(w1, stop)
     assert fired
