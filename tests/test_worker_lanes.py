@@ -1,0 +1,219 @@
+"""Adversarial tests of the worker's own connections (wire/lane.py): its reads and its result
+flushes go on lanes. A flush whose reply is lost after it ran, a script cache flushed under
+it, its connections killed again and again, a database other than 0, an error reply: every
+sample scored and counted once, every entry acked, nothing silently 0."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from helpers import (
+    Counting,
+    CutProxy,
+    done_results,
+    exact_traj,
+    identity_score,
+    lane_of,
+    push_exact,
+    running_worker,
+    score_batch,
+    stop_config,
+)
+from redis.exceptions import NoScriptError, ResponseError
+
+from stream_reward.ops.embedded import EmbeddedServer
+from stream_reward.wire.codec import encode_result
+from stream_reward.wire.connection import connect
+from stream_reward.wire.keys import Keys
+from stream_reward.wire.ledger import _WRITE_SCRIPT, LedgerItem, LedgerWriter
+from stream_reward.wire.trajectory import ScoreResult
+from workers.consumer import Worker
+
+pytestmark = pytest.mark.anyio
+
+N = 40
+
+
+def trajs(batch: str, n: int = N) -> list:
+    return [exact_traj(batch, i) for i in range(n)]
+
+
+async def assert_each_once(url: str, namespace: str, batch: str, rewards: Any, n: int = N) -> None:
+    """Every sample ok with its own score, one result record each in the done stream, no entry pending."""
+    assert [(r.index, r.status, r.score) for r in rewards.results] == [
+        (i, "ok", identity_score(exact_traj(batch, i))) for i in range(n)
+    ]
+    keys = Keys(namespace)
+    admin = connect(url)
+    try:
+        records = await done_results(admin, keys.done(batch))
+        assert sorted(r.index for r in records) == list(range(n)), "a result counted twice or lost"
+        assert (await admin.xpending(keys.stream(), "scorers"))["pending"] == 0
+    finally:
+        await admin.aclose()
+
+
+def item(batch: str, i: int, dead: bool = False) -> LedgerItem:
+    result = encode_result(ScoreResult(f"{batch}-{i}", batch, i, float(i), "ok"))
+    return LedgerItem("", batch, f"{batch}-{i}", result, b"dead" if dead else None, ack=False)
+
+
+async def test_a_result_flush_whose_reply_is_lost_after_it_ran_counts_once(redis_url, namespace) -> None:
+    """The proxy passes the flush's script call on and drops the connection instead of its
+    reply, three times: the results are in Redis, the worker cannot know, and sends them
+    again on a new connection."""
+    sha = hashlib.sha1(_WRITE_SCRIPT.encode()).hexdigest().encode()
+    async with CutProxy(redis_url[len("unix://") :]) as proxy:
+        async with running_worker(proxy.url, namespace, Counting(first=0.0)):
+            proxy.arm(sha, times=3)
+            rewards = await score_batch(redis_url, namespace, trajs("f"))
+        assert proxy.cuts == 3, "the flush's reply was not lost: nothing tested"
+    await assert_each_once(redis_url, namespace, "f", rewards)
+
+
+async def test_a_script_cache_flushed_under_the_worker_is_loaded_again(own_url, namespace) -> None:
+    admin = connect(own_url)
+    try:
+        async with running_worker(own_url, namespace, Counting(first=0.0)):
+            await assert_each_once(own_url, namespace, "a", await score_batch(own_url, namespace, trajs("a")))
+            await admin.script_flush()
+            await assert_each_once(own_url, namespace, "b", await score_batch(own_url, namespace, trajs("b")))
+    finally:
+        await admin.aclose()
+
+
+async def test_the_worker_scores_each_sample_once_while_its_connections_are_killed_again_and_again(
+    own_url, namespace
+) -> None:
+    admin = connect(own_url)
+    kills = 0
+
+    async def storm() -> None:
+        nonlocal kills
+        while True:
+            await asyncio.sleep(0.03)
+            kills += await admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+
+    try:
+        async with running_worker(own_url, namespace, Counting(first=0.0, later=0.0), concurrency=8, read_count=4):
+            killer = asyncio.ensure_future(storm())
+            try:
+                rewards = await score_batch(own_url, namespace, trajs("k", 300), timeout_s=60)
+            finally:
+                killer.cancel()
+                await asyncio.gather(killer, return_exceptions=True)
+        assert kills > 10, f"only {kills} connections killed: nothing tested"
+        await assert_each_once(own_url, namespace, "k", rewards, n=300)
+    finally:
+        await admin.aclose()
+
+
+async def test_a_worker_on_database_3_reads_and_writes_there(own_url, namespace) -> None:
+    """A lane that forgot the database would read an empty stream and write the results
+    where the trainer never looks: the collect would time out."""
+    url = f"{own_url}?db=3"
+    rewards = None
+    async with running_worker(url, namespace, Counting(first=0.0)):
+        rewards = await score_batch(url, namespace, trajs("d"), timeout_s=20)
+    await assert_each_once(url, namespace, "d", rewards)
+    db0 = connect(own_url)
+    try:
+        assert [k async for k in db0.scan_iter(match=f"*{namespace}*")] == []
+    finally:
+        await db0.aclose()
+
+
+async def test_an_error_reply_to_a_flush_on_the_lane_is_raised_not_counted_as_0(redis_url, namespace) -> None:
+    client = connect(redis_url)
+    lane = lane_of(client)
+    keys = Keys(namespace)
+    try:
+        await client.set(keys.done("w"), "not a stream")
+        ledger = LedgerWriter(client, keys, "scorers", result_ttl_s=60, lane=lane)
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await ledger.write(0, [item("w", 0)])
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await ledger.write_partitions({0: [item("w", 1)], 1: []})
+    finally:
+        lane.close()
+        await client.aclose()
+
+
+async def test_a_script_flush_between_two_writes_on_the_lane_loads_it_once_and_counts_each_once(
+    own_url, namespace
+) -> None:
+    client = connect(own_url)
+    lane = lane_of(client)
+    keys = Keys(namespace, partitions=2)
+    try:
+        ledger = LedgerWriter(client, keys, "scorers", result_ttl_s=60, lane=lane)
+        assert await ledger.write_partitions({0: [item("s", 0)], 1: [item("s", 1)]}) == 2
+        await client.script_flush()
+        assert await ledger.write_partitions({0: [item("s", 2), item("s", 0)], 1: [item("s", 3)]}) == 2
+        assert await client.script_exists(hashlib.sha1(_WRITE_SCRIPT.encode()).hexdigest()) == [True]
+    finally:
+        lane.close()
+        await client.aclose()
+
+
+class HalfFlushedLane:
+    """A lane on which the script cache empties between the two calls of one write: the
+    first call runs, the second is refused NOSCRIPT (an injected transport: a real server
+    cannot be stopped between two pipelined commands)."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    async def call(self, commands: list[bytes]) -> list[Any]:
+        self.sent.append(commands)
+        if len(self.sent) == 1:
+            return [1, NoScriptError("NOSCRIPT No matching script.")]
+        if commands[0].startswith(b"*3\r\n$6\r\nSCRIPT"):
+            return [b"sha"]
+        return [1] * len(commands)
+
+
+async def test_only_the_calls_refused_noscript_go_again(redis_url, namespace) -> None:
+    """The first partition's call ran (its dead letter is written); sent again it would be
+    written twice. Only the second goes again, after the script is loaded."""
+    client = connect(redis_url)
+    try:
+        ledger = LedgerWriter(client, Keys(namespace, partitions=2), "scorers", result_ttl_s=60)
+        fake = HalfFlushedLane()
+        ledger._lane = fake  # type: ignore[assignment]
+        assert await ledger.write_partitions({0: [item("h", 0, dead=True)], 1: [item("h", 1)]}) == 2
+        assert [len(c) for c in fake.sent] == [2, 1, 1]
+        assert b"SCRIPT" in fake.sent[1][0] and b"h-1" in fake.sent[2][0] and b"h-0" not in fake.sent[2][0]
+    finally:
+        await client.aclose()
+
+
+async def test_a_stop_returns_while_the_server_hangs_under_the_workers_lanes(namespace) -> None:
+    """The server stops answering (SIGSTOP) while the worker's read blocks on its lane and
+    its samples score: the stop must still end run() within the drain deadline + ~5 s."""
+    with EmbeddedServer() as server:
+        await push_exact(server.url, namespace, "h", 4)
+        scorer = Counting(first=5.0)
+        w = Worker(server.url, scorer, stop_config(namespace, "w1"))
+        stop = asyncio.Event()
+        run = asyncio.ensure_future(w.run(stop))
+        try:
+            await asyncio.wait_for(scorer.started.wait(), 5)
+            assert server.pid
+            os.kill(server.pid, signal.SIGSTOP)
+            await asyncio.sleep(0.3)
+            stop.set()
+            t0 = time.monotonic()
+            done, _ = await asyncio.wait([run], timeout=0.3 + 5.5)
+            assert done, f"run() not back {time.monotonic() - t0:.1f} s after a stop with the server hung"
+        finally:
+            os.kill(server.pid or 0, signal.SIGCONT)
+            run.cancel()
+            await asyncio.wait([run], timeout=5)
+            await w.aclose()
