@@ -69,6 +69,7 @@ from stream_reward.wire.entries import (
 )
 from stream_reward.wire.heartbeat import decode_heartbeat, encode_heartbeat
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.lane import Lane
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.push import REQUEUE_SCRIPT, requeue_args
@@ -191,8 +192,21 @@ class Worker:
         self._begin_run()
         if self._client is None:
             self._client = connect(self._url)
+        # The result flushes and the reads go on connections of their own (wire/lane.py),
+        # where one serves: through redis-py's pool each round trip cost several times the
+        # CPU, and at a paced 5,000 samples a second a worker makes a thousand of each.
+        lane = Lane.for_client(self._client)
+        try:
+            await self._run(stop, burst, lane)
+        finally:
+            if lane is not None:
+                lane.close()
+
+    async def _run(self, stop: asyncio.Event, burst: bool, lane: Lane | None) -> None:
         client = self._client
-        self._ledger = LedgerWriter(client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
+        self._ledger = LedgerWriter(
+            client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s, lane=lane
+        )
         self._requeue = client.register_script(REQUEUE_SCRIPT)
         self._release_script = client.register_script(RELEASE_SCRIPT)
         for stream in self.keys.streams():
@@ -391,6 +405,16 @@ class Worker:
                     tg.start_soon(functools.partial(self._read_loop, unit, stop, burst, share=share))
 
     async def _read_loop(self, names: list[str], stop: asyncio.Event, burst: bool, *, share: int) -> None:
+        lane = Lane.for_client(self._client)
+        try:
+            await self._read_loop_on(lane, names, stop, burst, share=share)
+        finally:
+            if lane is not None:
+                lane.close()
+
+    async def _read_loop_on(
+        self, lane: Lane | None, names: list[str], stop: asyncio.Event, burst: bool, *, share: int
+    ) -> None:
         """Read ``names`` while there is room. Several loops share ``concurrency``:
         each reserves what it asks for before it blocks, so that together they never
         take more, and takes at most ``share`` per read. A loop whose last read was
@@ -424,6 +448,7 @@ class Worker:
                         streams,
                         count=count,
                         block=self.config.block_ms,
+                        lane=lane,
                     )
                 except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
                     if is_permanent(exc):

@@ -47,6 +47,7 @@ __all__ = [
     "XADD_MANY_CHUNK",
     "read_group",
     "read_streams",
+    "pairs",
     "entry_header",
     "read_header",
     "read_members",
@@ -286,15 +287,28 @@ async def ensure_group(client: Any, stream: str, group: str) -> None:
 
 
 async def read_group(
-    client: Any, group: str, consumer: str, streams: dict[str, str], *, count: int, block: int | None
+    client: Any,
+    group: str,
+    consumer: str,
+    streams: dict[str, str],
+    *,
+    count: int,
+    block: int | None,
+    lane: Lane | None = None,
 ) -> Any:
-    """XREADGROUP of ``streams`` (name -> id); in a cluster they must share one slot."""
+    """XREADGROUP of ``streams`` (name -> id); in a cluster they must share one slot.
+    On ``lane`` when given (a single node's), in redis-py's reply shape."""
+    if lane is not None:
+        args: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
+        if block is not None:
+            args += ["BLOCK", block]
+        return _stream_reply(await lane.call([pack_command(*args, "STREAMS", *streams.keys(), *streams.values())]))
     if not is_cluster(client):
         return await client.xreadgroup(group, consumer, streams, count=count, block=block)
-    args: list[Any] = ["GROUP", group, consumer, "COUNT", count]
+    routed: list[Any] = ["GROUP", group, consumer, "COUNT", count]
     if block is not None:
-        args += ["BLOCK", block]
-    return await _routed(client, "XREADGROUP", args, streams)
+        routed += ["BLOCK", block]
+    return await _routed(client, "XREADGROUP", routed, streams)
 
 
 async def read_streams(
@@ -306,14 +320,7 @@ async def read_streams(
         args: list[Any] = ["XREAD", "COUNT", count]
         if block is not None:
             args += ["BLOCK", block]
-        (reply,) = await lane.call([pack_command(*args, "STREAMS", *streams.keys(), *streams.values())])
-        if isinstance(reply, BaseException):
-            raise reply
-        if reply is None:  # the block ran out
-            return None
-        return [
-            [name, [(None, None) if e is None else (e[0], _pairs(e[1])) for e in entries]] for name, entries in reply
-        ]
+        return _stream_reply(await lane.call([pack_command(*args, "STREAMS", *streams.keys(), *streams.values())]))
     if not is_cluster(client):
         return await client.xread(streams, count=count, block=block)
     routed: list[Any] = ["COUNT", count]
@@ -322,8 +329,19 @@ async def read_streams(
     return await _routed(client, "XREAD", routed, streams)
 
 
-def _pairs(flat: list[Any]) -> dict[Any, Any]:
-    """An entry's [field, value, ...] as redis-py's dict (a deleted entry's: none)."""
+def _stream_reply(replies: list[Any]) -> Any:
+    """A lane's raw XREAD/XREADGROUP reply in redis-py's shape; an error reply raised."""
+    (reply,) = replies
+    if isinstance(reply, BaseException):
+        raise reply
+    if reply is None:  # the block ran out
+        return None
+    return [[name, [(None, None) if e is None else (e[0], pairs(e[1])) for e in entries]] for name, entries in reply]
+
+
+def pairs(flat: list[Any]) -> dict[Any, Any]:
+    """A raw reply's [field, value, ...] (an entry's, an XINFO row's) as redis-py's dict;
+    a deleted entry's (None): an empty one."""
     return dict(zip(flat[::2], flat[1::2])) if flat else {}
 
 

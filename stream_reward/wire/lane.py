@@ -1,4 +1,4 @@
-"""A connection of its own for the trainer's hot round trips: RESP on a bare asyncio protocol.
+"""A connection of its own for the hot round trips: RESP on a bare asyncio protocol.
 
 On the per-sample path the trainer makes a round trip per coalesced push and per
 page of results. Through redis-py's asyncio client each one cost ~200 us of CPU
@@ -9,12 +9,12 @@ timeout context per read, the retry wrapper. At a paced 5,000 samples a second
 that was a sixth of the trainer's CPU.
 
 A lane is one connection, owned by one user (the producer's pushes, a listener's
-reader), that pipelines: each call writes its commands at once and its replies
-come back in order, matched to the calls by a queue. A caller that gives up
-leaves its place in the queue, so the replies it no longer wants are read and
-dropped and the connection stays in step (redis-py must drop such a connection).
-A lost connection fails every call in flight with redis-py's ConnectionError,
-what the callers already handle, and the next call connects again.
+reader, a worker's read loop, a worker's result flushes), that pipelines: each call
+writes its commands at once and its replies come back in order, matched to the calls
+by a queue. A caller that gives up leaves its place in the queue, so the replies it no
+longer wants are read and dropped and the connection stays in step (redis-py must drop
+such a connection). A lost connection fails every call in flight with redis-py's
+ConnectionError, what the callers already handle, and the next call connects again.
 
 Only for what redis-py would send the same way: a single node over TCP or a
 unix socket, with at most a username, a password, a database and a client name

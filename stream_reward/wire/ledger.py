@@ -29,11 +29,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import NoScriptError
 
 from stream_reward.wire.codec import packb, result_rows
 from stream_reward.wire.connection import is_cluster
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.packed import pack_command
+
+if TYPE_CHECKING:
+    from stream_reward.wire.lane import Lane
 
 __all__ = ["LedgerItem", "LedgerWriter", "DLQ_MAXLEN", "DONE_FIELD", "done_rows"]
 
@@ -144,9 +150,13 @@ class LedgerItem:
 
 
 class LedgerWriter:
-    def __init__(self, client: Any, keys: Keys, group: str, *, result_ttl_s: int) -> None:
+    """Settles a worker's flushes: on ``lane`` when given (a single node's connection, see
+    wire/lane.py), else through redis-py."""
+
+    def __init__(self, client: Any, keys: Keys, group: str, *, result_ttl_s: int, lane: Lane | None = None) -> None:
         self._client = client
         self._cluster = is_cluster(client)
+        self._lane = None if self._cluster else lane
         self._script = client.register_script(_WRITE_SCRIPT)
         self._keys = keys
         self._group = group
@@ -174,6 +184,9 @@ class LedgerWriter:
         if not items:
             return 0
         keys, args = self._call_args(partition, items)
+        if self._lane is not None:
+            (new,) = await self._on_lane([(keys, args)])
+            return new
         return int(await self._script(keys=keys, args=args))
 
     async def write_partitions(self, batch: dict[int, list[LedgerItem]]) -> int:
@@ -187,6 +200,9 @@ class LedgerWriter:
         if len(batch) == 1:
             ((partition, items),) = batch.items()
             return await self.write(partition, items)
+        if self._lane is not None:
+            calls = [self._call_args(partition, items) for partition, items in batch.items() if items]
+            return sum(await self._on_lane(calls))
         if not self._cluster:
             async with self._client.pipeline(transaction=False) as pipe:
                 for partition, items in batch.items():
@@ -204,3 +220,32 @@ class LedgerWriter:
                     del batch[partition]
             raise errors[0]
         return sum(replies)  # type: ignore[arg-type]
+
+    async def _on_lane(self, calls: list[tuple[list[str], list[Any]]]) -> list[int]:
+        """The calls in one write on the lane; each one's count of new results. A script
+        cache found empty (a restarted server) is loaded again, and only the calls it
+        refused go again: a dead letter is appended, and must not be written twice.
+        An error reply is raised once every call has run, as a pipeline raises it."""
+        assert self._lane is not None
+        out = [0] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            sha = self._script.sha
+            replies = await self._lane.call(
+                [pack_command("EVALSHA", sha, len(keys), *keys, *args) for keys, args in (calls[i] for i in todo)]
+            )
+            refused = [i for i, reply in zip(todo, replies) if isinstance(reply, NoScriptError)]
+            for i, reply in zip(todo, replies):
+                if not isinstance(reply, BaseException):
+                    out[i] = int(reply)
+            for reply in replies:
+                if isinstance(reply, BaseException) and not isinstance(reply, NoScriptError):
+                    raise reply
+            if not refused:
+                return out
+            if attempt == 0:
+                (loaded,) = await self._lane.call([pack_command("SCRIPT", "LOAD", self._script.script)])
+                if isinstance(loaded, BaseException):
+                    raise loaded
+            todo = refused
+        raise NoScriptError("the result script was refused again right after it was loaded")
