@@ -47,7 +47,6 @@ __all__ = [
     "XADD_MANY_CHUNK",
     "read_group",
     "read_streams",
-    "pairs",
     "entry_header",
     "read_header",
     "read_members",
@@ -336,12 +335,11 @@ def _stream_reply(replies: list[Any]) -> Any:
         raise reply
     if reply is None:  # the block ran out
         return None
-    return [[name, [(None, None) if e is None else (e[0], pairs(e[1])) for e in entries]] for name, entries in reply]
+    return [[name, [(None, None) if e is None else (e[0], _pairs(e[1])) for e in entries]] for name, entries in reply]
 
 
-def pairs(flat: list[Any]) -> dict[Any, Any]:
-    """A raw reply's [field, value, ...] (an entry's, an XINFO row's) as redis-py's dict;
-    a deleted entry's (None): an empty one."""
+def _pairs(flat: list[Any]) -> dict[Any, Any]:
+    """An entry's [field, value, ...] as redis-py's dict (a deleted entry's: none)."""
     return dict(zip(flat[::2], flat[1::2])) if flat else {}
 
 
