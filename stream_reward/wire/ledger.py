@@ -80,9 +80,13 @@ for _, item in ipairs(items) do
     list[#list + 1] = item
   end
   if item[5] ~= '' and k == 0 then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', dlq_maxlen, '*', 'e', item[5])
-  end
-  if item[1] ~= '' then
+    -- A dead letter with no batch has no uid to be written once by. Its entry is acked
+    -- here, and the letter written only if that ack took it off the pending list: a call
+    -- sent again (its reply lost after it ran) finds the entry acked and adds nothing.
+    if item[1] == '' or redis.call('XACK', KEYS[1], group, item[1]) == 1 then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', dlq_maxlen, '*', 'e', item[5])
+    end
+  elseif item[1] ~= '' then
     acks[#acks + 1] = item[1]
   end
 end
