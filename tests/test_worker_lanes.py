@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
-import signal
-import time
 from typing import Any
 
 import pytest
@@ -20,20 +17,16 @@ from helpers import (
     exact_traj,
     identity_score,
     lane_of,
-    push_exact,
     running_worker,
     score_batch,
-    stop_config,
 )
 from redis.exceptions import NoScriptError, ResponseError
 
-from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import _WRITE_SCRIPT, LedgerItem, LedgerWriter
 from stream_reward.wire.trajectory import ScoreResult
-from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -71,6 +64,9 @@ async def test_a_result_flush_whose_reply_is_lost_after_it_ran_counts_once(redis
     sha = hashlib.sha1(_WRITE_SCRIPT.encode()).hexdigest().encode()
     async with CutProxy(redis_url[len("unix://") :]) as proxy:
         async with running_worker(proxy.url, namespace, Counting(first=0.0)):
+            # A flush first, so the script is in the server's cache: a cut NOSCRIPT reply
+            # would be a call that never ran, and test nothing.
+            await assert_each_once(redis_url, namespace, "warm", await score_batch(redis_url, namespace, trajs("warm")))
             proxy.arm(sha, times=3)
             rewards = await score_batch(redis_url, namespace, trajs("f"))
         assert proxy.cuts == 3, "the flush's reply was not lost: nothing tested"
@@ -192,28 +188,3 @@ async def test_only_the_calls_refused_noscript_go_again(redis_url, namespace) ->
         assert b"SCRIPT" in fake.sent[1][0] and b"h-1" in fake.sent[2][0] and b"h-0" not in fake.sent[2][0]
     finally:
         await client.aclose()
-
-
-async def test_a_stop_returns_while_the_server_hangs_under_the_workers_lanes(namespace) -> None:
-    """The server stops answering (SIGSTOP) while the worker's read blocks on its lane and
-    its samples score: the stop must still end run() within the drain deadline + ~5 s."""
-    with EmbeddedServer() as server:
-        await push_exact(server.url, namespace, "h", 4)
-        scorer = Counting(first=5.0)
-        w = Worker(server.url, scorer, stop_config(namespace, "w1"))
-        stop = asyncio.Event()
-        run = asyncio.ensure_future(w.run(stop))
-        try:
-            await asyncio.wait_for(scorer.started.wait(), 5)
-            assert server.pid
-            os.kill(server.pid, signal.SIGSTOP)
-            await asyncio.sleep(0.3)
-            stop.set()
-            t0 = time.monotonic()
-            done, _ = await asyncio.wait([run], timeout=0.3 + 5.5)
-            assert done, f"run() not back {time.monotonic() - t0:.1f} s after a stop with the server hung"
-        finally:
-            os.kill(server.pid or 0, signal.SIGCONT)
-            run.cancel()
-            await asyncio.wait([run], timeout=5)
-            await w.aclose()
