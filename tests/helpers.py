@@ -218,6 +218,25 @@ async def push_exact(redis_url: str, namespace: str, batch: str, n: int, k: int 
         await p.push_many([exact_traj(batch, i) for i in range(n)])
 
 
+async def assert_each_once(url: str, ns: str, batch: str, rewards: Any, n: int, partitions: int = 1) -> None:
+    """Every exact_traj sample of ``batch`` ok with its own score, one result record each in
+    the done streams, no entry left pending."""
+    assert [(r.index, r.status, r.score) for r in rewards.results] == [
+        (i, "ok", identity_score(exact_traj(batch, i))) for i in range(n)
+    ]
+    keys = Keys(ns, partitions)
+    admin = connect(url)
+    try:
+        records = []
+        for p in range(partitions):
+            records += await done_results(admin, keys.done(batch, p))
+        assert sorted(r.index for r in records) == list(range(n)), "a result counted twice or lost"
+        for stream in keys.streams():
+            assert (await admin.xpending(stream, "scorers"))["pending"] == 0, f"{stream}: entries left unacked"
+    finally:
+        await admin.aclose()
+
+
 def unsettled(rewards: BatchRewards) -> list:
     """(index, status, reason) of the samples that did not end ``ok``."""
     return [(r.index, r.status, r.reason) for r in rewards.results if r.status != "ok"]

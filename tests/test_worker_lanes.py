@@ -13,9 +13,8 @@ import pytest
 from helpers import (
     Counting,
     CutProxy,
-    done_results,
+    assert_each_once,
     exact_traj,
-    identity_score,
     lane_of,
     running_worker,
     score_batch,
@@ -37,21 +36,6 @@ def trajs(batch: str, n: int = N) -> list:
     return [exact_traj(batch, i) for i in range(n)]
 
 
-async def assert_each_once(url: str, namespace: str, batch: str, rewards: Any, n: int = N) -> None:
-    """Every sample ok with its own score, one result record each in the done stream, no entry pending."""
-    assert [(r.index, r.status, r.score) for r in rewards.results] == [
-        (i, "ok", identity_score(exact_traj(batch, i))) for i in range(n)
-    ]
-    keys = Keys(namespace)
-    admin = connect(url)
-    try:
-        records = await done_results(admin, keys.done(batch))
-        assert sorted(r.index for r in records) == list(range(n)), "a result counted twice or lost"
-        assert (await admin.xpending(keys.stream(), "scorers"))["pending"] == 0
-    finally:
-        await admin.aclose()
-
-
 def item(batch: str, i: int, dead: bool = False) -> LedgerItem:
     result = encode_result(ScoreResult(f"{batch}-{i}", batch, i, float(i), "ok"))
     return LedgerItem("", batch, f"{batch}-{i}", result, b"dead" if dead else None, ack=False)
@@ -66,20 +50,22 @@ async def test_a_result_flush_whose_reply_is_lost_after_it_ran_counts_once(redis
         async with running_worker(proxy.url, namespace, Counting(first=0.0)):
             # A flush first, so the script is in the server's cache: a cut NOSCRIPT reply
             # would be a call that never ran, and test nothing.
-            await assert_each_once(redis_url, namespace, "warm", await score_batch(redis_url, namespace, trajs("warm")))
+            await assert_each_once(
+                redis_url, namespace, "warm", await score_batch(redis_url, namespace, trajs("warm")), N
+            )
             proxy.arm(sha, times=3)
             rewards = await score_batch(redis_url, namespace, trajs("f"))
         assert proxy.cuts == 3, "the flush's reply was not lost: nothing tested"
-    await assert_each_once(redis_url, namespace, "f", rewards)
+    await assert_each_once(redis_url, namespace, "f", rewards, N)
 
 
 async def test_a_script_cache_flushed_under_the_worker_is_loaded_again(own_url, namespace) -> None:
     admin = connect(own_url)
     try:
         async with running_worker(own_url, namespace, Counting(first=0.0)):
-            await assert_each_once(own_url, namespace, "a", await score_batch(own_url, namespace, trajs("a")))
+            await assert_each_once(own_url, namespace, "a", await score_batch(own_url, namespace, trajs("a")), N)
             await admin.script_flush()
-            await assert_each_once(own_url, namespace, "b", await score_batch(own_url, namespace, trajs("b")))
+            await assert_each_once(own_url, namespace, "b", await score_batch(own_url, namespace, trajs("b")), N)
     finally:
         await admin.aclose()
 
@@ -105,7 +91,7 @@ async def test_the_worker_scores_each_sample_once_while_its_connections_are_kill
                 killer.cancel()
                 await asyncio.gather(killer, return_exceptions=True)
         assert kills > 10, f"only {kills} connections killed: nothing tested"
-        await assert_each_once(own_url, namespace, "k", rewards, n=300)
+        await assert_each_once(own_url, namespace, "k", rewards, 300)
     finally:
         await admin.aclose()
 
@@ -117,7 +103,7 @@ async def test_a_worker_on_database_3_reads_and_writes_there(own_url, namespace)
     rewards = None
     async with running_worker(url, namespace, Counting(first=0.0)):
         rewards = await score_batch(url, namespace, trajs("d"), timeout_s=20)
-    await assert_each_once(url, namespace, "d", rewards)
+    await assert_each_once(url, namespace, "d", rewards, N)
     db0 = connect(own_url)
     try:
         assert [k async for k in db0.scan_iter(match=f"*{namespace}*")] == []

@@ -15,12 +15,12 @@ from typing import Any
 
 import msgpack
 import pytest
+import redis.asyncio as aredis
 from helpers import (
     Counting,
     CutProxy,
-    done_results,
+    assert_each_once,
     exact_traj,
-    identity_score,
     push_exact,
     running_worker,
     stop_config,
@@ -48,23 +48,6 @@ async def collect(url: str, ns: str, batch: str, n: int, *, partitions: int = 1,
         await producer.open_batch(batch, n, 8)
         await producer.push_many([exact_traj(batch, i) for i in range(n)])
         return await agg.collect(batch, timeout_s=timeout_s)
-
-
-async def check_once(url: str, ns: str, batch: str, rewards: Any, n: int, partitions: int = 1) -> None:
-    assert [(r.index, r.status, r.score) for r in rewards.results] == [
-        (i, "ok", identity_score(exact_traj(batch, i))) for i in range(n)
-    ]
-    keys = Keys(ns, partitions)
-    admin = connect(url)
-    try:
-        records = []
-        for p in range(partitions):
-            records += await done_results(admin, keys.done(batch, p))
-        assert sorted(r.index for r in records) == list(range(n)), "a result counted twice or lost"
-        for stream in keys.streams():
-            assert (await admin.xpending(stream, "scorers"))["pending"] == 0, f"{stream}: entries left unacked"
-    finally:
-        await admin.aclose()
 
 
 async def kill_lane_like(admin: Any) -> int:
@@ -168,7 +151,7 @@ async def test_a_lost_reply_to_a_read_leaves_nothing_unscored(redis_url, namespa
             proxy.arm(b"XREADGROUP", times=3)
             rewards = await collect(redis_url, namespace, "rl", 40, timeout_s=30)
         assert proxy.cuts >= 1
-    await check_once(redis_url, namespace, "rl", rewards, 40)
+    await assert_each_once(redis_url, namespace, "rl", rewards, 40)
 
 
 # ---------------------------------------------------------------------------- pauses, restarts
@@ -206,7 +189,7 @@ async def test_a_client_pause_under_the_flushes_then_a_stop_returns_in_time_and_
             async with RewardAggregator(url, namespace=namespace) as agg:
                 rewards = await agg.collect("ps", timeout_s=30)
             await wait_until(lambda: _no_pending(admin, Keys(namespace).stream()))
-        await check_once(url, namespace, "ps", rewards, 12)
+        await assert_each_once(url, namespace, "ps", rewards, 12)
         await admin.aclose()
 
 
@@ -234,35 +217,26 @@ async def test_a_server_restart_mid_run_loses_and_doubles_nothing(namespace) -> 
             admin = connect(url)
             await wait_until(lambda: _no_pending(admin, Keys(namespace).stream()))
             await admin.aclose()
-        await check_once(url, namespace, "rs", rewards, 200)
+        await assert_each_once(url, namespace, "rs", rewards, 200)
 
 
 # ---------------------------------------------------------------------------- auth, databases
 
 
-async def test_a_worker_given_a_client_on_database_5_uses_it_for_reads_and_flushes(own_url, namespace) -> None:
-    """The worker's url says nothing of a database (0), its client= is on database 5: the
-    trainer on database 5 must get every result."""
+@pytest.mark.parametrize("kind", ["connect", "plain redis-py"])
+async def test_a_worker_given_a_client_on_database_5_uses_it_for_reads_and_flushes(own_url, namespace, kind) -> None:
+    """The worker's client= is on database 5 (one from ``connect``, whose url says nothing of
+    a database for the worker itself, or a plain redis-py client): the trainer on database 5
+    must get every result."""
     url5 = f"{own_url}?db=5"
-    client = connect(url5)
+    if kind == "connect":
+        client, worker_url = connect(url5), own_url
+    else:
+        client, worker_url = aredis.Redis(unix_socket_path=own_url[len("unix://") :], db=5), url5
     try:
-        async with running_worker(own_url, namespace, Counting(first=0.0), client=client):
-            rewards = await collect(url5, namespace, "c5", 40, timeout_s=20)
-        await check_once(url5, namespace, "c5", rewards, 40)
-    finally:
-        await client.aclose()
-
-
-async def test_a_worker_given_a_plain_redis_py_client_on_database_5(own_url, namespace) -> None:
-    import redis.asyncio as aredis
-
-    path = own_url[len("unix://") :]
-    client = aredis.Redis(unix_socket_path=path, db=5)
-    url5 = f"{own_url}?db=5"
-    try:
-        async with running_worker(url5, namespace, Counting(first=0.0), client=client):
-            rewards = await collect(url5, namespace, "c5b", 40, timeout_s=20)
-        await check_once(url5, namespace, "c5b", rewards, 40)
+        async with running_worker(worker_url, namespace, Counting(first=0.0), client=client):
+            rewards = await collect(url5, namespace, f"c5{kind[0]}", 40, timeout_s=20)
+        await assert_each_once(url5, namespace, f"c5{kind[0]}", rewards, 40)
     finally:
         await client.aclose()
 
