@@ -44,6 +44,7 @@ from benchmarks._common import (
     say,
     setup_torch,
 )
+from stream_reward import Trajectory
 
 NAMESPACE = "bench"
 RESPONSE_LEN = 1024
@@ -75,9 +76,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _traj(pool: list[dict[str, Any]], bid: str, i: int) -> Any:
-    from stream_reward import Trajectory
-
+def _traj(pool: list[dict[str, Any]], bid: str, i: int) -> Trajectory:
+    # Trajectory is imported at the top, not here: an import statement run for every
+    # sample cost about 1 us of the trainer CPU this bench reports, on both sides.
     s = pool[i % POOL]
     return Trajectory(
         batch_id=bid,
