@@ -141,19 +141,24 @@ async def test_result_of_a_sample_pushed_by_another_process(redis_url, namespace
 
 
 async def test_hundreds_of_concurrent_batches(redis_url, namespace, spawn_workers):
-    spawn_workers(1, "--scorer", SCORER)
-    n_batches = 150
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+    spawn_workers(1, "--scorer", SCORER, "--partitions", "2")
+    # Two partitions of 300 batches: more done streams than the producer keeps names of
+    # (it drops them all at 256), so the names are dropped with scores in flight.
+    n_batches = 300
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, partitions=2)) as producer:
         for b in range(n_batches):
             await producer.open_batch(f"m{b}", 2, 4)
         # One push of more batches than the producer remembers used to raise KeyError.
         assert await producer.push_many(traj(f"m{b}", 0, True) for b in range(n_batches)) == n_batches
         # And one in-flight score() per batch, all at once.
-        results = await asyncio.wait_for(
-            asyncio.gather(*(producer.score(traj(f"m{b}", 1, b % 2 == 0), timeout_s=60) for b in range(n_batches))),
-            90,
-        )
-    assert [r.score for r in results] == [1.0 if b % 2 == 0 else 0.0 for b in range(n_batches)]
+        # Each batch's second sample in a GRPO group of its own: they spread over both partitions.
+        second = [
+            Trajectory(f"m{b}", 1, "test/exact", "1001" if b % 2 == 0 else "0", "1001", group=f"m{b}")
+            for b in range(n_batches)
+        ]
+        assert {producer.keys.partition_of(t.uid, t.group) for t in second} == {0, 1}
+        results = await asyncio.wait_for(asyncio.gather(*(producer.score(t, timeout_s=60) for t in second)), 90)
+    assert [(r.batch_id, r.score) for r in results] == [(f"m{b}", 1.0 if b % 2 == 0 else 0.0) for b in range(n_batches)]
 
 
 def test_sync_producer_score_from_many_threads(redis_url, namespace, spawn_workers):
