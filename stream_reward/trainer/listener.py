@@ -231,6 +231,9 @@ class ResultListener:
         self._due: dict[int, dict[asyncio.Future[ScoreResult], tuple[str, str, float]]] = {}  # tick -> timeouts
         self._tasks: set[asyncio.Task[Any]] = set()
         self.refs = 0
+        # The loop its futures belong to, looked up once: watch() and arm() run per sample,
+        # and get_running_loop() was a tenth of their cost.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -274,7 +277,7 @@ class ResultListener:
         returns the tick it is due in (-1: never), which ``unwatch`` takes. One timer per
         tick for every sample due in it: a timer per sample (call_later, then cancel) was a
         tenth of the per-sample path's cost in this process."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop or self._bind()
         # A timeout below 0 (-inf too) is due at once; an infinite (or NaN) one never comes.
         at = (loop.time() + max(timeout_s, 0.0)) / TIMEOUT_TICK_S
         if not math.isfinite(at):
@@ -286,6 +289,10 @@ class ResultListener:
             loop.call_at(tick * TIMEOUT_TICK_S, self._time_out, tick)
         due[fut] = (batch_id, uid, timeout_s)
         return tick
+
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _time_out(self, tick: int) -> None:
         for fut, (batch_id, uid, timeout_s) in self._due.pop(tick, {}).items():
@@ -321,14 +328,13 @@ class ResultListener:
             where.append((followed, uid))
         return fut
 
-    def watch(
-        self, batch_id: str, uid: str, partition: int, keys: Keys, group: str
-    ) -> tuple[asyncio.Future[ScoreResult], _Followed]:
-        """``expect(..., landed=False)`` for score(): one partition. Returns the future and
-        the stream followed, which ``unwatch`` takes: no cleanup list set on the future (an
-        attribute costs the future a dict, once per sample)."""
-        fut: asyncio.Future[ScoreResult] = asyncio.get_running_loop().create_future()
-        followed = self._reader(partition, keys).follow(keys.done(batch_id, partition, group))
+    def watch(self, uid: str, partition: int, keys: Keys, done: str) -> tuple[asyncio.Future[ScoreResult], _Followed]:
+        """``expect(..., landed=False)`` for score(): one partition, whose done stream is
+        ``done`` (the caller keeps the name per batch). Returns the future and the stream
+        followed, which ``unwatch`` takes: no cleanup list set on the future (an attribute
+        costs the future a dict, once per sample)."""
+        fut: asyncio.Future[ScoreResult] = (self._loop or self._bind()).create_future()
+        followed = self._reader(partition, keys).follow(done)
         if followed.landed:  # kept for someone else (the sample may have been pushed before)
             row = followed.landed.get(uid)
             if row is not None:
