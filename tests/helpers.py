@@ -14,6 +14,7 @@ from typing import Any
 
 from stream_reward import BatchPolicy, BatchRewards, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
+from stream_reward.errors import BackpressureError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.codec import decode_trajectory
 from stream_reward.wire.connection import connect
@@ -341,3 +342,42 @@ class CutProxy:
             if sw is not None:
                 sw.close()
             self.tasks.discard(task)
+
+
+def backlog_traj(batch: str, i: int) -> Trajectory:
+    # A GRPO group each: with several partitions the samples spread over them.
+    return Trajectory(batch, i, "test/exact", response=str(i), ground_truth=str(i), group=f"{batch}-{i}")
+
+
+async def refusals_of_pushes_that_fit(url: str, namespace: str, partitions: int, rounds: int = 15) -> list[str]:
+    """No worker runs, so the backlog is exactly what was pushed. Each round: let the
+    estimate go stale, push one sample (it starts a reading in the background and lands
+    while the reading is on its way), let the reading end, then push up to the limit
+    exactly. A push counted twice makes the last one raise."""
+    limit = 20
+    config = ProducerConfig(
+        namespace=namespace, partitions=partitions, max_backlog=limit, on_backlog="raise", backlog_poll_s=0.02
+    )
+    refused = []
+    async with RolloutProducer(url, config) as producer:
+        for r in range(rounds):
+            batch = f"r{r}"
+            await producer.open_batch(batch, limit, 4)
+            await producer.push_many(backlog_traj(batch, i) for i in range(limit - 10))
+            await asyncio.sleep(0.03)  # the estimate is stale: the next push starts a reading
+            await producer.push(backlog_traj(batch, limit - 10))
+            reading = producer._backlog_reading
+            assert reading is not None
+            await reading
+            try:
+                # limit - 9 queued in this batch; 9 more fill it exactly
+                await producer.push_many(backlog_traj(batch, i) for i in range(limit - 9, limit))
+            except BackpressureError as exc:
+                refused.append(str(exc))
+            else:
+                assert await producer.backlog() == limit  # the test's own premise: nothing else queued
+            # the group takes everything (no worker scores it): an empty backlog for the next round
+            for p in range(partitions):
+                await producer.client.xreadgroup(config.group, "drain", {producer.keys.stream(p): ">"}, count=10_000)
+            await asyncio.sleep(0.03)
+    return refused

@@ -7,7 +7,7 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from helpers import done_results, samples_of, wait_until
+from helpers import done_results, refusals_of_pushes_that_fit, samples_of, wait_until
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -296,3 +296,10 @@ async def test_a_cluster_client_never_loses_the_node_its_url_named(cluster):
         assert await client.ping()
     finally:
         await client.aclose()
+
+
+async def test_a_push_landing_during_a_backlog_reading_is_counted_once_on_a_cluster(cluster, namespace):
+    """As tests/test_backlog_exact.py on one node: there each partition's reading and push
+    go to the partition's own master, and a push's reply still places it against the reading."""
+    refused = await refusals_of_pushes_that_fit(cluster.url, namespace, partitions=3, rounds=8)
+    assert not refused, f"{len(refused)} of 8 rounds refused a push that fit: {refused[:3]}"
