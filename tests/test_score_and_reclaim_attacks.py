@@ -300,14 +300,14 @@ async def test_a_push_waiting_on_a_backlog_reading_that_aclose_ends_gets_an_erro
     await p.open_batch("rc", 10, 8)
     await p.push_many(traj("rc", i) for i in range(2))
     reading_started = asyncio.Event()
-    real_backlog = p.backlog
+    real_read = p._read_counts
 
-    async def slow_backlog() -> int:
+    async def slow_read() -> tuple[int, dict[int, int]]:  # the reading's round trips, slowed
         reading_started.set()
         await asyncio.sleep(5)
-        return await real_backlog()
+        return await real_read()
 
-    p.backlog = slow_backlog  # type: ignore[method-assign]
+    p._read_counts = slow_read  # type: ignore[method-assign]
     waiters = [
         asyncio.ensure_future(p.score(traj("rc", 5), timeout_s=30)),
         asyncio.ensure_future(p.push(traj("rc", 6))),

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -112,6 +112,7 @@ class _Entry:
     payload: bytes
     header: bytes
     implied: int  # 1: the uid is the default uid of its index (no uid claim needed)
+    gen: int = 0  # the backlog readings started when it was counted (see _correction)
 
     def row(self) -> tuple[str, int, str, str, int, bytes, bytes, int]:
         return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, self.implied)
@@ -264,6 +265,11 @@ class RolloutProducer:
         self._coalescer: Coalescer[_Entry, int] | None = None
         self._backlog_reading: asyncio.Future[None] | None = None
         self._counted_while_reading = 0  # see _read_backlog
+        # Backlog readings started; the last one's (number, each partition's pushed count);
+        # push replies that came while a reading was on its way (see _correction).
+        self._readings = 0
+        self._last_read: tuple[int, dict[int, int]] | None = None
+        self._replies_while_reading: list[tuple[int, int, list[int], list[_Entry], list[int]]] = []
         self._reading_closed: asyncio.Future[None] | None = None  # the reading aclose() ended, if any
         self._listener: ResultListener | None = None  # the process's result listener, on first score()
         self._lane: Lane | None = None  # the pushes' own connection (wire/lane.py), where one serves
@@ -430,7 +436,7 @@ class RolloutProducer:
         try:
             if not self._has_room(1):
                 await self._make_room(1)
-            counted = self._count(1)
+            counted = self._count((entry,))
             # One wait per sample, not two: the push's verdict reaches the result future from
             # the call object at once (a refusal or a broker error fails it), and the timeout
             # starts only once the sample is queued, so ResultTimeoutError always means
@@ -508,7 +514,7 @@ class RolloutProducer:
                 return None
             if not self._has_room(len(entries)):
                 await self._make_room(len(entries))
-            counted = self._count(len(entries))
+            counted = self._count(entries)
             sent = _Sent(entries, reserved, counted)
             sent.verdicts = cast("asyncio.Future[list[int]]", self._coalesce(entries, None))
             return sent
@@ -565,12 +571,15 @@ class RolloutProducer:
             if self.config.max_backlog and not self._room_known(n):
                 await self._wait_for_room(n)
 
-    def _count(self, n: int) -> int:
-        """Count ``n`` entries into the backlog estimate; returns how many it counted.
+    def _count(self, entries: Sequence[_Entry]) -> int:
+        """Count ``entries`` into the backlog estimate; returns how many it counted.
         Called with no await since the room check: the pushes of one loop turn see each
         other, so together they never pass max_backlog."""
         if not self.config.max_backlog:
             return 0
+        n = len(entries)
+        for entry in entries:
+            entry.gen = self._readings
         self._backlog += n
         self._counted_while_reading += n
         return n
@@ -668,11 +677,16 @@ class RolloutProducer:
         # Some calls may land before a failure; a retry of the same pushes finds them as duplicates.
         with redis_errors(f"push of {len(entries)} trajectories failed"):
             replies = await self._call_push(calls, cluster)
+        counting = self._readings > 0  # a backlog reading was started: its count may need correcting
         for (chunk, _, _), reply in zip(calls, replies):
             if isinstance(reply, int):  # the script's fast path: every sample fresh, in prepared entries
-                continue
-            for at, verdict in zip(chunk, reply):
-                verdicts[at] = int(verdict)
+                after = reply
+            else:
+                for at, verdict in zip(chunk, reply):
+                    verdicts[at] = int(verdict)
+                after = int(reply[len(chunk)]) if len(reply) > len(chunk) else -1
+            if counting and after >= 0:
+                self._place(entries[chunk[0]].partition, after, chunk, entries, verdicts)
         if cluster:
             lengths: dict[str, dict[int, int]] = {}
             for entry, verdict in zip(entries, verdicts):
@@ -763,6 +777,44 @@ class RolloutProducer:
                 self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))]
             )
 
+    def _place(self, part: int, after: int, chunk: list[int], entries: list[_Entry], verdicts: list[int]) -> None:
+        """A push call's reply came: correct the backlog estimate by where the call ran
+        against the last reading, and keep it for the reading on its way, if one is."""
+        reading = self._backlog_reading
+        if reading is not None and not reading.done():
+            self._replies_while_reading.append((part, after, chunk, entries, verdicts))
+        if self._last_read is not None:
+            self._backlog = max(
+                0, self._backlog + self._correction(self._last_read, part, after, chunk, entries, verdicts)
+            )
+
+    @staticmethod
+    def _correction(
+        read: tuple[int, dict[int, int]],
+        part: int,
+        after: int,
+        chunk: list[int],
+        entries: list[_Entry],
+        verdicts: list[int],
+    ) -> int:
+        """How far a reading plus the pushes counted since it started is off, for one push
+        call: the reading counted the call's samples if the call ran before it read the
+        stream's pushed count (the call's ``after``, the count once its samples were in, is
+        at most the reading's), else not. So a sample counted after the reading started
+        (``gen`` at least the reading's number) that the reading also counted is one too
+        many; one counted before it started that the reading missed is one too few. Only
+        fresh samples: a refused or duplicate one added nothing to the stream."""
+        number, pushed = read
+        at = pushed.get(part)
+        if at is None:  # the reading could not count this stream's pushes: nothing to place
+            return 0
+        before = after <= at
+        n = 0
+        for a in chunk:
+            if verdicts[a] == FRESH and (entries[a].gen >= number) == before:
+                n += 1
+        return -n if before else n
+
     async def backlog(self) -> int:
         """Samples in the streams not yet delivered to the consumer group: what
         ``max_backlog`` bounds. Redis counts a group's lag in entries, which hold up to
@@ -776,6 +828,10 @@ class RolloutProducer:
         reload, or entries deleted mid-stream), the stream's length less the group's
         pending entries, which errs on the side of waiting.
         """
+        return (await self._read_counts())[0]
+
+    async def _read_counts(self) -> tuple[int, dict[int, int]]:
+        """backlog(), and each stream's pushed count as it read it (where it could)."""
         async with self.client.pipeline(transaction=False) as pipe:
             for stream in self.keys.streams():
                 pipe.xinfo_groups(stream)
@@ -794,23 +850,29 @@ class RolloutProducer:
                 continue
             mine.append((p, found[0]))
         if not mine:
-            return 0
+            return 0, {}
         async with self.client.pipeline(transaction=False) as pipe:
             for p, group in mine:
                 last = group["last_delivered_id"] or "0-0"
-                # Read before the count: what is pushed in between is counted (erring high).
-                pipe.xrange(self.keys.stream(p), min="-" if last == "0-0" else f"({last}", count=1)
+                # The count first: a push landing between the two is in neither (its entry's
+                # stamp is the count read), so the reading is exact at the count, and a push's
+                # reply places it before or after the reading (see _correction).
                 pipe.hmget(self.keys.pushed(p), "samples", "entries")
+                pipe.xrange(self.keys.stream(p), min="-" if last == "0-0" else f"({last}", count=1)
                 pipe.xlen(self.keys.stream(p))
             replies = await pipe.execute()
         total = 0
-        for (_, group), first, (samples, entries), length in zip(mine, replies[::3], replies[1::3], replies[2::3]):
-            if not first:
-                continue  # every entry was delivered
+        counts: dict[int, int] = {}  # each exactly read stream's pushed count
+        for (p, group), (samples, entries), first, length in zip(mine, replies[::3], replies[1::3], replies[2::3]):
+            if not first:  # every entry was delivered
+                if samples is not None:
+                    counts[p] = int(samples)
+                continue
             pushed = int(samples or 0)
             stamp = first[0][1].get(FIELD_STAMP)
-            if stamp is not None and samples is not None and int(stamp) < pushed:
-                total += pushed - int(stamp)
+            if stamp is not None and samples is not None and int(stamp) <= pushed:
+                total += pushed - int(stamp)  # 0: every entry queued before the count was delivered
+                counts[p] = pushed
                 continue
             # No stamp, or counts that cannot be right (the pushed hash was deleted or
             # evicted while the stream stayed): the lag in entries, at the mean entry.
@@ -819,7 +881,7 @@ class RolloutProducer:
                 lag = max(0, int(length) - group["pending"])
             mean = pushed / int(entries) if entries and int(entries) else self.config.samples_per_entry
             total += math.ceil(lag * mean)
-        return total
+        return total, counts
 
     def _room_known(self, incoming: int) -> bool:
         """The local estimate says there is room: no need to wait for Redis (the common case).
@@ -840,6 +902,7 @@ class RolloutProducer:
         """The backlog reading in flight, started if there is none: one for every push waiting on it."""
         if self._backlog_reading is None or self._backlog_reading.done():
             self._counted_while_reading = 0
+            self._readings += 1
             self._backlog_reading = asyncio.ensure_future(self._read_backlog())
             # Its error (Redis away) is the waiting push's to raise, not a stray log line.
             self._backlog_reading.add_done_callback(_retrieve)
@@ -872,10 +935,19 @@ class RolloutProducer:
             await asyncio.sleep(self.config.backlog_poll_s)
 
     async def _read_backlog(self) -> None:
-        await self._ensure_groups()
-        # Pushes counted since the reading was started may land after the server
-        # answered it: they are added on top (at worst counted twice: erring high).
-        self._backlog = await self.backlog() + self._counted_while_reading
+        number = self._readings
+        try:
+            await self._ensure_groups()
+            total, pushed = await self._read_counts()
+        finally:
+            replies, self._replies_while_reading = self._replies_while_reading, []
+        # Pushes counted since the reading was started are added on top; the push replies
+        # then say which of them the reading had counted already, and which pushes counted
+        # before it started it had not (see _correction).
+        self._backlog = total + self._counted_while_reading
+        self._last_read = read = (number, pushed)
+        for place in replies:
+            self._backlog = max(0, self._backlog + self._correction(read, *place))
         if not self._groups_ready:
             log.warning("stream or consumer group %r missing (Redis lost its state?): recreating", self.config.group)
             await self._ensure_groups()
