@@ -433,10 +433,10 @@ async def test_the_backlog_estimate_counts_only_what_score_queued(redis_url, nam
         )
         if verdict == "failed_flush":
 
-            async def broken(entries: list) -> list[int]:
+            async def broken(calls: list, cluster: bool) -> list:  # the flush's round trip fails
                 raise BrokerError("injected")
 
-            p._coalescer, p._flush = None, broken  # type: ignore[method-assign]
+            p._call_push = broken  # type: ignore[method-assign]
         got = await outcome(asyncio.wait_for(p.score(t, timeout_s=0.1), 5))
         error, added, kept = {
             "fresh": (ResultTimeoutError, 1, True),

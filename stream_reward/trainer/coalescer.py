@@ -19,6 +19,7 @@ A submitter that only needs a callback (``score()``, one sample each) passes a
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections import deque
@@ -149,6 +150,7 @@ class Coalescer(Generic[E, R]):
         self._runner: asyncio.Task[None] | None = None
         self._filled: asyncio.Future[None] | None = None  # set while the runner waits out the delay
         self._flushes: set[asyncio.Task[None]] = set()
+        self._taken: dict[int, list[E]] = {}  # taken into a flush whose task has not called flush yet
         self._last_submit = -math.inf  # time.monotonic() of the last submission
         self._gap = math.inf  # how long after the submission before it the group's first came
 
@@ -192,9 +194,12 @@ class Coalescer(Generic[E, R]):
                         continue
                     taken = self._take()
                     if taken:
-                        task = asyncio.ensure_future(self._send(taken))
+                        batch = [e for entries, _ in taken for e in entries]
+                        self._taken[id(batch)] = batch
+                        task = asyncio.ensure_future(self._send(taken, batch))
                         flushes.add(task)
                         task.add_done_callback(flushes.discard)
+                        task.add_done_callback(functools.partial(self._forget, batch))  # cancelled unstarted
         except asyncio.CancelledError:  # the producer is closing under its callers
             for task in flushes:
                 task.cancel()
@@ -232,8 +237,8 @@ class Coalescer(Generic[E, R]):
             size += len(entries)
         return taken
 
-    async def _send(self, taken: list[tuple[list[E], _Slot[R]]]) -> None:
-        batch = [e for entries, _ in taken for e in entries]
+    async def _send(self, taken: list[tuple[list[E], _Slot[R]]], batch: list[E]) -> None:
+        self._taken.pop(id(batch), None)  # flush has it from here
         try:
             verdicts = await self._flush(batch)
         except asyncio.CancelledError:
@@ -250,6 +255,16 @@ class Coalescer(Generic[E, R]):
             if not fut.done():
                 fut.set_result(verdicts[at : at + len(entries)])
             at += len(entries)
+
+    def _forget(self, batch: list[E], _task: object) -> None:
+        if self._taken.get(id(batch)) is batch:
+            del self._taken[id(batch)]
+
+    def unsent(self) -> int:
+        """Entries submitted and not yet handed to ``flush`` (not counting those whose
+        submitter gave up before their flush took them)."""
+        pending = sum(len(entries) for entries, fut in self._pending if not fut.cancelled())
+        return pending + sum(len(batch) for batch in self._taken.values())
 
     async def aclose(self) -> None:
         """Wait for what was submitted to be flushed, and for what that submits in turn

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -112,7 +112,6 @@ class _Entry:
     payload: bytes
     header: bytes
     implied: int  # 1: the uid is the default uid of its index (no uid claim needed)
-    gen: int = 0  # the backlog readings started when it was counted (see _correction)
 
     def row(self) -> tuple[str, int, str, str, int, bytes, bytes, int]:
         return (self.batch, self.index, self.uid, self.digest, self.length, self.payload, self.header, self.implied)
@@ -120,12 +119,11 @@ class _Entry:
 
 @dataclass(slots=True)
 class _Sent:
-    """A push_many handed to the coalescer: its entries, the uids it reserved, how many
-    it counted into the backlog estimate, and the future of its verdicts."""
+    """A push_many handed to the coalescer: its entries, the uids it reserved, and the
+    future of its verdicts."""
 
     entries: list[_Entry]
     reserved: list[tuple[set[str], str]]
-    counted: int
     verdicts: asyncio.Future[list[int]] | None = None
 
 
@@ -144,7 +142,6 @@ class _ScoreCall(Verdict[list[int]]):
         "producer",
         "entry",
         "seen",
-        "counted",
         "listener",
         "fut",
         "followed",
@@ -159,7 +156,6 @@ class _ScoreCall(Verdict[list[int]]):
         producer: RolloutProducer,
         entry: _Entry,
         seen: set[str],
-        counted: int,
         listener: ResultListener,
         fut: asyncio.Future[ScoreResult],
         followed: Any,
@@ -173,7 +169,6 @@ class _ScoreCall(Verdict[list[int]]):
         self.producer = producer
         self.entry = entry
         self.seen = seen
-        self.counted = counted
         self.listener = listener
         self.fut: asyncio.Future[ScoreResult] | None = fut
         self.followed = followed
@@ -191,11 +186,11 @@ class _ScoreCall(Verdict[list[int]]):
         if state == _DONE:
             # Made, not raised, here: a refusal carries no traceback, which from this callback
             # would reach the flush (every payload of it) for as long as a caller keeps it.
-            self.error = self.producer._apply_verdict(self.entry, self._value[0], self.counted, self.seen)
+            self.error = self.producer._apply_verdict(self.entry, self._value[0], self.seen)
         else:
             # Given up (by score(), or a closing loop) or failed: as push_many's _unreserve.
             given_up = state == _CANCELLED
-            self.producer._release([(self.seen, self.entry.uid)], 0 if given_up else self.counted)
+            self.producer._release([(self.seen, self.entry.uid)], 0)
             self.error = asyncio.CancelledError() if given_up else self._value
         return self.error
 
@@ -264,12 +259,11 @@ class RolloutProducer:
         self._push_sha: str | None = None  # PUSH_SCRIPT, loaded on the first push
         self._coalescer: Coalescer[_Entry, int] | None = None
         self._backlog_reading: asyncio.Future[None] | None = None
-        self._counted_while_reading = 0  # see _read_backlog
-        # Backlog readings started; the last one's (number, each partition's pushed count);
-        # push replies that came while a reading was on its way (see _correction).
-        self._readings = 0
-        self._last_read: tuple[int, dict[int, int]] | None = None
-        self._replies_while_reading: list[tuple[int, int, list[int], list[_Entry], list[int]]] = []
+        # Push flushes on their way: id -> [samples not placed yet, each stream's pushed count
+        # as read by a backlog reading that ended meanwhile]; and what replies came while a
+        # reading was on its way (see _place).
+        self._flying: dict[int, list[Any]] = {}
+        self._replies_while_reading: list[tuple[int, int | None, int]] = []
         self._reading_closed: asyncio.Future[None] | None = None  # the reading aclose() ended, if any
         self._listener: ResultListener | None = None  # the process's result listener, on first score()
         self._lane: Lane | None = None  # the pushes' own connection (wire/lane.py), where one serves
@@ -436,12 +430,12 @@ class RolloutProducer:
         try:
             if not self._has_room(1):
                 await self._make_room(1)
-            counted = self._count((entry,))
+            self._count(1)
             # One wait per sample, not two: the push's verdict reaches the result future from
             # the call object at once (a refusal or a broker error fails it), and the timeout
             # starts only once the sample is queued, so ResultTimeoutError always means
             # "queued, not yet scored".
-            call = _ScoreCall(self, entry, seen, counted, listener, fut, followed, timeout_s)
+            call = _ScoreCall(self, entry, seen, listener, fut, followed, timeout_s)
             self._coalesce([entry], call)
             result = await fut
             # A result can come before the verdict: one the listener already held for this uid
@@ -493,8 +487,8 @@ class RolloutProducer:
             return 0
         try:
             verdicts = await cast("asyncio.Future[list[int]]", sent.verdicts)
-        except BaseException as exc:
-            self._unreserve(sent, given_up=isinstance(exc, asyncio.CancelledError))
+        except BaseException:
+            self._unreserve(sent)
             raise
         self._settle(sent, verdicts)
         return len(sent.entries)
@@ -514,8 +508,8 @@ class RolloutProducer:
                 return None
             if not self._has_room(len(entries)):
                 await self._make_room(len(entries))
-            counted = self._count(entries)
-            sent = _Sent(entries, reserved, counted)
+            counted = self._count(len(entries))
+            sent = _Sent(entries, reserved)
             sent.verdicts = cast("asyncio.Future[list[int]]", self._coalesce(entries, None))
             return sent
         except BaseException:
@@ -571,17 +565,14 @@ class RolloutProducer:
             if self.config.max_backlog and not self._room_known(n):
                 await self._wait_for_room(n)
 
-    def _count(self, entries: Sequence[_Entry]) -> int:
-        """Count ``entries`` into the backlog estimate; returns how many it counted.
+    def _count(self, n: int) -> int:
+        """Count ``n`` entries into the backlog estimate; returns how many it counted.
         Called with no await since the room check: the pushes of one loop turn see each
-        other, so together they never pass max_backlog."""
+        other, so together they never pass max_backlog. They leave it when their flush's
+        reply says they were refused, or when the flush fails (see _flush and _place)."""
         if not self.config.max_backlog:
             return 0
-        n = len(entries)
-        for entry in entries:
-            entry.gen = self._readings
         self._backlog += n
-        self._counted_while_reading += n
         return n
 
     def _coalesce(
@@ -596,12 +587,12 @@ class RolloutProducer:
             )
         return self._coalescer.submit_nowait(entries, verdict)
 
-    def _unreserve(self, sent: _Sent, *, given_up: bool = False) -> None:
-        """The push failed or was given up: its uids may be pushed again. A failed push's count
-        leaves the backlog; a given-up one's stays, since its entries may be in a flush already
-        (an estimate too high is corrected by the next reading; one too low would let pushes
-        past max_backlog)."""
-        self._release(sent.reserved, 0 if given_up else sent.counted)
+    def _unreserve(self, sent: _Sent) -> None:
+        """The push failed or was given up: its uids may be pushed again. Its count is the
+        flush's to correct (a failed flush takes it out; a given-up push's stays until a
+        reading, since its entries may be in a flush already: an estimate too high is
+        corrected by the next reading, one too low would let pushes past max_backlog)."""
+        self._release(sent.reserved, 0)
 
     def _release(self, reserved: list[tuple[set[str], str]], counted: int) -> None:
         for seen, uid in reserved:
@@ -612,22 +603,16 @@ class RolloutProducer:
         """Apply the push script's verdicts; raises PushConflictError for the first refused sample."""
         conflict = None
         for entry, verdict, (seen, _) in zip(sent.entries, verdicts, sent.reserved):
-            refused = self._apply_verdict(entry, verdict, sent.counted, seen)
+            refused = self._apply_verdict(entry, verdict, seen)
             conflict = conflict or refused
         if conflict is not None:
             raise conflict
 
-    def _apply_verdict(self, entry: _Entry, verdict: int, counted: int, seen: set[str]) -> PushConflictError | None:
-        """Apply one entry's verdict (push_many and score() alike): a refused sample leaves the
-        backlog count and its uid is released; returns the refusal, not raised."""
-        if verdict == FRESH:
+    def _apply_verdict(self, entry: _Entry, verdict: int, seen: set[str]) -> PushConflictError | None:
+        """Apply one entry's verdict (push_many and score() alike): a refused sample's uid is
+        released (its flush took it out of the backlog count); returns the refusal, not raised."""
+        if verdict == FRESH or verdict == DUPLICATE:
             return None
-        if verdict == DUPLICATE:
-            # Left counted: it may be this very call's sample, found by a send retried after
-            # its reply was lost. The estimate then errs high until the next reading, never low.
-            return None
-        if counted:
-            self._backlog = max(0, self._backlog - 1)  # refused: not queued by this call
         seen.discard(entry.uid)
         return PushConflictError(entry.batch, entry.index, entry.uid, CONFLICT_REASONS[verdict])
 
@@ -674,19 +659,33 @@ class RolloutProducer:
                 )
                 calls.append((chunk, keys, args))
         verdicts = [0] * len(entries)
-        # Some calls may land before a failure; a retry of the same pushes finds them as duplicates.
-        with redis_errors(f"push of {len(entries)} trajectories failed"):
-            replies = await self._call_push(calls, cluster)
-        counting = self._readings > 0  # a backlog reading was started: its count may need correcting
-        for (chunk, _, _), reply in zip(calls, replies):
-            if isinstance(reply, int):  # the script's fast path: every sample fresh, in prepared entries
-                after = reply
-            else:
-                for at, verdict in zip(chunk, reply):
-                    verdicts[at] = int(verdict)
-                after = int(reply[len(chunk)]) if len(reply) > len(chunk) else -1
-            if counting and after >= 0:
-                self._place(entries[chunk[0]].partition, after, chunk, entries, verdicts)
+        counting = bool(self.config.max_backlog)
+        key = id(entries)
+        flight: list[Any] | None = None
+        if counting:
+            flight = self._flying[key] = [len(entries), None]
+        try:
+            # Some calls may land before a failure; a retry of the same pushes finds them as duplicates.
+            with redis_errors(f"push of {len(entries)} trajectories failed"):
+                replies = await self._call_push(calls, cluster)
+            for (chunk, _, _), reply in zip(calls, replies):
+                if isinstance(reply, int):  # the script's fast path: every sample fresh, in prepared entries
+                    after: int | None = reply
+                else:
+                    for at, verdict in zip(chunk, reply):
+                        verdicts[at] = int(verdict)
+                    after = int(reply[len(chunk)]) if len(reply) > len(chunk) else None
+                if flight is not None:
+                    self._place(flight, entries[chunk[0]].partition, after, chunk, verdicts)
+        except Exception:
+            if flight is not None:
+                # Failed: whether its samples were queued is unknown, and counted they would stay
+                # for good; out, the next reading counts those that were.
+                self._backlog = max(0, self._backlog - flight[0])
+            raise
+        finally:
+            if counting:
+                del self._flying[key]
         if cluster:
             lengths: dict[str, dict[int, int]] = {}
             for entry, verdict in zip(entries, verdicts):
@@ -777,43 +776,37 @@ class RolloutProducer:
                 self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))]
             )
 
-    def _place(self, part: int, after: int, chunk: list[int], entries: list[_Entry], verdicts: list[int]) -> None:
-        """A push call's reply came: correct the backlog estimate by where the call ran
-        against the last reading, and keep it for the reading on its way, if one is."""
+    def _place(self, flight: list[Any], part: int, after: int | None, chunk: list[int], verdicts: list[int]) -> None:
+        """One push call's reply: its samples leave the flight, refused ones the estimate too.
+        ``after`` is the stream's pushed count once the call's samples were in (None: unknown).
+
+        A backlog reading that ended while the call was on its way counted the call's samples
+        as still to come; if the call ran before the reading read that count (``after`` at most
+        the reading's), the reading had them already: counted twice, one copy leaves. A reply
+        that comes while a reading is on its way is kept for the reading to place when it ends.
+        A call that cannot be placed (its count started again, see wire/push.py) stays counted."""
+        fresh = dup = 0
+        for a in chunk:
+            verdict = verdicts[a]
+            if verdict == FRESH:
+                fresh += 1
+            elif verdict == DUPLICATE:
+                dup += 1
+        flight[0] -= len(chunk)
+        leaving = len(chunk) - fresh - dup  # refused: not queued by this call
+        if after is not None and after < 0:  # the call started the stream's count again
+            after = None
+        read = flight[1]
+        if read is not None and after is not None:
+            at = read.get(part)
+            if at is not None and after <= at:
+                # A duplicate too: the first push of it ran before this one, so before the reading.
+                leaving += fresh + dup
+        if leaving:
+            self._backlog = max(0, self._backlog - leaving)
         reading = self._backlog_reading
         if reading is not None and not reading.done():
-            self._replies_while_reading.append((part, after, chunk, entries, verdicts))
-        if self._last_read is not None:
-            self._backlog = max(
-                0, self._backlog + self._correction(self._last_read, part, after, chunk, entries, verdicts)
-            )
-
-    @staticmethod
-    def _correction(
-        read: tuple[int, dict[int, int]],
-        part: int,
-        after: int,
-        chunk: list[int],
-        entries: list[_Entry],
-        verdicts: list[int],
-    ) -> int:
-        """How far a reading plus the pushes counted since it started is off, for one push
-        call: the reading counted the call's samples if the call ran before it read the
-        stream's pushed count (the call's ``after``, the count once its samples were in, is
-        at most the reading's), else not. So a sample counted after the reading started
-        (``gen`` at least the reading's number) that the reading also counted is one too
-        many; one counted before it started that the reading missed is one too few. Only
-        fresh samples: a refused or duplicate one added nothing to the stream."""
-        number, pushed = read
-        at = pushed.get(part)
-        if at is None:  # the reading could not count this stream's pushes: nothing to place
-            return 0
-        before = after <= at
-        n = 0
-        for a in chunk:
-            if verdicts[a] == FRESH and (entries[a].gen >= number) == before:
-                n += 1
-        return -n if before else n
+            self._replies_while_reading.append((part, after, fresh + dup))
 
     async def backlog(self) -> int:
         """Samples in the streams not yet delivered to the consumer group: what
@@ -901,8 +894,6 @@ class RolloutProducer:
     def _start_backlog_reading(self) -> asyncio.Future[None]:
         """The backlog reading in flight, started if there is none: one for every push waiting on it."""
         if self._backlog_reading is None or self._backlog_reading.done():
-            self._counted_while_reading = 0
-            self._readings += 1
             self._backlog_reading = asyncio.ensure_future(self._read_backlog())
             # Its error (Redis away) is the waiting push's to raise, not a stray log line.
             self._backlog_reading.add_done_callback(_retrieve)
@@ -935,19 +926,24 @@ class RolloutProducer:
             await asyncio.sleep(self.config.backlog_poll_s)
 
     async def _read_backlog(self) -> None:
-        number = self._readings
         try:
             await self._ensure_groups()
             total, pushed = await self._read_counts()
         finally:
             replies, self._replies_while_reading = self._replies_while_reading, []
-        # Pushes counted since the reading was started are added on top; the push replies
-        # then say which of them the reading had counted already, and which pushes counted
-        # before it started it had not (see _correction).
-        self._backlog = total + self._counted_while_reading
-        self._last_read = read = (number, pushed)
-        for place in replies:
-            self._backlog = max(0, self._backlog + self._correction(read, *place))
+        # The reading, plus what of this producer's is still to land or landed after it: the
+        # samples queued and not yet sent, those on their way (whose replies then take out
+        # what the reading had already: _place), and those whose replies came meanwhile and
+        # ran after it read the stream's count (or where that cannot be told).
+        coming = self._coalescer.unsent() if self._coalescer is not None else 0
+        for flight in self._flying.values():
+            coming += flight[0]
+            flight[1] = pushed
+        for part, after, n in replies:
+            at = pushed.get(part)
+            if after is None or at is None or after > at:
+                coming += n
+        self._backlog = total + coming
         if not self._groups_ready:
             log.warning("stream or consumer group %r missing (Redis lost its state?): recreating", self.config.group)
             await self._ensure_groups()
