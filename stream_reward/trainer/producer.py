@@ -849,7 +849,7 @@ class RolloutProducer:
                 last = group["last_delivered_id"] or "0-0"
                 # The count first: a push landing between the two is in neither (its entry's
                 # stamp is the count read), so the reading is exact at the count, and a push's
-                # reply places it before or after the reading (see _correction).
+                # reply places it before or after the reading (see _place).
                 pipe.hmget(self.keys.pushed(p), "samples", "entries")
                 pipe.xrange(self.keys.stream(p), min="-" if last == "0-0" else f"({last}", count=1)
                 pipe.xlen(self.keys.stream(p))
