@@ -418,8 +418,8 @@ async def test_the_backlog_estimate_counts_only_what_score_queued(redis_url, nam
     """Attacks _ScoreCall.apply's backlog correction (readings held off): a FRESH push adds
     one to the estimate, and so does a DUPLICATE (it may be this call's own sample, found by a
     send retried after its reply was lost: the estimate errs high until the next reading,
-    never low); a refusal or a failed flush adds nothing, and the refused or failed sample's
-    uid is free again."""
+    never low), and so does a failed flush (its sample may have been queued before the reply
+    was lost); a refusal adds nothing; the refused or failed sample's uid is free again."""
     cfg = ProducerConfig(namespace=namespace, backlog_poll_s=1000)
     async with RolloutProducer(redis_url, cfg) as a, RolloutProducer(redis_url, cfg) as p:
         await a.open_batch("c", 10, 8)
@@ -442,7 +442,7 @@ async def test_the_backlog_estimate_counts_only_what_score_queued(redis_url, nam
             "fresh": (ResultTimeoutError, 1, True),
             "duplicate": (ResultTimeoutError, 1, True),
             "conflict": (PushConflictError, 0, False),
-            "failed_flush": (BrokerError, 0, False),
+            "failed_flush": (BrokerError, 1, False),
         }[verdict]
         assert isinstance(got, error), got
         assert p._backlog - before == added, (p._backlog, before)

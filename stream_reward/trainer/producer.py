@@ -304,8 +304,13 @@ class RolloutProducer:
 
     async def _ensure_groups(self) -> None:
         if not self._groups_ready:
-            for stream in self.keys.streams():
+            for p, stream in enumerate(self.keys.streams()):
                 await ensure_group(self.client, stream, self.config.group)
+                if (await self.client.xinfo_stream(stream)).get("last-generated-id") in (b"0-0", "0-0"):
+                    # A stream never pushed to: its count starts at 0 here, so the first push's
+                    # reply can be placed against a reading (one that finds the count missing
+                    # says it started it again, see wire/push.py, and is never placed).
+                    await self.client.hsetnx(self.keys.pushed(p), "samples", 0)
             self._groups_ready = True
 
     async def open_batch(
@@ -569,7 +574,7 @@ class RolloutProducer:
         """Count ``n`` entries into the backlog estimate; returns how many it counted.
         Called with no await since the room check: the pushes of one loop turn see each
         other, so together they never pass max_backlog. They leave it when their flush's
-        reply says they were refused, or when the flush fails (see _flush and _place)."""
+        reply says they were refused (see _place), or at the next reading."""
         if not self.config.max_backlog:
             return 0
         self._backlog += n
@@ -588,10 +593,10 @@ class RolloutProducer:
         return self._coalescer.submit_nowait(entries, verdict)
 
     def _unreserve(self, sent: _Sent) -> None:
-        """The push failed or was given up: its uids may be pushed again. Its count is the
-        flush's to correct (a failed flush takes it out; a given-up push's stays until a
-        reading, since its entries may be in a flush already: an estimate too high is
-        corrected by the next reading, one too low would let pushes past max_backlog)."""
+        """The push failed or was given up: its uids may be pushed again. Its count stays until
+        the next reading: its entries may have been queued (a flush whose reply was lost, or
+        one already on its way), and an estimate too high is corrected by the next reading,
+        one too low would let pushes past max_backlog."""
         self._release(sent.reserved, 0)
 
     def _release(self, reserved: list[tuple[set[str], str]], counted: int) -> None:
@@ -677,13 +682,9 @@ class RolloutProducer:
                     after = int(reply[len(chunk)]) if len(reply) > len(chunk) else None
                 if flight is not None:
                     self._place(flight, entries[chunk[0]].partition, after, chunk, verdicts)
-        except Exception:
-            if flight is not None:
-                # Failed: whether its samples were queued is unknown, and counted they would stay
-                # for good; out, the next reading counts those that were.
-                self._backlog = max(0, self._backlog - flight[0])
-            raise
         finally:
+            # Off the flights. A failed flush's unplaced samples stay counted: whether they were
+            # queued is unknown (a reply lost after the script ran); the next reading knows.
             if counting:
                 del self._flying[key]
         if cluster:
