@@ -16,11 +16,13 @@ from helpers import (
     assert_each_once,
     exact_traj,
     lane_of,
+    push_exact,
     running_worker,
     score_batch,
 )
 from redis.exceptions import NoScriptError, ResponseError
 
+from stream_reward import RewardAggregator
 from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
@@ -75,10 +77,11 @@ async def test_the_worker_scores_each_sample_once_while_its_connections_are_kill
 ) -> None:
     admin = connect(own_url)
     kills = 0
+    calm = asyncio.Event()
 
     async def storm() -> None:
         nonlocal kills
-        while True:
+        while not calm.is_set():
             await asyncio.sleep(0.03)
             kills += await admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
 
@@ -86,14 +89,34 @@ async def test_the_worker_scores_each_sample_once_while_its_connections_are_kill
         async with running_worker(own_url, namespace, Counting(first=0.0, later=0.0), concurrency=8, read_count=4):
             killer = asyncio.ensure_future(storm())
             try:
-                rewards = await score_batch(own_url, namespace, trajs("k", 300), timeout_s=60)
+                # A collect well under reclaim_idle_ms: a read whose reply a kill cut must not
+                # leave its entries to the reclaimer.
+                rewards = await score_batch(own_url, namespace, trajs("k", 300), timeout_s=20)
             finally:
-                killer.cancel()
-                await asyncio.gather(killer, return_exceptions=True)
+                # Stopped by a flag, not a cancel: redis-py under Python 3.11 can swallow a
+                # cancel that lands inside a command (asyncio.wait_for returns the command's
+                # result instead), and the gather below would wait for ever.
+                calm.set()
+                await asyncio.wait_for(asyncio.gather(killer, return_exceptions=True), 10)
         assert kills > 10, f"only {kills} connections killed: nothing tested"
         await assert_each_once(own_url, namespace, "k", rewards, 300)
     finally:
         await admin.aclose()
+
+
+async def test_a_lost_reply_to_a_read_that_delivered_entries_leaves_none_to_the_reclaimer(own_url, namespace) -> None:
+    """The server ran the worker's XREADGROUP, so its entries are pending under the worker,
+    and the reply was cut. The worker never saw them: left to the reclaimer, they waited
+    reclaim_idle_ms (30 s) and a sweep. It reads its own pending entries back instead."""
+    n = 12
+    await push_exact(own_url, namespace, "lr", n)
+    async with CutProxy(own_url[len("unix://") :]) as proxy:
+        proxy.arm(b"XREADGROUP", times=1)
+        async with running_worker(proxy.url, namespace, Counting(first=0.0, later=0.0), concurrency=8, read_count=4):
+            async with RewardAggregator(own_url, namespace=namespace) as agg:
+                rewards = await agg.collect("lr", timeout_s=10)
+        assert proxy.cuts == 1
+    await assert_each_once(own_url, namespace, "lr", rewards, n)
 
 
 async def test_a_worker_on_database_3_reads_and_writes_there(own_url, namespace) -> None:
