@@ -427,6 +427,7 @@ class Worker:
         idle = False
         empty_reads = 0
         backoff_s = 0.05
+        lost = False  # a read failed: its reply may have been lost after the server delivered entries
         limiter = LogLimiter(log)
         while not stop.is_set():
             if not self._reading.is_set():
@@ -442,6 +443,9 @@ class Worker:
             self._reserved += want
             try:
                 try:
+                    if lost:
+                        await self._recover_delivered(names, part_of, lane)
+                        lost = False
                     reply = await read_group(
                         self._client,
                         self.config.group,
@@ -456,6 +460,7 @@ class Worker:
                         raise permanent_error(exc, self._url) from None
                     if not is_transient(exc):
                         raise
+                    lost = True
                     # Capped exponential backoff with jitter; one warning, then a summary now and then.
                     limiter.warning("read failed (%s); reconnecting", type(exc).__name__)
                     await _sleep_unless(stop, backoff_s * (0.5 + random.random()))
@@ -485,6 +490,40 @@ class Worker:
                 self._reserved -= want
                 if shared:
                     self._room.set()  # what this read did not use is free for the others
+
+    async def _recover_delivered(self, names: list[str], part_of: dict[bytes, int], lane: Lane | None) -> None:
+        """After a failed read: the server may have run it and delivered entries whose reply
+        never came. They are pending under this consumer, and nothing but the reclaimer would
+        find them (after reclaim_idle_ms). Read this consumer's own pending entries back (its
+        history: ID 0 on, a page at a time) and take those it does not hold. Under the
+        reclaimer's lock: an entry it claimed is pending here too before it is held."""
+        async with self._sweeping:
+            await self._recover_delivered_unlocked(names, part_of, lane)
+
+    async def _recover_delivered_unlocked(self, names: list[str], part_of: dict[bytes, int], lane: Lane | None) -> None:
+        for name in names:
+            start = "0"
+            while True:
+                reply = await read_group(
+                    self._client,
+                    self.config.group,
+                    self.config.consumer,
+                    {name: start},
+                    count=100,
+                    block=None,
+                    lane=lane,
+                )
+                entries = [entry for _, page in _iter_reply(reply) for entry in page]
+                if not entries:
+                    break
+                last = entries[-1][0]
+                start = last.decode() if isinstance(last, bytes) else last
+                partition = part_of[name.encode()]
+                # No fields: deleted under its pending entry (trimmed); the reclaimer acks those.
+                unseen = [(eid, fields) for eid, fields in entries if fields and (partition, eid) not in self._held]
+                if unseen:
+                    log.info("took back %d entries delivered by a read whose reply was lost", len(unseen))
+                    await self._process(partition, unseen, deliveries=None)
 
     async def _process(
         self,
