@@ -427,7 +427,7 @@ class Worker:
         idle = False
         empty_reads = 0
         backoff_s = 0.05
-        lost = False  # a read failed: its reply may have been lost after the server delivered entries
+        lost_since: float | None = None  # when the first of the failed reads since the last recovery was sent
         limiter = LogLimiter(log)
         while not stop.is_set():
             if not self._reading.is_set():
@@ -443,9 +443,10 @@ class Worker:
             self._reserved += want
             try:
                 try:
-                    if lost:
-                        await self._recover_delivered(names, part_of, lane)
-                        lost = False
+                    if lost_since is not None:
+                        await self._recover_delivered(names, part_of, lost_since)
+                        lost_since = None
+                    sent_at = time.monotonic()
                     reply = await read_group(
                         self._client,
                         self.config.group,
@@ -460,7 +461,8 @@ class Worker:
                         raise permanent_error(exc, self._url) from None
                     if not is_transient(exc):
                         raise
-                    lost = True
+                    if lost_since is None:
+                        lost_since = sent_at
                     # Capped exponential backoff with jitter; one warning, then a summary now and then.
                     limiter.warning("read failed (%s); reconnecting", type(exc).__name__)
                     await _sleep_unless(stop, backoff_s * (0.5 + random.random()))
@@ -491,39 +493,61 @@ class Worker:
                 if shared:
                     self._room.set()  # what this read did not use is free for the others
 
-    async def _recover_delivered(self, names: list[str], part_of: dict[bytes, int], lane: Lane | None) -> None:
+    async def _recover_delivered(self, names: list[str], part_of: dict[bytes, int], since: float) -> None:
         """After a failed read: the server may have run it and delivered entries whose reply
         never came. They are pending under this consumer, and nothing but the reclaimer would
-        find them (after reclaim_idle_ms). Read this consumer's own pending entries back (its
-        history: ID 0 on, a page at a time) and take those it does not hold. Under the
-        reclaimer's lock: an entry it claimed is pending here too before it is held."""
+        find them (after reclaim_idle_ms). Take back those delivered once since ``since``
+        (when the first failed read was sent, less a margin for the two clocks) and not held:
+        what failed reads can have delivered. Older pending entries under this name (a crashed
+        worker's, restarted under it) are left to the reclaimer, which quarantines repeat
+        offenders; like it, this scores again nothing that has a result. Under its lock: an
+        entry it claims is pending here before it is held."""
         async with self._sweeping:
-            await self._recover_delivered_unlocked(names, part_of, lane)
-
-    async def _recover_delivered_unlocked(self, names: list[str], part_of: dict[bytes, int], lane: Lane | None) -> None:
-        for name in names:
-            start = "0"
-            while True:
-                reply = await read_group(
-                    self._client,
-                    self.config.group,
-                    self.config.consumer,
-                    {name: start},
-                    count=100,
-                    block=None,
-                    lane=lane,
-                )
-                entries = [entry for _, page in _iter_reply(reply) for entry in page]
-                if not entries:
-                    break
-                last = entries[-1][0]
-                start = last.decode() if isinstance(last, bytes) else last
+            for name in names:
                 partition = part_of[name.encode()]
-                # No fields: deleted under its pending entry (trimmed); the reclaimer acks those.
-                unseen = [(eid, fields) for eid, fields in entries if fields and (partition, eid) not in self._held]
-                if unseen:
-                    log.info("took back %d entries delivered by a read whose reply was lost", len(unseen))
-                    await self._process(partition, unseen, deliveries=None)
+                young = await self._delivered_since(name, partition, since)
+                if not young:
+                    continue
+                # Their fields by XRANGE, which leaves the pending list as it is (reading this
+                # consumer's history with XREADGROUP would count a delivery of each).
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for eid in young:
+                        pipe.xrange(name, min=eid, max=eid)
+                    pages = await pipe.execute()
+                found = sorted((page[0] for page in pages if page and page[0][1]), key=lambda e: _id_key(e[0]))
+                if found:
+                    log.info("took back %d entries delivered by a read whose reply was lost", len(found))
+                    # As the reclaimer takes entries: what of them has a result already is not
+                    # scored again (an entry of a crashed worker, restarted under this name
+                    # within the margin, may be partly settled).
+                    await self._process(partition, found, deliveries=young)
+
+    async def _delivered_since(self, name: str, partition: int, since: float) -> dict[bytes, int]:
+        """Ids pending under this consumer, delivered once, less than the time since ``since``
+        ago, and not held; each with its delivery count (1)."""
+        # The server's clock and this one's, both local, were seen 2 ms apart: a margin. An
+        # older entry under this name (a crashed worker's) is seconds older: its heartbeat
+        # had to go stale before the name could be used again.
+        window_ms = (time.monotonic() - since) * 1000 + _RECOVER_MARGIN_MS
+        young: dict[bytes, int] = {}
+        start = "-"
+        while True:
+            page = await self._client.xpending_range(
+                name, self.config.group, min=start, max="+", count=1000, consumername=self.config.consumer
+            )
+            for p in page:
+                eid = p["message_id"]
+                eid = eid if isinstance(eid, bytes) else str(eid).encode()
+                if (
+                    p["times_delivered"] == 1
+                    and p["time_since_delivered"] < window_ms
+                    and (partition, eid) not in self._held
+                ):
+                    young[eid] = 1
+            if len(page) < 1000:
+                return young
+            last = page[-1]["message_id"]
+            start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
 
     async def _process(
         self,
@@ -1316,6 +1340,14 @@ def _split(fields: dict[bytes, bytes]) -> list[_Member]:
         out.append(_Member(view[at : at + size], head))
         at += size
     return out
+
+
+_RECOVER_MARGIN_MS = 1000
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _iter_reply(reply: Any) -> Any:
