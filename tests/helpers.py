@@ -381,3 +381,83 @@ async def refusals_of_pushes_that_fit(url: str, namespace: str, partitions: int,
                 await producer.client.xreadgroup(config.group, "drain", {producer.keys.stream(p): ">"}, count=10_000)
             await asyncio.sleep(0.03)
     return refused
+
+
+async def backlog_truth(url: str, namespace: str, partitions: int = 1) -> int:
+    """The backlog as another producer reads it."""
+    async with RolloutProducer(url, ProducerConfig(namespace=namespace, partitions=partitions)) as other:
+        return await other.backlog()
+
+
+class ReadHold:
+    """The producer's next readings stop before their round trips (``before``) and/or
+    after them (``after``): ``read`` is set once the server answered (the HMGET ran)."""
+
+    def __init__(self, producer: RolloutProducer, *, before: bool = False, after: bool = False, fail: bool = False):
+        self.producer = producer
+        self.name = "_read_counts"  # the reading's round trips
+        self.orig = getattr(producer, self.name)
+        self.go_read = asyncio.Event()
+        self.go_return = asyncio.Event()
+        self.read = asyncio.Event()
+        if not before:
+            self.go_read.set()
+        if not after:
+            self.go_return.set()
+        self.fail = fail
+
+        async def held() -> Any:
+            await self.go_read.wait()
+            result = await self.orig()
+            self.read.set()
+            await self.go_return.wait()
+            if self.fail:
+                raise ConnectionError("reading failed (simulated connection loss after the server answered)")
+            return result
+
+        setattr(producer, self.name, held)
+
+    def restore(self) -> None:
+        setattr(self.producer, self.name, self.orig)
+
+
+class SendHold:
+    """The producer's next ``calls`` push sends are held before reaching Redis until
+    ``go_send``, and their replies are held back until ``go_reply``."""
+
+    def __init__(self, producer: RolloutProducer, *, calls: int = 1, before: bool = False, reply: bool = False):
+        self.producer = producer
+        self.orig = producer._send_packed
+        self.go_send = asyncio.Event()
+        self.go_reply = asyncio.Event()
+        self.landed = asyncio.Event()
+        self.entered = asyncio.Event()
+        if not before:
+            self.go_send.set()
+        if not reply:
+            self.go_reply.set()
+        self.left = calls
+
+        async def held(packed: list[bytes]) -> list[Any]:
+            if self.left <= 0:
+                return await self.orig(packed)
+            self.left -= 1
+            self.entered.set()
+            await self.go_send.wait()
+            replies = await self.orig(packed)
+            self.landed.set()
+            await self.go_reply.wait()
+            return replies
+
+        producer._send_packed = held  # type: ignore[method-assign]
+
+    def restore(self) -> None:
+        self.producer._send_packed = self.orig  # type: ignore[method-assign]
+
+
+async def backlog_ready(producer: RolloutProducer, batch: str, size: int = 100) -> None:
+    """Open the batch, push sample 0 (groups and script ready), let the first reading end."""
+    await producer.open_batch(batch, size, 4)
+    await producer.push(backlog_traj(batch, 0))
+    if producer._backlog_reading is not None:
+        await producer._backlog_reading

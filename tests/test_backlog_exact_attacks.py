@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 import pytest
-from helpers import CutProxy, backlog_traj
+from helpers import CutProxy, ReadHold, SendHold, backlog_ready, backlog_traj, backlog_truth
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
 from stream_reward.errors import BackpressureError, PushConflictError
@@ -22,89 +22,6 @@ from stream_reward.wire.keys import Keys
 pytestmark = pytest.mark.anyio
 
 LIMIT = 20
-
-
-async def truth(url: str, namespace: str, partitions: int = 1) -> int:
-    async with RolloutProducer(url, ProducerConfig(namespace=namespace, partitions=partitions)) as other:
-        return await other.backlog()
-
-
-def _read_attr(producer: RolloutProducer) -> str:
-    return "_read_counts"  # the reading's round trips
-
-
-class ReadHold:
-    """The producer's next readings stop before their round trips (``before``) and/or
-    after them (``after``): ``read`` is set once the server answered (the HMGET ran)."""
-
-    def __init__(self, producer: RolloutProducer, *, before: bool = False, after: bool = False, fail: bool = False):
-        self.producer = producer
-        self.name = _read_attr(producer)
-        self.orig = getattr(producer, self.name)
-        self.go_read = asyncio.Event()
-        self.go_return = asyncio.Event()
-        self.read = asyncio.Event()
-        if not before:
-            self.go_read.set()
-        if not after:
-            self.go_return.set()
-        self.fail = fail
-
-        async def held() -> Any:
-            await self.go_read.wait()
-            result = await self.orig()
-            self.read.set()
-            await self.go_return.wait()
-            if self.fail:
-                raise ConnectionError("reading failed (simulated connection loss after the server answered)")
-            return result
-
-        setattr(producer, self.name, held)
-
-    def restore(self) -> None:
-        setattr(self.producer, self.name, self.orig)
-
-
-class SendHold:
-    """The producer's next ``calls`` push sends are held before reaching Redis until
-    ``go_send``, and their replies are held back until ``go_reply``."""
-
-    def __init__(self, producer: RolloutProducer, *, calls: int = 1, before: bool = False, reply: bool = False):
-        self.producer = producer
-        self.orig = producer._send_packed
-        self.go_send = asyncio.Event()
-        self.go_reply = asyncio.Event()
-        self.landed = asyncio.Event()
-        self.entered = asyncio.Event()
-        if not before:
-            self.go_send.set()
-        if not reply:
-            self.go_reply.set()
-        self.left = calls
-
-        async def held(packed: list[bytes]) -> list[Any]:
-            if self.left <= 0:
-                return await self.orig(packed)
-            self.left -= 1
-            self.entered.set()
-            await self.go_send.wait()
-            replies = await self.orig(packed)
-            self.landed.set()
-            await self.go_reply.wait()
-            return replies
-
-        producer._send_packed = held  # type: ignore[method-assign]
-
-    def restore(self) -> None:
-        self.producer._send_packed = self.orig  # type: ignore[method-assign]
-
-
-async def _ready(producer: RolloutProducer, batch: str, size: int = 100) -> None:
-    """Open the batch, push sample 0 (groups and script ready), let the first reading end."""
-    await producer.open_batch(batch, size, 4)
-    await producer.push(backlog_traj(batch, 0))
-    if producer._backlog_reading is not None:
-        await producer._backlog_reading
 
 
 async def _fresh_reading(producer: RolloutProducer) -> None:
@@ -128,7 +45,7 @@ async def test_reply_of_a_push_counted_before_a_reading_and_landing_after_it_arr
 ):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
-        await _ready(producer, "late")
+        await backlog_ready(producer, "late")
         send = SendHold(producer, before=True, reply=True)
         pushing = asyncio.ensure_future(producer.push_many(backlog_traj("late", i) for i in range(1, 11)))
         await send.entered.wait()  # counted, held before Redis
@@ -140,7 +57,7 @@ async def test_reply_of_a_push_counted_before_a_reading_and_landing_after_it_arr
         hold.go_return.set()
         await reading
         hold.restore()
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         if producer._backlog < real:
             problems.append(f"estimate {producer._backlog} < backlog {real} after the reading, reply pending")
         # 11 queued: 10 more make 21 > 20
@@ -153,7 +70,7 @@ async def test_reply_of_a_push_counted_before_a_reading_and_landing_after_it_arr
         send.go_reply.set()
         await pushing
         send.restore()
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         if real > LIMIT:
             problems.append(f"backlog {real} > max_backlog {LIMIT}")
         if producer._backlog != real:
@@ -171,7 +88,7 @@ async def test_reply_of_a_push_counted_during_a_reading_and_landing_before_it_ar
 ):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
-        await _ready(producer, "early")
+        await backlog_ready(producer, "early")
         hold = ReadHold(producer, before=True)
         reading = producer._start_backlog_reading()
         send = SendHold(producer, reply=True)
@@ -180,7 +97,7 @@ async def test_reply_of_a_push_counted_during_a_reading_and_landing_before_it_ar
         hold.go_read.set()
         await reading
         hold.restore()
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         # With the reply pending, nothing says whether the push ran before the reading's count
         # or after it: the estimate may err high (counting it twice), never low.
         if producer._backlog < real:
@@ -188,7 +105,7 @@ async def test_reply_of_a_push_counted_during_a_reading_and_landing_before_it_ar
         send.go_reply.set()
         await pushing
         send.restore()
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         if producer._backlog != real:
             problems.append(f"estimate {producer._backlog} != backlog {real} once every reply is in")
         try:
@@ -207,7 +124,7 @@ async def test_lost_reply_of_a_push_counted_before_a_reading_that_landed_after_i
     problems: list[str] = []
     async with CutProxy(redis_url[len("unix://") :]) as proxy:
         async with RolloutProducer(proxy.url, _config(namespace)) as producer:
-            await _ready(producer, "dup")
+            await backlog_ready(producer, "dup")
             send = SendHold(producer, before=True)
             pushing = asyncio.ensure_future(producer.push_many(backlog_traj("dup", i) for i in range(1, 11)))
             await send.entered.wait()
@@ -217,7 +134,7 @@ async def test_lost_reply_of_a_push_counted_before_a_reading_that_landed_after_i
             await pushing  # landed, reply cut, resent: DUPLICATE
             send.restore()
             assert proxy.cuts == 1
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             if producer._backlog < real:
                 problems.append(f"estimate {producer._backlog} < backlog {real} (errs low)")
             try:
@@ -225,7 +142,7 @@ async def test_lost_reply_of_a_push_counted_before_a_reading_that_landed_after_i
             except BackpressureError:
                 pass
             else:
-                problems.append(f"pushed past max_backlog: backlog now {await truth(redis_url, namespace)}")
+                problems.append(f"pushed past max_backlog: backlog now {await backlog_truth(redis_url, namespace)}")
     assert not problems, problems
 
 
@@ -233,7 +150,7 @@ async def test_lost_reply_of_a_push_counted_during_a_reading_that_landed_before_
     problems: list[str] = []
     async with CutProxy(redis_url[len("unix://") :]) as proxy:
         async with RolloutProducer(proxy.url, _config(namespace)) as producer:
-            await _ready(producer, "dup2")
+            await backlog_ready(producer, "dup2")
             hold = ReadHold(producer, before=True)
             reading = producer._start_backlog_reading()
             proxy.arm(b"EVALSHA")
@@ -242,7 +159,7 @@ async def test_lost_reply_of_a_push_counted_during_a_reading_that_landed_before_
             hold.go_read.set()
             await reading
             hold.restore()
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             if producer._backlog != real:
                 problems.append(f"estimate {producer._backlog} != backlog {real} (counted twice)")
             try:
@@ -282,7 +199,7 @@ async def test_refused_samples_of_a_push_whose_reply_comes_during_a_reading(redi
             hold.go_return.set()
             await reading
             hold.restore()
-            real = await truth(redis_url, namespace)  # 5 (other) + 1 + 5
+            real = await backlog_truth(redis_url, namespace)  # 5 (other) + 1 + 5
             if producer._backlog != real:
                 problems.append(f"estimate {producer._backlog} != backlog {real}")
             room = LIMIT - real
@@ -306,7 +223,7 @@ async def test_pushed_hash_deleted_then_a_push_counted_before_a_reading_lands_af
     try:
         # one sample an entry: the lag fallback (lag x mean entry) is then exact, not high by the entry size
         async with RolloutProducer(redis_url, _config(namespace, samples_per_entry=spe)) as producer:
-            await _ready(producer, "h")
+            await backlog_ready(producer, "h")
             await admin.delete(Keys(namespace).pushed(0))
             send = SendHold(producer, before=True)
             pushing = asyncio.ensure_future(producer.push_many(backlog_traj("h", i) for i in range(1, 11)))
@@ -315,7 +232,7 @@ async def test_pushed_hash_deleted_then_a_push_counted_before_a_reading_lands_af
             send.go_send.set()
             await pushing
             send.restore()
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             if producer._backlog < real:
                 problems.append(f"estimate {producer._backlog} < backlog {real} (errs low)")
             try:
@@ -323,7 +240,7 @@ async def test_pushed_hash_deleted_then_a_push_counted_before_a_reading_lands_af
             except BackpressureError:
                 pass
             else:
-                problems.append(f"pushed past max_backlog: backlog now {await truth(redis_url, namespace)}")
+                problems.append(f"pushed past max_backlog: backlog now {await backlog_truth(redis_url, namespace)}")
     finally:
         await admin.aclose()
     assert not problems, problems
@@ -341,7 +258,7 @@ async def test_pushed_count_restarting_after_the_hash_is_lost_on_an_empty_stream
     admin = connect(redis_url)
     try:
         async with RolloutProducer(redis_url, _config(namespace)) as producer:
-            await _ready(producer, "b")
+            await backlog_ready(producer, "b")
             await producer.push_many(backlog_traj("b", i) for i in range(1, 8))
             got = await admin.xreadgroup(producer.config.group, "w", {keys.stream(0): ">"}, count=1000)
             ids = [i for _, entries in got for i, _ in entries]
@@ -355,7 +272,7 @@ async def test_pushed_count_restarting_after_the_hash_is_lost_on_an_empty_stream
             hold.go_return.set()
             await reading
             hold.restore()
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             if producer._backlog < real:
                 problems.append(f"estimate {producer._backlog} < backlog {real} (errs low)")
             try:
@@ -363,7 +280,7 @@ async def test_pushed_count_restarting_after_the_hash_is_lost_on_an_empty_stream
             except BackpressureError:
                 pass
             else:
-                problems.append(f"pushed past max_backlog: backlog now {await truth(redis_url, namespace)}")
+                problems.append(f"pushed past max_backlog: backlog now {await backlog_truth(redis_url, namespace)}")
     finally:
         await admin.aclose()
     assert not problems, problems
@@ -380,7 +297,7 @@ async def test_a_flush_over_three_partitions_across_a_reading(redis_url, namespa
     problems: list[str] = []
     cfg = _config(namespace, partitions=3, samples_per_entry=spe, max_backlog=60)
     async with RolloutProducer(redis_url, cfg) as other, RolloutProducer(redis_url, cfg) as producer:
-        await _ready(producer, "m")
+        await backlog_ready(producer, "m")
         await other.push_many(backlog_traj("m", i) for i in range(50, 56))
         if lands == "before_count":
             hold = ReadHold(producer, before=True)
@@ -401,14 +318,14 @@ async def test_a_flush_over_three_partitions_across_a_reading(redis_url, namespa
             await reading
             send.restore()
         hold.restore()
-        real = await truth(redis_url, namespace, 3)
+        real = await backlog_truth(redis_url, namespace, 3)
         if producer._backlog != real:
             problems.append(f"estimate {producer._backlog} != backlog {real}")
         try:
             await producer.push_many(backlog_traj("m", i) for i in range(60, 60 + 60 - real))
         except BackpressureError as exc:
             problems.append(f"a push that fit was refused: {exc}")
-        real = await truth(redis_url, namespace, 3)
+        real = await backlog_truth(redis_url, namespace, 3)
         if real != 60:
             problems.append(f"backlog {real} != 60")
     assert not problems, problems
@@ -421,7 +338,7 @@ async def test_a_flush_over_three_partitions_across_a_reading(redis_url, namespa
 async def test_a_failed_reading_with_replies_in_flight_then_an_exact_one(redis_url, namespace):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
-        await _ready(producer, "f")
+        await backlog_ready(producer, "f")
         send = SendHold(producer, before=True)
         pushing = asyncio.ensure_future(producer.push_many(backlog_traj("f", i) for i in range(1, 6)))
         await send.entered.wait()  # counted before the failing reading
@@ -436,7 +353,7 @@ async def test_a_failed_reading_with_replies_in_flight_then_an_exact_one(redis_u
         with pytest.raises(ConnectionError):
             await reading
         hold.restore()
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         if producer._backlog < real:
             problems.append(f"estimate {producer._backlog} < backlog {real} after the failed reading")
         # held push counted during the failed reading lands after the next reading's count
@@ -452,7 +369,7 @@ async def test_a_failed_reading_with_replies_in_flight_then_an_exact_one(redis_u
         hold.go_return.set()
         await reading
         hold.restore()
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         if producer._backlog != real:
             problems.append(f"estimate {producer._backlog} != backlog {real} after the next reading")
         try:
@@ -470,7 +387,7 @@ async def test_script_flush_while_a_reading_is_in_flight(own_url, namespace):
     admin = connect(own_url)
     try:
         async with RolloutProducer(own_url, _config(namespace)) as producer:
-            await _ready(producer, "s")
+            await backlog_ready(producer, "s")
             send = SendHold(producer, before=True)
             pushing = asyncio.ensure_future(producer.push_many(backlog_traj("s", i) for i in range(1, 11)))
             await send.entered.wait()
@@ -484,7 +401,7 @@ async def test_script_flush_while_a_reading_is_in_flight(own_url, namespace):
             hold.go_return.set()
             await reading
             hold.restore()
-            real = await truth(own_url, namespace)
+            real = await backlog_truth(own_url, namespace)
             if producer._backlog != real:
                 problems.append(f"estimate {producer._backlog} != backlog {real}")
             try:
@@ -516,8 +433,8 @@ async def test_back_to_back_readings_with_random_delays_settle_exact(redis_url, 
         samples_per_entry=spe,
     )
     async with RolloutProducer(redis_url, cfg) as producer:
-        await _ready(producer, "z", 2000)
-        name = _read_attr(producer)
+        await backlog_ready(producer, "z", 2000)
+        name = "_read_counts"
         orig_read = getattr(producer, name)
         orig_send = producer._send_packed
 
@@ -546,7 +463,7 @@ async def test_back_to_back_readings_with_random_delays_settle_exact(redis_url, 
             await producer._backlog_reading
         setattr(producer, name, orig_read)
         producer._send_packed = orig_send  # type: ignore[method-assign]
-        real = await truth(redis_url, namespace, 3)
+        real = await backlog_truth(redis_url, namespace, 3)
         assert real == 481
         assert producer._backlog == real, f"estimate {producer._backlog} != backlog {real}"
 
@@ -558,7 +475,7 @@ async def test_a_score_cancelled_before_its_flush_during_a_reading(redis_url, na
     problems: list[str] = []
     cfg = _config(namespace, coalesce_delay_s=0.2)
     async with RolloutProducer(redis_url, cfg) as producer:
-        await _ready(producer, "sc")
+        await backlog_ready(producer, "sc")
         hold = ReadHold(producer, after=True)
         reading = producer._start_backlog_reading()
         await hold.read.wait()
@@ -571,7 +488,7 @@ async def test_a_score_cancelled_before_its_flush_during_a_reading(redis_url, na
         await reading
         hold.restore()
         await asyncio.sleep(0.3)
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         if producer._backlog < real:
             problems.append(f"estimate {producer._backlog} < backlog {real} (errs low)")
         if producer._backlog != real:
@@ -616,7 +533,7 @@ async def test_concurrent_pushers_with_back_to_back_readings_never_pass_max_back
 
             nxt = iter(range(500))
             await asyncio.gather(*(pusher(batch, nxt) for _ in range(24)))
-            real = await truth(redis_url, namespace, 2)
+            real = await backlog_truth(redis_url, namespace, 2)
             worst = max(worst, real)
             for p in range(2):
                 await producer.client.xreadgroup(cfg.group, "drain", {producer.keys.stream(p): ">"}, count=100_000)
@@ -639,7 +556,7 @@ async def test_small_pushes_arriving_while_a_large_push_is_in_flight(redis_url, 
     )
     big_response = "x" * 100_000
     async with RolloutProducer(redis_url, cfg) as producer:
-        await _ready(producer, "L", 5000)
+        await backlog_ready(producer, "L", 5000)
         big = asyncio.ensure_future(
             producer.push_many(
                 Trajectory("L", i, "test/exact", response=big_response + str(i), ground_truth="1", group=f"L-{i}")
@@ -655,6 +572,6 @@ async def test_small_pushes_arriving_while_a_large_push_is_in_flight(redis_url, 
         await big
         results = await asyncio.gather(*small, return_exceptions=True)
         refused = sum(isinstance(r, BackpressureError) for r in results)
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         # 43 small pushes fit beside the large one: a round with more checks the limit
         assert real <= limit, f"backlog {real} > max_backlog {limit}: {len(small)} small pushes, {refused} refused"

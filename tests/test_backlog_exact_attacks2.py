@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import CutProxy, Timed, backlog_traj, running_worker
+from helpers import CutProxy, ReadHold, Timed, backlog_ready, backlog_traj, backlog_truth, running_worker
 
 import stream_reward.trainer.producer as producer_module
 from stream_reward import ProducerConfig, RolloutProducer, SyncRolloutProducer
@@ -29,46 +29,6 @@ from stream_reward.wire.keys import Keys
 pytestmark = pytest.mark.anyio
 
 LIMIT = 20
-
-
-async def truth(url: str, namespace: str, partitions: int = 1) -> int:
-    async with RolloutProducer(url, ProducerConfig(namespace=namespace, partitions=partitions)) as other:
-        return await other.backlog()
-
-
-class ReadHold:
-    """As in test_backlog_exact_attacks.py: the producer's readings stop before their round
-    trips (``before``) and/or after them (``after``)."""
-
-    def __init__(self, producer: RolloutProducer, *, before: bool = False, after: bool = False):
-        self.producer = producer
-        self.orig = producer._read_counts
-        self.go_read = asyncio.Event()
-        self.go_return = asyncio.Event()
-        self.read = asyncio.Event()
-        if not before:
-            self.go_read.set()
-        if not after:
-            self.go_return.set()
-
-        async def held() -> Any:
-            await self.go_read.wait()
-            result = await self.orig()
-            self.read.set()
-            await self.go_return.wait()
-            return result
-
-        producer._read_counts = held  # type: ignore[method-assign]
-
-    def restore(self) -> None:
-        self.producer._read_counts = self.orig  # type: ignore[method-assign]
-
-
-async def _ready(producer: RolloutProducer, batch: str, size: int = 2000) -> None:
-    await producer.open_batch(batch, size, 4)
-    await producer.push(backlog_traj(batch, 0))
-    if producer._backlog_reading is not None:
-        await producer._backlog_reading
 
 
 def _config(namespace: str, **kw: Any) -> ProducerConfig:
@@ -124,7 +84,7 @@ async def test_a_failed_flush_whose_samples_landed_leaves_the_estimate_low(redis
         host, port = proxy.url[len("redis://") :].split(":")
         client = None if lane else Redis(host=host, port=int(port), single_connection_client=True)
         async with RolloutProducer(proxy.url, _config(namespace), client=client) as producer:
-            await _ready(producer, "lost")
+            await backlog_ready(producer, "lost", 2000)
             assert (producer._lane is not None) == lane
             cuts = producer_module._LANE_ATTEMPTS if lane else 20
             proxy.arm(b"EVALSHA", times=cuts)  # every attempt runs, every reply lost
@@ -132,7 +92,7 @@ async def test_a_failed_flush_whose_samples_landed_leaves_the_estimate_low(redis
                 await producer.push_many(backlog_traj("lost", i) for i in range(1, 11))
             assert proxy.cuts == cuts if lane else proxy.cuts >= 2
             proxy.arm(b"", times=0)
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             assert real == 11, real  # the ten are queued: the script ran
             if producer._backlog < real:
                 problems.append(f"estimate {producer._backlog} < backlog {real} after the failed flush (errs low)")
@@ -141,7 +101,7 @@ async def test_a_failed_flush_whose_samples_landed_leaves_the_estimate_low(redis
             except BackpressureError:
                 pass
             else:
-                problems.append(f"pushed past max_backlog: backlog now {await truth(redis_url, namespace)}")
+                problems.append(f"pushed past max_backlog: backlog now {await backlog_truth(redis_url, namespace)}")
         if client is not None:
             await client.aclose()
     assert not problems, problems
@@ -154,7 +114,7 @@ async def test_a_failed_flush_retried_as_a_whole_settles_exact(redis_url, namesp
     async with CutProxy(redis_url[len("unix://") :]) as proxy:
         # Room for the retry's ten on top of the failed call's, which stay counted.
         async with RolloutProducer(proxy.url, _config(namespace, max_backlog=30)) as producer:
-            await _ready(producer, "retry")
+            await backlog_ready(producer, "retry", 2000)
             proxy.arm(b"EVALSHA", times=producer_module._LANE_ATTEMPTS)
             with pytest.raises(BrokerError):
                 await producer.push_many(backlog_traj("retry", i) for i in range(1, 11))
@@ -173,7 +133,7 @@ async def test_a_failed_flush_retried_as_a_whole_settles_exact(redis_url, namesp
 async def test_a_reading_ending_between_take_and_send(redis_url, namespace, lands):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
-        await _ready(producer, "tk")
+        await backlog_ready(producer, "tk", 2000)
         co = producer._coalescer
         assert co is not None
         orig_send = co._send
@@ -191,7 +151,7 @@ async def test_a_reading_ending_between_take_and_send(redis_url, namespace, land
         if co.unsent() != 10 or producer._flying:
             problems.append(f"taken batch: unsent {co.unsent()}, flying {producer._flying}")
         await producer._start_backlog_reading()  # reads 1; the ten are unsent
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         if producer._backlog != real + 10:
             problems.append(f"after the reading: estimate {producer._backlog} != {real} + 10 unsent")
         if lands == "before_count_of_next":
@@ -224,7 +184,7 @@ async def test_the_runner_cancelled_between_take_and_send(redis_url, namespace):
     batch must leave Coalescer._taken (the estimate's unsent), and its callers must hear."""
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace, coalesce_max_entries=5)) as producer:
-        await _ready(producer, "cx")
+        await backlog_ready(producer, "cx", 2000)
         co = producer._coalescer
         assert co is not None
         orig_take = co._take
@@ -260,7 +220,7 @@ async def test_the_runner_cancelled_between_take_and_send(redis_url, namespace):
             problems.append(f"Coalescer._taken kept {len(co._taken)} batches of a cancelled flush")
         if co.unsent():
             problems.append(f"unsent() {co.unsent()} after the cancel")
-        real = await truth(redis_url, namespace)
+        real = await backlog_truth(redis_url, namespace)
         if producer._backlog < real:
             problems.append(f"estimate {producer._backlog} < backlog {real}")
         await producer._start_backlog_reading()
@@ -276,7 +236,7 @@ async def test_the_runner_cancelled_between_take_and_send(redis_url, namespace):
 async def test_aclose_with_flushes_in_flight_and_a_reading(redis_url, namespace):
     problems: list[str] = []
     producer = RolloutProducer(redis_url, _config(namespace, on_backlog="wait", coalesce_in_flight=2))
-    await _ready(producer, "cl")
+    await backlog_ready(producer, "cl", 2000)
     orig_call = producer._call_push
     gate = asyncio.Event()
 
@@ -309,7 +269,7 @@ async def test_aclose_with_flushes_in_flight_and_a_reading(redis_url, namespace)
             problems.append(f"a push in flight failed under aclose: {p.exception()!r}")
     if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
         problems.append("the waiting push went on after aclose")
-    real = await truth(redis_url, namespace)
+    real = await backlog_truth(redis_url, namespace)
     if real != 11:
         problems.append(f"backlog {real} != 11")
     assert not problems, problems
@@ -329,7 +289,7 @@ async def test_a_reading_inside_the_noscript_reload(own_url, namespace, other_pu
             RolloutProducer(own_url, _config(namespace)) as producer,
             RolloutProducer(own_url, _config(namespace, max_backlog=0)) as other,
         ):
-            await _ready(producer, "ns")
+            await backlog_ready(producer, "ns", 2000)
             await other.open_batch("ns2", 100, 4)
             await admin.script_flush()
             client = producer.client
@@ -345,7 +305,7 @@ async def test_a_reading_inside_the_noscript_reload(own_url, namespace, other_pu
             pushing = asyncio.ensure_future(producer.push_many(backlog_traj("ns", i) for i in range(1, 11)))
             await entered.wait()  # NOSCRIPT came back; the reload is held
             await producer._start_backlog_reading()  # reads 1: the ten are on their way
-            real = await truth(own_url, namespace)
+            real = await backlog_truth(own_url, namespace)
             if producer._backlog < real + 10:
                 problems.append(f"during the reload: estimate {producer._backlog} < {real} + 10 on their way")
             if other_pushes:
@@ -380,7 +340,7 @@ async def test_a_reading_inside_the_lane_backoff_after_a_lost_reply(redis_url, n
             RolloutProducer(proxy.url, _config(namespace)) as producer,
             RolloutProducer(redis_url, _config(namespace, max_backlog=0)) as other,
         ):
-            await _ready(producer, "bo")
+            await backlog_ready(producer, "bo", 2000)
             await other.open_batch("bo2", 100, 4)
             proxy.arm(b"EVALSHA")
             pushing = asyncio.ensure_future(producer.push_many(backlog_traj("bo", i) for i in range(1, 11)))
@@ -392,19 +352,19 @@ async def test_a_reading_inside_the_lane_backoff_after_a_lost_reply(redis_url, n
             await asyncio.sleep(0.02)  # the lane saw the loss and is in its backoff
             assert not pushing.done()
             await producer._start_backlog_reading()
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             if real != 11 or producer._backlog < real:
                 problems.append(f"in the backoff: estimate {producer._backlog}, backlog {real}")
             if other_pushes:
                 await other.push_many(backlog_traj("bo2", i) for i in range(other_pushes))
             await pushing
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             if producer._backlog < real - other_pushes:
                 problems.append(f"after the resend: estimate {producer._backlog} < {real} - {other_pushes} (errs low)")
             if not other_pushes and producer._backlog != real:
                 problems.append(f"after the resend: estimate {producer._backlog} != backlog {real}")
             await producer._start_backlog_reading()
-            if producer._backlog != await truth(redis_url, namespace):
+            if producer._backlog != await backlog_truth(redis_url, namespace):
                 problems.append("not exact after the next reading")
     assert not problems, problems
 
@@ -421,7 +381,7 @@ async def test_a_chunked_push_split_by_a_reading(redis_url, namespace, reading_e
     n = 2 * XADD_MANY_CHUNK + 50
     limit = n + 100
     async with RolloutProducer(redis_url, _config(namespace, max_backlog=limit, coalesce_max_entries=4096)) as producer:
-        await _ready(producer, "big", size=n + 200)
+        await backlog_ready(producer, "big", size=n + 200)
         orig = producer._send_packed
         seen: list[int] = []
 
@@ -530,7 +490,7 @@ async def test_cluster_one_partition_call_across_a_reading(cluster, namespace, m
     url = cluster.url
     cfg = _config(namespace, partitions=3, max_backlog=60)
     async with RolloutProducer(url, cfg) as producer:
-        await _ready(producer, "cl", size=400)
+        await backlog_ready(producer, "cl", size=400)
         # every partition's pushed count started (a stream's first push answers "count
         # restarted", which no reading can place: see test_first_push_to_a_partition_...)
         per: dict[int, list[int]] = {}
@@ -571,7 +531,7 @@ async def test_cluster_one_partition_call_across_a_reading(cluster, namespace, m
         await entered.wait()
         await asyncio.sleep(0.05)  # the other partitions' calls are in
         await producer._start_backlog_reading()
-        real = await truth(url, namespace, 3)
+        real = await backlog_truth(url, namespace, 3)
         if producer._backlog < real:
             problems.append(f"while held: estimate {producer._backlog} < backlog {real}")
         gate.set()
@@ -580,7 +540,7 @@ async def test_cluster_one_partition_call_across_a_reading(cluster, namespace, m
         except BrokerError:
             assert mode == "fails_after_running"
         client.evalsha = orig
-        real = await truth(url, namespace, 3)
+        real = await backlog_truth(url, namespace, 3)
         if real != 30 + warm:
             problems.append(f"backlog {real} != {30 + warm}")
         if producer._backlog < real:
@@ -592,7 +552,7 @@ async def test_cluster_one_partition_call_across_a_reading(cluster, namespace, m
         except BackpressureError:
             pass
         else:
-            problems.append(f"pushed past max_backlog: backlog now {await truth(url, namespace, 3)}")
+            problems.append(f"pushed past max_backlog: backlog now {await backlog_truth(url, namespace, 3)}")
     assert not problems, problems
 
 
@@ -622,7 +582,7 @@ async def test_concurrent_pushers_random_delays_settle_exact(redis_url, namespac
     )
     producer = RolloutProducer(redis_url, cfg, client=client)
     try:
-        await _ready(producer, "s", size=5000)
+        await backlog_ready(producer, "s", size=5000)
         orig = producer._call_push
 
         async def jittered(calls: Any, cluster: bool) -> Any:
@@ -778,7 +738,7 @@ async def test_wait_mode_many_pushers_slow_worker_never_pass_limit(redis_url, na
 async def test_score_timeouts_across_a_reading_settle_exact(redis_url, namespace):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
-        await _ready(producer, "sc")
+        await backlog_ready(producer, "sc", 2000)
         hold = ReadHold(producer, before=True, after=True)
         reading = producer._start_backlog_reading()
         early = [asyncio.ensure_future(producer.score(backlog_traj("sc", i), timeout_s=0.05)) for i in range(1, 6)]
@@ -854,7 +814,7 @@ async def test_first_push_to_a_partition_across_a_reading(redis_url, namespace):
 async def test_a_push_timed_out_in_flight_then_retried(redis_url, namespace):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
-        await _ready(producer, "to")
+        await backlog_ready(producer, "to", 2000)
         orig = producer._send_packed
         gate = asyncio.Event()
         calls = 0
@@ -909,7 +869,7 @@ async def test_a_marked_flight_after_the_count_restarted_on_an_empty_stream(redi
             RolloutProducer(redis_url, _config(namespace, coalesce_in_flight=2)) as producer,
             RolloutProducer(redis_url, _config(namespace, max_backlog=0)) as other,
         ):
-            await _ready(producer, "rs")
+            await backlog_ready(producer, "rs", 2000)
             await other.open_batch("rq", 100, 4)
             await producer.push_many(backlog_traj("rs", i) for i in range(1, 8))  # count 8
             got = await admin.xreadgroup(producer.config.group, "w", {keys.stream(0): ">"}, count=1000)
@@ -950,7 +910,7 @@ async def test_a_marked_flight_after_the_count_restarted_on_an_empty_stream(redi
             gates[0].set()
             await late  # answers count 8 on the new base: "at most the reading's 8"
             producer._send_packed = orig  # type: ignore[method-assign]
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             if (again := await _read_again(producer)) != real:
                 problems.append(f"estimate {again} != backlog {real} after the next reading")
             try:
@@ -959,7 +919,7 @@ async def test_a_marked_flight_after_the_count_restarted_on_an_empty_stream(redi
             except BackpressureError:
                 pass
             else:
-                problems.append(f"pushed past max_backlog: backlog now {await truth(redis_url, namespace)}")
+                problems.append(f"pushed past max_backlog: backlog now {await backlog_truth(redis_url, namespace)}")
     finally:
         await admin.aclose()
     assert not problems, problems
@@ -978,7 +938,7 @@ async def test_a_reply_during_a_reading_after_another_call_restarted_the_count(r
             RolloutProducer(redis_url, _config(namespace)) as producer,
             RolloutProducer(redis_url, _config(namespace, max_backlog=0)) as other,
         ):
-            await _ready(producer, "rd")
+            await backlog_ready(producer, "rd", 2000)
             await other.open_batch("rq", 100, 4)
             await producer.push_many(backlog_traj("rd", i) for i in range(1, 8))  # count 8
             got = await admin.xreadgroup(producer.config.group, "w", {keys.stream(0): ">"}, count=1000)
@@ -994,7 +954,7 @@ async def test_a_reply_during_a_reading_after_another_call_restarted_the_count(r
             hold.go_return.set()
             await reading
             hold.restore()
-            real = await truth(redis_url, namespace)
+            real = await backlog_truth(redis_url, namespace)
             if (again := await _read_again(producer)) != real:  # low until then: the known limit of N
                 problems.append(f"estimate {again} != backlog {real} after the next reading")
             try:
@@ -1002,7 +962,7 @@ async def test_a_reply_during_a_reading_after_another_call_restarted_the_count(r
             except BackpressureError:
                 pass
             else:
-                problems.append(f"pushed past max_backlog: backlog now {await truth(redis_url, namespace)}")
+                problems.append(f"pushed past max_backlog: backlog now {await backlog_truth(redis_url, namespace)}")
     finally:
         await admin.aclose()
     assert not problems, problems
