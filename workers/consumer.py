@@ -526,8 +526,9 @@ class Worker:
         """Ids pending under this consumer, delivered once, less than the time since ``since``
         ago, and not held; each with its delivery count (1)."""
         # The server's clock and this one's, both local, were seen 2 ms apart: a margin. An
-        # older entry under this name (a crashed worker's) is seconds older: its heartbeat
-        # had to go stale before the name could be used again.
+        # older entry under this name (a crashed worker's) is mostly seconds older, since its
+        # heartbeat had to go stale before the name could be used again; one inside the
+        # margin is taken, and checked for results like a reclaimed one.
         window_ms = (time.monotonic() - since) * 1000 + _RECOVER_MARGIN_MS
         young: dict[bytes, int] = {}
         start = "-"

@@ -31,10 +31,11 @@ is the list of verdicts, then that number. The number is the stream's count of
 samples queued, once the call's are: it places the call before or after a
 backlog reading of the same count (trainer/producer.py: _place). Below 0 (-1 less
 the count) when the call found the count missing and started it again: a count
-on a new base, which cannot be compared with a reading's. The push's server time is on the
-producer's critical path (it waits for the verdict): measured here, a call of
-256 entries of 2 KB went from 8.5 to 6.3 us of server CPU an entry (2.5 ms ->
-1.7 ms a call in ``bench throughput``). Payloads travel as arguments of their
+on a new base, which cannot be compared with a reading's.
+
+The push's server time is on the producer's critical path (it waits for the
+verdict): measured here, a call of 256 entries of 2 KB went from 8.5 to 6.3 us
+of server CPU an entry (2.5 ms -> 1.7 ms a call in ``bench throughput``). Payloads travel as arguments of their
 own: inside a msgpack blob the script had to copy each out with ``unpack``.
 The digest is of the encoded trajectory, which is deterministic for equal
 trajectories.
