@@ -514,7 +514,8 @@ class Worker:
                     for eid in young:
                         pipe.xrange(name, min=eid, max=eid)
                     pages = await pipe.execute()
-                found = sorted((page[0] for page in pages if page and page[0][1]), key=lambda e: _id_key(e[0]))
+                # In id order: XPENDING lists them so, and the pipeline keeps it.
+                found = [page[0] for page in pages if page and page[0][1]]
                 if found:
                     log.info("took back %d entries delivered by a read whose reply was lost", len(found))
                     # As the reclaimer takes entries: what of them has a result already is not
@@ -1344,11 +1345,6 @@ def _split(fields: dict[bytes, bytes]) -> list[_Member]:
 
 
 _RECOVER_MARGIN_MS = 1000
-
-
-def _id_key(entry_id: bytes | str) -> tuple[int, int]:
-    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _iter_reply(reply: Any) -> Any:

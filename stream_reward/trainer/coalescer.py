@@ -198,7 +198,6 @@ class Coalescer(Generic[E, R]):
                         self._taken[id(batch)] = batch
                         task = asyncio.ensure_future(self._send(taken, batch))
                         flushes.add(task)
-                        task.add_done_callback(flushes.discard)
                         task.add_done_callback(functools.partial(self._sent, taken, batch))
         except asyncio.CancelledError:  # the producer is closing under its callers
             for task in flushes:
@@ -256,10 +255,11 @@ class Coalescer(Generic[E, R]):
                 fut.set_result(verdicts[at : at + len(entries)])
             at += len(entries)
 
-    def _sent(self, taken: list[tuple[list[E], _Slot[R]]], batch: list[E], _task: object) -> None:
+    def _sent(self, taken: list[tuple[list[E], _Slot[R]]], batch: list[E], task: asyncio.Task[None]) -> None:
         """A flush task ended. One cancelled before it first ran (its loop closing) never
         reached its own cancel handling: its callers' verdicts are cancelled here, or they
         would wait for ever."""
+        self._flushes.discard(task)
         if self._taken.get(id(batch)) is batch:
             del self._taken[id(batch)]
         for _, fut in taken:
