@@ -126,3 +126,45 @@ def test_a_sigterm_raised_inside_an_at_fork_hook_still_stops_score(tmp_path):
     stderr = err.decode(errors="replace")
     assert code == 143, (code, stderr[-2000:])
     assert "Traceback" not in stderr, stderr
+
+
+# A Ctrl-C whose KeyboardInterrupt leaves code run by exec() or eval() of source text:
+# dataclasses' and namedtuple's generated methods, and parts of torch's import, run that
+# way. Python then marks the KeyboardInterrupt unhandled for good. Run as
+# `python -m stream_reward.cli`, once main() had caught it, printed "interrupted" and
+# returned 130, the interpreter killed itself with SIGINT at exit: status -2. (The
+# `stream-reward` script exits through sys.exit's own path and was spared.) CI's default
+# job hit it with the 6 s Ctrl-C of a large demo; so did 2 of the first 4 Ctrl-Cs sent at
+# random moments of a demo's start. Here `status`'s command is replaced by one that runs
+# its work through exec(), the Ctrl-C sent from inside it, and the CLI is run with -m.
+LAUNCH_EXEC = """
+import sys
+import stream_reward.cli as cli
+
+def cmd_status(args):
+    exec("import os, signal, time\\nos.killpg(os.getpgid(0), signal.SIGINT)\\ntime.sleep(30)")
+    return 0
+
+cli.cmd_status = cmd_status
+if __name__ == "__main__":
+    sys.exit(cli.main())
+"""
+
+
+def test_ctrl_c_raised_inside_exec_of_source_text_still_exits_130(tmp_path):
+    (tmp_path / "launch_exec.py").write_text(LAUNCH_EXEC)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    argv = [sys.executable, "-m", "launch_exec", "status", "--redis", f"unix://{tmp_path}/nothing.sock"]
+    proc = start_in_own_group(argv, env=env)
+    try:
+        _, err = proc.communicate(timeout=40)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = None
+        proc.kill()
+        _, err = proc.communicate()
+    stderr = err.decode(errors="replace")
+    # Before the fix: -2, after the one line below.
+    assert code == 130, (code, stderr[-2000:])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines == ["stream-reward status: interrupted"], stderr
