@@ -207,8 +207,16 @@ class _LoopSignals:
 _in_loop: _LoopSignals | None = None
 
 
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C as the CLI raises it. Not a plain KeyboardInterrupt: Python marks one that
+    leaves code run by exec() or eval() of source text (dataclasses' and namedtuple's
+    generated methods, parts of torch's import) as unhandled for good, and under
+    ``python -m`` killed itself with SIGINT at exit (status -2) after main() had caught
+    it and returned 130. That mark is set for KeyboardInterrupt itself, not a subclass."""
+
+
 def _signalled(signum: int) -> BaseException:
-    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+    return _Interrupted() if signum == signal.SIGINT else SystemExit(128 + signum)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
