@@ -181,23 +181,28 @@ def test_supervisor_stops_restarting_a_child_with_an_unloadable_scorer(redis_url
     assert "missing.py" in stderr
 
 
+# "In seconds" means long before --timeout-s: the fault this guards against is a score that
+# waits out its timeout (120 s here) for workers that can never load their scorer. Alone
+# each spec takes about 4 s (the CLI's and the worker's imports, the server's start); in
+# CI's parallel suite one took 15.5 s. The bound is half the timeout, not a guess at speed.
 def test_score_with_an_unloadable_scorer_fails_in_seconds(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"data_source": "openai/gsm8k", "response": "#### 1", "ground_truth": "1"}\n' * 2)
     for spec in ("python:missing.py:f", "python:tests/data/failwell_scorers.py:nope", "no_such_module_x:f"):
         done, took = cli("score", str(src), "--scorer", spec, "--processes", "1", "--timeout-s", "120", timeout_s=150)
         assert done.returncode == 2, (spec, done.stderr)
-        assert took < 15, (spec, took)
+        assert took < 60, (spec, took)
         assert "Traceback" not in done.stderr, done.stderr
 
 
 def test_score_notices_its_workers_died(tmp_path):
-    """A worker that dies mid-batch (its scorer kills the process) is noticed in seconds, not at --timeout."""
+    """A worker that dies mid-batch (its scorer kills the process) is noticed in seconds, not at --timeout
+    (the bound is half of it, as above)."""
     src = tmp_path / "in.jsonl"
     src.write_text('{"data_source": "test", "response": "poison", "ground_truth": "1"}\n')
     scorer = "python:tests/data/reliability_scorers.py:slow"
     done, took = cli("score", str(src), "--scorer", scorer, "--processes", "1", "--timeout-s", "120", timeout_s=150)
-    assert done.returncode == 2 and took < 20, (done.returncode, took, done.stderr)
+    assert done.returncode == 2 and took < 60, (done.returncode, took, done.stderr)
     assert "worker" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
