@@ -409,11 +409,20 @@ async def test_hand_backs_on_a_cluster_are_stamped_per_partition_and_score_once(
         async with RolloutProducer(cluster.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer:
             await producer.open_batch("cl", n, 16)
             await producer.push_many(trajs)
-            w = Worker(
-                cluster.url,
-                scorer,
-                ConsumerConfig(namespace=namespace, partitions=partitions, block_ms=50, concurrency=3),
+            # The worker's housekeeping trims acknowledged entries. Run long enough (CI's
+            # py310 job once did), it left a partition's first entry stamped 16 here, not 0.
+            # A group that reads nothing holds them all; the housekeeping runs often.
+            for p in range(partitions):
+                await client.xgroup_create(keys.stream(p), "holds-every-entry", id="0")
+            config = ConsumerConfig(
+                namespace=namespace,
+                partitions=partitions,
+                block_ms=50,
+                concurrency=3,
+                trim_interval_s=0.05,
+                heartbeat_interval_s=0.05,
             )
+            w = Worker(cluster.url, scorer, config)
             try:
                 await asyncio.wait_for(w.run(burst=True), 60)
             finally:
