@@ -168,3 +168,51 @@ def test_ctrl_c_raised_inside_exec_of_source_text_still_exits_130(tmp_path):
     assert code == 130, (code, stderr[-2000:])
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines == ["stream-reward status: interrupted"], stderr
+
+
+# A Ctrl-C in the CLI's first quarter second, while it imports what it needs (the redis
+# client alone takes 0.14 s): it came out as a KeyboardInterrupt traceback and status -2,
+# 9 of 30 Ctrl-Cs sent 0.25-0.8 s after a demo's start. Sent here the moment the CLI starts
+# importing redis, from an import hook that `sitecustomize` installs at Python's start,
+# in both ways the CLI is run: the installed `stream-reward` script and `python -m`.
+SITECUSTOMIZE = """
+import os, signal, sys
+
+MARK = os.environ["CTRL_C_MARK"]
+
+class CtrlCWhileTheCliImportsRedis:
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        if not CtrlCWhileTheCliImportsRedis.fired and name == "redis":
+            CtrlCWhileTheCliImportsRedis.fired = True
+            open(MARK, "w").close()
+            os.killpg(os.getpgid(0), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlCWhileTheCliImportsRedis())
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_ctrl_c_while_the_cli_imports_is_one_line_and_130(tmp_path, how):
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    mark = tmp_path / "fired"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "CTRL_C_MARK": str(mark)}
+    script = Path(sys.executable).with_name("stream-reward")
+    assert script.exists(), f"the install has no {script}"
+    program = [str(script)] if how == "script" else [sys.executable, "-m", "stream_reward.cli"]
+    proc = start_in_own_group([*program, "status", "--redis", f"unix://{tmp_path}/nothing.sock"], env=env)
+    try:
+        _, err = proc.communicate(timeout=40)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = None
+        proc.kill()
+        _, err = proc.communicate()
+    stderr = err.decode(errors="replace")
+    assert mark.exists(), f"the Ctrl-C was never sent (no import of redis?): {stderr}"
+    # Before the fix: -2 and a traceback through the imports.
+    assert code == 130, (code, stderr[-2000:])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines == ["stream-reward status: interrupted"], stderr
