@@ -9,13 +9,30 @@ sub-actions (``config show``) gets its own subparsers via ``_actions(sub, ...)``
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+# Signals from the command's first instant, before main() installs its handler: kept here,
+# not raised. Raised, a Ctrl-C inside the imports below (a quarter second, most of it the
+# redis client's) came out as a KeyboardInterrupt traceback. main() stops on one at once.
+# Only when this module is the program (`stream-reward`, `python -m stream_reward.cli`):
+# a program that imports it keeps its own signals.
+_early: list[int] = []
+
+
+def _keep_early(signum: int, frame: object) -> None:
+    _early.append(signum)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "stream-reward":
+    signal.signal(signal.SIGINT, _keep_early)
+    signal.signal(signal.SIGTERM, _keep_early)
+
 import argparse
 import asyncio
 import json
 import logging
-import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -763,6 +780,13 @@ def _expected_fault(exc: BaseException) -> str | None:
     return None
 
 
+def _stopped_early(command: str, signum: int) -> int:
+    if signum == signal.SIGINT:
+        print(f"stream-reward {command}: interrupted", file=sys.stderr)
+        return 130
+    return 128 + signum
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -776,7 +800,12 @@ def main(argv: list[str] | None = None) -> int:
         _received.clear()
         previous = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
         previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_signal
+        _received.extend(_early)  # one from the imports: stops the command before it starts
+    elif _early:
+        # `worker` and `server` install their own handlers; one came before them.
+        return _stopped_early(args.command, _early[0])
     try:
+        _check_signals()
         if args.command != "worker":  # the worker configures its own logging, from its settings
             resolve = getattr(args, "resolve", None) or (_settings if hasattr(args, "config") else None)
             settings = resolve(args) if resolve is not None else None
