@@ -194,15 +194,28 @@ sys.meta_path.insert(0, CtrlCWhileTheCliImportsRedis())
 """
 
 
-@pytest.mark.parametrize("how", ["script", "module"])
-def test_ctrl_c_while_the_cli_imports_is_one_line_and_130(tmp_path, how):
+@pytest.mark.parametrize(
+    "how, command, code_and_line",
+    [
+        ("script", "status", (130, "stream-reward status: interrupted")),
+        ("module", "status", (130, "stream-reward status: interrupted")),
+        ("script", "worker", (0, "stream-reward worker: SIGINT before it started; exiting")),
+        # The worker program itself, which `stream-reward worker` becomes (exec).
+        ("workers", "", (0, "stream-reward worker: SIGINT before it started; exiting")),
+    ],
+)
+def test_ctrl_c_while_the_cli_imports_is_one_line(tmp_path, how, command, code_and_line):
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
     mark = tmp_path / "fired"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "CTRL_C_MARK": str(mark)}
     script = Path(sys.executable).with_name("stream-reward")
     assert script.exists(), f"the install has no {script}"
-    program = [str(script)] if how == "script" else [sys.executable, "-m", "stream_reward.cli"]
-    proc = start_in_own_group([*program, "status", "--redis", f"unix://{tmp_path}/nothing.sock"], env=env)
+    program = {
+        "script": [str(script), command],
+        "module": [sys.executable, "-m", "stream_reward.cli", command],
+        "workers": [sys.executable, "-m", "workers"],
+    }[how]
+    proc = start_in_own_group([*program, "--redis", f"unix://{tmp_path}/nothing.sock"], env=env)
     try:
         _, err = proc.communicate(timeout=40)
         code: int | None = proc.returncode
@@ -213,6 +226,6 @@ def test_ctrl_c_while_the_cli_imports_is_one_line_and_130(tmp_path, how):
     stderr = err.decode(errors="replace")
     assert mark.exists(), f"the Ctrl-C was never sent (no import of redis?): {stderr}"
     # Before the fix: -2 and a traceback through the imports.
-    assert code == 130, (code, stderr[-2000:])
+    assert code == code_and_line[0], (code, stderr[-2000:])
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert lines == ["stream-reward status: interrupted"], stderr
+    assert lines == [code_and_line[1]], stderr
