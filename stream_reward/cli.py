@@ -10,29 +10,21 @@ sub-actions (``config show``) gets its own subparsers via ``_actions(sub, ...)``
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
-# Signals from the command's first instant, before main() installs its handler: kept here,
-# not raised. Raised, a Ctrl-C inside the imports below (a quarter second, most of it the
-# redis client's) came out as a KeyboardInterrupt traceback. main() stops on one at once.
-# Only when this module is the program (`stream-reward`, `python -m stream_reward.cli`):
-# a program that imports it keeps its own signals.
-_early: list[int] = []
+from stream_reward.ops import early_signals
 
-
-def _keep_early(signum: int, frame: object) -> None:
-    _early.append(signum)
-
-
+# A Ctrl-C in the imports below is kept, not raised as a traceback: main() stops on it at
+# once. Only when this module is the program (`stream-reward`, `python -m
+# stream_reward.cli`): a program that imports it keeps its own signals.
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "stream-reward":
-    signal.signal(signal.SIGINT, _keep_early)
-    signal.signal(signal.SIGTERM, _keep_early)
+    early_signals.keep()
 
 import argparse
 import asyncio
 import json
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -781,6 +773,11 @@ def _expected_fault(exc: BaseException) -> str | None:
 
 
 def _stopped_early(command: str, signum: int) -> int:
+    """A signal before the command started. A worker exits as workers.main does for one:
+    0, since a stop with nothing in flight is a whole drain."""
+    if command == "worker":
+        print(f"stream-reward worker: {signal.Signals(signum).name} before it started; exiting", file=sys.stderr)
+        return 0
     if signum == signal.SIGINT:
         print(f"stream-reward {command}: interrupted", file=sys.stderr)
         return 130
@@ -800,10 +797,12 @@ def main(argv: list[str] | None = None) -> int:
         _received.clear()
         previous = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
         previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_signal
-        _received.extend(_early)  # one from the imports: stops the command before it starts
-    elif _early:
-        # `worker` and `server` install their own handlers; one came before them.
-        return _stopped_early(args.command, _early[0])
+        _received.extend(early_signals.release())  # from the imports: the command never starts
+    else:
+        # `worker` and `server` install their own handlers, under Python's own until then.
+        early = early_signals.release()
+        if early:
+            return _stopped_early(args.command, early[0])
     try:
         _check_signals()
         if args.command != "worker":  # the worker configures its own logging, from its settings

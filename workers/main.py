@@ -22,6 +22,7 @@ from typing import Any
 
 from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.managers.registry import build_scorer
+from stream_reward.ops import early_signals
 from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import configure_logging as _configure_logging
 from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
@@ -148,6 +149,12 @@ async def _join_namespace(url: str, config: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    early = early_signals.release()
+    if early:
+        # A stop before the worker started (python -m workers keeps signals through its
+        # imports): nothing is in flight, so like a drained stop it exits 0.
+        print(f"stream-reward worker: {signal.Signals(early[0]).name} before it started; exiting", file=sys.stderr)
+        return 0
     parser = argparse.ArgumentParser(prog="stream-reward worker", description="Run a pool of reward workers.")
     add_worker_arguments(parser)
     args = parser.parse_args(argv)
