@@ -774,9 +774,8 @@ def _expected_fault(exc: BaseException) -> str | None:
 
 def _stopped_early(command: str, signum: int) -> int:
     """A signal before the command started. A worker exits as workers.main does for one:
-    0, since a stop with nothing in flight is a whole drain."""
+    0 and quiet, since a stop with nothing in flight is a whole drain."""
     if command == "worker":
-        print(f"stream-reward worker: {signal.Signals(signum).name} before it started; exiting", file=sys.stderr)
         return 0
     if signum == signal.SIGINT:
         print(f"stream-reward {command}: interrupted", file=sys.stderr)

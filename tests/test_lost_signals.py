@@ -170,7 +170,7 @@ def test_ctrl_c_raised_inside_exec_of_source_text_still_exits_130(tmp_path):
     assert lines == ["stream-reward status: interrupted"], stderr
 
 
-# A Ctrl-C in the CLI's first quarter second, while it imports what it needs (the redis
+# A Ctrl-C in a program's first quarter second, while it imports what it needs (the redis
 # client alone takes 0.14 s): it came out as a KeyboardInterrupt traceback and status -2,
 # 9 of 30 Ctrl-Cs sent 0.25-0.8 s after a demo's start. Sent here the moment the CLI starts
 # importing redis, from an import hook that `sitecustomize` installs at Python's start,
@@ -199,9 +199,10 @@ sys.meta_path.insert(0, CtrlCWhileTheCliImportsRedis())
     [
         ("script", "status", (130, "stream-reward status: interrupted")),
         ("module", "status", (130, "stream-reward status: interrupted")),
-        ("script", "worker", (0, "stream-reward worker: SIGINT before it started; exiting")),
+        # A worker stops as from a drain with nothing in flight: 0, and nothing to say.
+        ("script", "worker", (0, None)),
         # The worker program itself, which `stream-reward worker` becomes (exec).
-        ("workers", "", (0, "stream-reward worker: SIGINT before it started; exiting")),
+        ("workers", "", (0, None)),
     ],
 )
 def test_ctrl_c_while_the_cli_imports_is_one_line(tmp_path, how, command, code_and_line):
@@ -228,4 +229,4 @@ def test_ctrl_c_while_the_cli_imports_is_one_line(tmp_path, how, command, code_a
     # Before the fix: -2 and a traceback through the imports.
     assert code == code_and_line[0], (code, stderr[-2000:])
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert lines == [code_and_line[1]], stderr
+    assert lines == ([code_and_line[1]] if code_and_line[1] else []), stderr

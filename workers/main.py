@@ -149,11 +149,11 @@ async def _join_namespace(url: str, config: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    early = early_signals.release()
-    if early:
+    if early_signals.release():
         # A stop before the worker started (python -m workers keeps signals through its
-        # imports): nothing is in flight, so like a drained stop it exits 0.
-        print(f"stream-reward worker: {signal.Signals(early[0]).name} before it started; exiting", file=sys.stderr)
+        # imports): nothing is in flight, so it exits as a drained stop does, 0. Quietly:
+        # its logging is not set up, and a supervisor or a demo stopping a worker that is
+        # still starting has nothing to report.
         return 0
     parser = argparse.ArgumentParser(prog="stream-reward worker", description="Run a pool of reward workers.")
     add_worker_arguments(parser)
