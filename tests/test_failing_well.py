@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -165,6 +166,35 @@ async def test_ctrl_c_to_the_supervisors_process_group_is_one_drain(redis_url, n
     assert code == 0, (code, stderr)
     assert "exiting now" not in stderr and "Traceback" not in stderr, stderr
     assert await pending_count(redis_url, namespace) == 0  # every sample drained, none left on a stale consumer
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm-to-group"])
+def test_a_supervisor_stopped_while_redis_is_away_exits_0_without_a_traceback(tmp_path, namespace, sig):
+    """A pool of 2 joins the namespace before it starts its workers, retrying while Redis
+    is away. An operator's Ctrl-C then was a KeyboardInterrupt traceback (status -2); a
+    SIGTERM killed it without a word (-15). A stop is a stop: 0, as from a drain."""
+    nowhere = f"unix://{tmp_path}/nothing.sock"
+    argv = [*worker_argv(nowhere, namespace, "--processes", "2"), "--log-level", "INFO"]
+    proc = start_in_own_group(argv)
+    guard = threading.Timer(60, proc.kill)  # a pool that never says "retrying" ends the read
+    guard.start()
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for raw in proc.stderr:  # until it says it is retrying: the stop lands in the join
+            seen.append(raw.decode(errors="replace"))
+            if "retrying" in seen[-1]:
+                break
+        assert "retrying" in "".join(seen), seen
+        os.killpg(proc.pid, sig)
+        code, waited = timed_wait(proc, 30)
+        stderr = "".join(seen) + read_err(proc)
+    finally:
+        guard.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0 and waited < 10, (code, waited, stderr)
+    assert "Traceback" not in stderr, stderr
 
 
 # ---------------------------------------------------------------------- permanent errors fail fast
