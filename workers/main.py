@@ -148,6 +148,34 @@ async def _join_namespace(url: str, config: Any) -> None:
         await client.aclose()
 
 
+async def _join_unless_stopped(url: str, config: Any) -> bool:
+    """The supervisor's namespace join, which retries while Redis is away; False if a
+    SIGINT or SIGTERM stopped it first (Python's Ctrl-C was a traceback out of
+    asyncio.run here, a SIGTERM a death without a word)."""
+    loop = asyncio.get_running_loop()
+    join = asyncio.current_task()
+    assert join is not None
+    stopped: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        stopped.append(signum)
+        join.cancel()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await _join_namespace(url, config)
+    except asyncio.CancelledError:
+        if not stopped:
+            raise
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    if stopped:
+        log.info("%s before the workers started: exiting", signal.Signals(stopped[0]).name)
+    return not stopped
+
+
 def main(argv: list[str] | None = None) -> int:
     if early_signals.release():
         # A stop before the worker started (python -m workers keeps signals through its
@@ -180,7 +208,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             # Refuse a namespace of another protocol version here, once: a child
             # exiting 2 would otherwise be restarted by the supervisor forever.
-            asyncio.run(_join_namespace(url, settings.consumer_config(args.consumer)))
+            if not asyncio.run(_join_unless_stopped(url, settings.consumer_config(args.consumer))):
+                return 0  # stopped: no worker to drain
 
             return supervise(args)
         asyncio.run(run_worker(args))
