@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -230,3 +231,101 @@ def test_ctrl_c_while_the_cli_imports_is_one_line(tmp_path, how, command, code_a
     assert code == code_and_line[0], (code, stderr[-2000:])
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines == ([code_and_line[1]] if code_and_line[1] else []), stderr
+
+
+# helper-30's find: a Ctrl-C can be dropped, not raised. After each import, importlib runs
+# a weakref callback in Python (`_get_module_lock.<locals>.cb`); a KeyboardInterrupt
+# raised in it is "Exception ignored" and gone. Before main() installed its handler,
+# nothing kept that Ctrl-C: a demo Ctrl-C'd 0.44 s after its start ran on to its end.
+# Here the import lock of one module gets a second weakref whose callback is C (libc's
+# killpg through ctypes) and runs first, so the SIGINT is pending as importlib's own
+# callback starts: `stream_reward.cli`'s own lock for the script (it imports the module),
+# redis's for `python -m` (it runs the module as __main__, without a lock). A dropped
+# Ctrl-C lets `status` go on to its "Redis unreachable" line and exit 2.
+SITECUSTOMIZE_LOCK = """
+import ctypes, functools, os, signal, sys, weakref
+import importlib._bootstrap as bootstrap
+
+MARK = os.environ["CTRL_C_MARK"]
+TARGET = os.environ["CTRL_C_LOCK"]
+killpg = ctypes.CDLL(None, use_errno=True).killpg
+killpg.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.py_object]  # the third: the weakref, ignored
+ctrl_c = functools.partial(killpg, 0, int(signal.SIGINT))  # C all the way: no bytecode runs in it
+armed = []
+
+class CtrlCAsTheImportLockGoes:
+    def find_spec(self, name, path=None, target=None):
+        if name == TARGET and not armed:
+            ref = bootstrap._module_locks.get(name)
+            lock = ref() if ref is not None else None
+            if lock is not None:
+                armed.append(weakref.ref(lock, ctrl_c))
+                del lock
+                open(MARK, "w").close()
+        return None
+
+sys.meta_path.insert(0, CtrlCAsTheImportLockGoes())
+"""
+
+
+@pytest.mark.parametrize("how, lock", [("script", "stream_reward.cli"), ("module", "redis")])
+def test_a_ctrl_c_dropped_in_an_import_lock_callback_is_kept(tmp_path, how, lock):
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE_LOCK)
+    mark = tmp_path / "armed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env |= {"CTRL_C_MARK": str(mark), "CTRL_C_LOCK": lock}
+    program = {
+        "script": [str(Path(sys.executable).with_name("stream-reward"))],
+        "module": [sys.executable, "-m", "stream_reward.cli"],
+    }[how]
+    proc = start_in_own_group([*program, "status", "--redis", f"unix://{tmp_path}/nothing.sock"], env=env)
+    try:
+        _, err = proc.communicate(timeout=40)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = None
+        proc.kill()
+        _, err = proc.communicate()
+    stderr = err.decode(errors="replace")
+    assert mark.exists(), f"the Ctrl-C was never armed (no import lock for {lock}?): {stderr}"
+    # Before the fix: 2, "Exception ignored in: <function _get_module_lock.<locals>.cb", then
+    # status's "Redis unreachable" line.
+    assert code == 130, (code, stderr[-2000:])
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines == ["stream-reward status: interrupted"], stderr
+
+
+def test_a_worker_started_with_ctrl_c_ignored_still_ignores_it_while_it_imports(tmp_path):
+    """`nohup` or a shell's `&` starts a program with SIGINT ignored; keeping signals
+    through the imports must not make a Ctrl-C count there."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    mark = tmp_path / "fired"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "CTRL_C_MARK": str(mark)}
+    argv = [sys.executable, "-m", "workers", "--redis", f"unix://{tmp_path}/nothing.sock"]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    guard = threading.Timer(60, proc.kill)  # a worker that never says "retrying" ends the read
+    guard.start()
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for raw in proc.stderr:  # running on, past its imports: it retries the absent server
+            seen.append(raw.decode(errors="replace"))
+            if "retrying" in seen[-1]:
+                break
+        assert mark.exists(), "".join(seen)
+        # Before: the kept Ctrl-C stopped it as it started (exit 0, not a line said).
+        assert "retrying" in "".join(seen) and proc.poll() is None, (proc.poll(), seen)
+    finally:
+        guard.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
