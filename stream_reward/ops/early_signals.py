@@ -24,9 +24,11 @@ def _keep(signum: int, frame: object) -> None:
 
 
 def keep() -> None:
-    """From now until ``release()``, SIGINT and SIGTERM are kept, not acted on."""
+    """From now until ``release()``, SIGINT and SIGTERM are kept, not acted on. One the
+    program was started with ignored (``nohup``, a shell's ``&``) stays ignored."""
     for signum in _SIGNALS:
-        _before[signum] = signal.signal(signum, _keep)
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            _before[signum] = signal.signal(signum, _keep)
 
 
 def release() -> list[int]:
