@@ -46,10 +46,14 @@ def supervise(args: argparse.Namespace) -> int:
 
     def spawn(slot: int) -> None:
         consumer = f"{args.consumer}-{slot}" if args.consumer else None
-        children[slot] = subprocess.Popen(
+        children[slot] = child = subprocess.Popen(
             worker_argv(args, consumer=consumer, slot=slot), preexec_fn=own_group_and_die_with_parent
         )
         started_at[slot] = time.monotonic()
+        if state["signals"]:
+            # A stop that came while Popen ran signalled the children it knew, not this
+            # one: left alone, it ran on and the supervisor waited for it for ever.
+            child.send_signal(signal.SIGTERM if state["signals"] == 1 else signal.SIGKILL)
 
     def signal_children(sig: int) -> None:
         for child in children.values():
