@@ -122,6 +122,8 @@ def _install_signal_handlers(stop: asyncio.Event, drain_timeout_s: float) -> Non
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    for kept in early_signals.release():  # kept since the program's first instant
+        on_signal(kept)
 
 
 def _exit_now(drain_timeout_s: float) -> None:
@@ -163,6 +165,8 @@ async def _join_unless_stopped(url: str, config: Any) -> bool:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    for kept in early_signals.release():
+        on_signal(kept)
     try:
         await _join_namespace(url, config)
     except asyncio.CancelledError:
@@ -171,17 +175,20 @@ async def _join_unless_stopped(url: str, config: Any) -> bool:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        early_signals.keep()  # until the supervisor's own handlers are in
     if stopped:
         log.info("%s before the workers started: exiting", signal.Signals(stopped[0]).name)
     return not stopped
 
 
 def main(argv: list[str] | None = None) -> int:
-    if early_signals.release():
-        # A stop before the worker started (python -m workers keeps signals through its
-        # imports): nothing is in flight, so it exits as a drained stop does, 0. Quietly:
-        # its logging is not set up, and a supervisor or a demo stopping a worker that is
-        # still starting has nothing to report.
+    """``python -m workers`` keeps SIGINT and SIGTERM from its first instant until the
+    worker's (or the supervisor's) own handlers are in; those act on what was kept."""
+    if early_signals.pending():
+        # A stop before the worker started: nothing is in flight, so it exits as a drained
+        # stop does, 0. Quietly: its logging is not set up, and a supervisor or a demo
+        # stopping a worker that is still starting has nothing to report.
+        early_signals.release()
         return 0
     parser = argparse.ArgumentParser(prog="stream-reward worker", description="Run a pool of reward workers.")
     add_worker_arguments(parser)

@@ -21,6 +21,7 @@ import subprocess
 import time
 from types import FrameType
 
+from stream_reward.ops import early_signals
 from stream_reward.ops.embedded import own_group_and_die_with_parent
 from stream_reward.ops.worker_cli import worker_argv
 
@@ -70,6 +71,8 @@ def supervise(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    for signum in early_signals.release():  # kept since python -m workers started
+        on_signal(signum, None)
     for slot in range(n):
         if state["signals"]:
             break
