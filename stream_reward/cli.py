@@ -321,16 +321,19 @@ def _import_torch_first(feature: str) -> None:
 
 # ---------------------------------------------------------------------- commands
 def cmd_server(args: argparse.Namespace) -> int:
-    from stream_reward.ops.embedded import EmbeddedServer
-
     stop = {"flag": False}
 
     def on_signal(signum: int, frame: Any) -> None:
         stop["flag"] = True
 
-    # Handlers first: whoever reads the URL may signal us right away.
+    # Handlers first, before the server's import (a SIGTERM there was a death by signal):
+    # whoever reads the URL may signal us right away.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if early_signals.release():
+        return 0  # stopped before it started, as a stop of a running server exits
+    from stream_reward.ops.embedded import EmbeddedServer
+
     if args.dir is not None:
         os.makedirs(args.dir, exist_ok=True)
     # With --dir the data (AOF with --appendonly) lives there and outlives the server;
@@ -346,13 +349,26 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Check the settings here (one clear line on a mistake), then become the worker program."""
     settings = resolve_args(args)
     if args.check:
+        if early_signals.release():  # Python's handlers back for the check
+            return 0
         healthy, message = _run_async(check_health(settings, consumer=args.consumer))
         print(message, file=sys.stdout if healthy else sys.stderr)
         return 0 if healthy else 1
     settings.require_redis()
+    # Signals kept since the program's first instant (see main) end here: one that came is
+    # a worker stopped before it started (0, as workers.main exits for one). From here
+    # through the exec they are blocked, not lost: the worker program takes them at its
+    # first instant (early_signals.keep unblocks them).
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+    if early_signals.release():
+        return 0  # left blocked: the process is leaving
     # exec, not a child: signals from the terminal or a service manager reach the
     # worker itself, and the library never imports the runnable side.
-    os.execv(sys.executable, worker_command(*args.worker_argv))
+    try:
+        os.execv(sys.executable, worker_command(*args.worker_argv))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        raise
     return 0  # not reached
 
 
@@ -797,11 +813,9 @@ def main(argv: list[str] | None = None) -> int:
         previous = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
         previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_signal
         _received.extend(early_signals.release())  # from the imports: the command never starts
-    else:
-        # `worker` and `server` install their own handlers, under Python's own until then.
-        early = early_signals.release()
-        if early:
-            return _stopped_early(args.command, early[0])
+    elif early_signals.pending():
+        return _stopped_early(args.command, early_signals.release()[0])
+    # `worker` and `server` take the kept signals once their own handlers are in.
     try:
         _check_signals()
         if args.command != "worker":  # the worker configures its own logging, from its settings
