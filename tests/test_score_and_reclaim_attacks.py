@@ -289,6 +289,34 @@ async def test_scores_cancelled_mid_flush_do_not_let_the_producer_pass_max_backl
         no_waiters(p)
 
 
+async def test_a_push_waiting_between_backlog_readings_at_aclose_gets_an_error(redis_url, namespace) -> None:
+    """A push waiting for room sleeps between readings (backlog_poll_s). An aclose() then
+    ended no reading it awaited: it woke, read the backlog again through a client made
+    anew after the close, found no room, and waited on for ever. The full suite's run of
+    the test below caught it once: one of its two waiters was between readings."""
+    cfg = ProducerConfig(namespace=namespace, max_backlog=2, on_backlog="wait", backlog_poll_s=0.5)
+    p = RolloutProducer(redis_url, cfg)
+    await p.open_batch("rs", 10, 8)
+    await p.push_many(traj("rs", i) for i in range(2))
+    waiter = asyncio.ensure_future(p.push(traj("rs", 5)))
+    try:
+
+        async def asleep() -> bool:  # its reading is over: no room, it sleeps
+            return p._backlog_reading is not None and p._backlog_reading.done()
+
+        await wait_until(asleep, timeout_s=5)
+        assert not waiter.done()
+        await asyncio.wait_for(p.aclose(), 5)
+        done, _ = await asyncio.wait([waiter], timeout=5)
+        assert done, "the push still waits for room 5 s after the close"
+        assert isinstance(waiter.exception(), BrokerError), waiter.exception()
+        assert p._client is None, "the waiting push made a new client after the close"
+    finally:
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        await p.aclose()
+
+
 async def test_a_push_waiting_on_a_backlog_reading_that_aclose_ends_gets_an_error_not_a_cancel(
     redis_url, namespace
 ) -> None:
