@@ -265,6 +265,7 @@ class RolloutProducer:
         self._flying: dict[int, list[Any]] = {}
         self._replies_while_reading: list[tuple[int, int | None, int]] = []
         self._reading_closed: asyncio.Future[None] | None = None  # the reading aclose() ended, if any
+        self._closes = 0  # aclose() calls: a push waiting for room across one ends with an error
         self._listener: ResultListener | None = None  # the process's result listener, on first score()
         self._lane: Lane | None = None  # the pushes' own connection (wire/lane.py), where one serves
         self._lane_client: Any = None  # the client the lane was made for
@@ -282,6 +283,7 @@ class RolloutProducer:
         await self.aclose()
 
     async def aclose(self) -> None:
+        self._closes += 1
         if self._coalescer is not None:
             await self._coalescer.aclose()
         reading, self._backlog_reading = self._backlog_reading, None
@@ -907,7 +909,12 @@ class RolloutProducer:
         # Ask Redis at most every poll interval, and once for all concurrent pushes: the
         # check is a round trip, and a local estimate (last reading + what we pushed
         # since) is good enough between.
+        closes = self._closes
         while True:
+            if self._closes != closes:
+                # Closed while this push slept between readings: reading on would make a
+                # new client after the close and wait for room for ever.
+                raise BrokerError("the producer was closed while this push waited for room")
             if time.monotonic() - self._backlog_checked_at >= self.config.backlog_poll_s:
                 reading = self._start_backlog_reading()
                 try:
