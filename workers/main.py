@@ -175,10 +175,11 @@ async def _join_unless_stopped(url: str, config: Any) -> bool:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
-        early_signals.keep()  # until the supervisor's own handlers are in
     if stopped:
         log.info("%s before the workers started: exiting", signal.Signals(stopped[0]).name)
-    return not stopped
+        return False
+    early_signals.keep()  # until the supervisor's own handlers are in (it releases them)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
