@@ -119,6 +119,8 @@ def test_result_round_trip_and_unencodable_extra():
         scored_at=12.5,
     )
     assert decode_result(encode_result(result)) == result
+    # What a collected batch keeps of it (trainer/aggregator.py: BatchRewards), every field in place.
+    assert ScoreResult.from_record(result.record(), result.extra) == result
     odd = ScoreResult("u", "b", 1, 1.0, extra={"s": {1, 2}, "obj": object()})
     decoded = decode_result(encode_result(odd))
     assert decoded.score == 1.0 and isinstance(decoded.extra["s"], str)

@@ -80,7 +80,7 @@ async def test_a_collected_batch_holds_no_tracked_object_per_sample_until_its_re
         # What the results were, unchanged: every field, made once and kept.
         assert rewards.results == expected
         assert rewards.results is rewards.results
-        assert rewards.scores == [r.score for r in expected]
+        assert rewards.scores == [r.score if r.status == "ok" else 0.0 for r in expected]  # the default policy
         assert rewards.status == [r.status for r in expected]
         assert rewards.errors == [r.error for r in expected]
         assert rewards.reward_extra_info["acc"] == [r.extra.get("acc") for r in expected]

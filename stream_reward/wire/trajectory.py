@@ -7,7 +7,14 @@ from typing import Any, Literal
 
 Status = Literal["ok", "failed"]
 
-__all__ = ["Trajectory", "ScoreResult", "Status", "default_uid", "trajectory_from_json"]
+__all__ = ["Trajectory", "ScoreResult", "ResultRecord", "Status", "default_uid", "trajectory_from_json"]
+
+# A result's fields but ``extra``, in ScoreResult's order, as a plain tuple: with its
+# extra, ``ScoreResult.from_record(record, extra)`` is the result again. What a batch
+# keeps while it fills and after collect (see trainer.aggregator.BatchRewards): a tuple
+# of atoms stops being tracked by the garbage collector after one pass; a ScoreResult
+# never does, nor a tuple that holds a dict (even an empty one).
+ResultRecord = tuple[Any, ...]
 
 
 def default_uid(batch_id: str, index: int) -> str:
@@ -101,6 +108,30 @@ class ScoreResult:
             fields.setdefault("data_source", traj.data_source)
             fields.setdefault("group", traj.group)
         return cls(uid, batch_id, index, 0.0, "failed", reason=reason, error=error, attempts=attempts, **fields)
+
+    @classmethod
+    def from_record(cls, record: ResultRecord, extra: dict[str, Any]) -> ScoreResult:
+        """The result of ``record`` and its ``extra`` (see ResultRecord)."""
+        uid, batch_id, index, score, status, reason, error, attempts, length, source, group, at = record
+        # Positional: 0.35 us against 0.93 with keywords, per result on the trainer.
+        return cls(uid, batch_id, index, score, status, extra, reason, error, attempts, length, source, group, at)
+
+    def record(self) -> ResultRecord:
+        """The result's fields but ``extra`` (see ResultRecord)."""
+        return (
+            self.uid,
+            self.batch_id,
+            self.index,
+            self.score,
+            self.status,
+            self.reason,
+            self.error,
+            self.attempts,
+            self.valid_response_length,
+            self.data_source,
+            self.group,
+            self.scored_at,
+        )
 
 
 _JSON_FIELDS: dict[str, tuple[type, ...]] = {
