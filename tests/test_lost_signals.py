@@ -35,6 +35,25 @@ from helpers import start_in_own_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def run_to_end(proc: subprocess.Popen[bytes], timeout: float = 40) -> tuple[int | None, str]:
+    """Its exit status and stderr; status None for a program still running at ``timeout``
+    (the signal was lost), which is then killed."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = None
+        proc.kill()
+        _, err = proc.communicate()
+    return code, err.decode(errors="replace")
+
+
+def said(stderr: str) -> list[str]:
+    """The lines a program said on stderr, blank ones left out."""
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
 # The CLI, with a terminal's Ctrl-C (SIGINT to the foreground group) sent the moment
 # numpy's import starts inside the demo, before torch's C extension is loaded (today:
 # from torch._C's own init). A marker file says the hook fired.
@@ -74,22 +93,15 @@ def test_ctrl_c_while_the_demo_imports_torch_is_not_lost(tmp_path, redis_url, na
     proc = start_in_own_group(argv)
     try:
         started = time.monotonic()
-        try:
-            _, err = proc.communicate(timeout=30)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = None  # still running its generation: the Ctrl-C was lost
-            proc.kill()
-            _, err = proc.communicate()
+        code, stderr = run_to_end(proc, timeout=30)
         took = time.monotonic() - started
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # a worker the demo left behind
-    stderr = err.decode(errors="replace")
     assert mark.exists(), f"the Ctrl-C was never sent (numpy imported before the demo started?): {stderr}"
     # Before the fix: code None (still running at 30 s; left alone it finishes the 60 s demo and exits 0).
     assert code == 130, (code, round(took, 1), mark.read_text(), stderr[-2000:])
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = said(stderr)
     assert lines == ["stream-reward demo: interrupted"], stderr
 
 
@@ -117,14 +129,7 @@ def test_a_sigterm_raised_inside_an_at_fork_hook_still_stops_score(tmp_path):
     scorer = "python:tests/data/failwell_scorers.py:slow"
     argv = [sys.executable, "-c", LAUNCH_FORK, "score", str(src), "--scorer", scorer, "--processes", "1"]
     proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        _, err = proc.communicate(timeout=40)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        code = None  # scoring its 60 s sample: the SIGTERM was lost
-        proc.kill()
-        _, err = proc.communicate()
-    stderr = err.decode(errors="replace")
+    code, stderr = run_to_end(proc)
     assert code == 143, (code, stderr[-2000:])
     assert "Traceback" not in stderr, stderr
 
@@ -157,17 +162,10 @@ def test_ctrl_c_raised_inside_exec_of_source_text_still_exits_130(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     argv = [sys.executable, "-m", "launch_exec", "status", "--redis", f"unix://{tmp_path}/nothing.sock"]
     proc = start_in_own_group(argv, env=env)
-    try:
-        _, err = proc.communicate(timeout=40)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        code = None
-        proc.kill()
-        _, err = proc.communicate()
-    stderr = err.decode(errors="replace")
+    code, stderr = run_to_end(proc)
     # Before the fix: -2, after the one line below.
     assert code == 130, (code, stderr[-2000:])
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = said(stderr)
     assert lines == ["stream-reward status: interrupted"], stderr
 
 
@@ -218,18 +216,11 @@ def test_ctrl_c_while_the_cli_imports_is_one_line(tmp_path, how, command, code_a
         "workers": [sys.executable, "-m", "workers"],
     }[how]
     proc = start_in_own_group([*program, "--redis", f"unix://{tmp_path}/nothing.sock"], env=env)
-    try:
-        _, err = proc.communicate(timeout=40)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        code = None
-        proc.kill()
-        _, err = proc.communicate()
-    stderr = err.decode(errors="replace")
+    code, stderr = run_to_end(proc)
     assert mark.exists(), f"the Ctrl-C was never sent (no import of redis?): {stderr}"
     # Before the fix: -2 and a traceback through the imports.
     assert code == code_and_line[0], (code, stderr[-2000:])
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = said(stderr)
     assert lines == ([code_and_line[1]] if code_and_line[1] else []), stderr
 
 
@@ -279,19 +270,12 @@ def test_a_ctrl_c_dropped_in_an_import_lock_callback_is_kept(tmp_path, how, lock
         "module": [sys.executable, "-m", "stream_reward.cli"],
     }[how]
     proc = start_in_own_group([*program, "status", "--redis", f"unix://{tmp_path}/nothing.sock"], env=env)
-    try:
-        _, err = proc.communicate(timeout=40)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        code = None
-        proc.kill()
-        _, err = proc.communicate()
-    stderr = err.decode(errors="replace")
+    code, stderr = run_to_end(proc)
     assert mark.exists(), f"the Ctrl-C was never armed (no import lock for {lock}?): {stderr}"
     # Before the fix: 2, "Exception ignored in: <function _get_module_lock.<locals>.cb", then
     # status's "Redis unreachable" line.
     assert code == 130, (code, stderr[-2000:])
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = said(stderr)
     assert lines == ["stream-reward status: interrupted"], stderr
 
 
