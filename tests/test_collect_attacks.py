@@ -293,8 +293,8 @@ def test_build_rewards_with_nothing_and_with_every_sample_dropped() -> None:
 
 
 def test_build_rewards_keeps_the_given_result_objects() -> None:
-    """Before: ``results=list(kept)``: the caller's own ScoreResults, so an edit of one
-    (or a subclass with more to it) was what the batch showed."""
+    """``results=list(kept)``: the caller's own ScoreResults, so an edit of one
+    (or a subclass with more to it) is what the batch shows."""
     results = sample_results()
     rewards = build_rewards("b", meta(), results)
     assert all(a is b for a, b in zip(rewards.results, results))
@@ -330,15 +330,15 @@ def test_batch_rewards_survives_copy_deepcopy_pickle_and_replace_with_its_result
 
 
 def test_an_edit_of_a_result_survives_dataclasses_replace() -> None:
-    """Before: replace() passed the same ScoreResult objects on; now the copy remakes
-    them from the records and an edit made through ``results`` is lost."""
+    """replace() passes the same ScoreResult objects on. With c84549d the copy remade
+    them from the records, and an edit made through ``results`` was lost."""
     rewards = build_rewards("b", meta(), sample_results())
     rewards.results[0].reason = "relabelled"
     assert dataclasses.replace(rewards, scores=list(rewards.scores)).results[0].reason == "relabelled"
 
 
 def test_batch_rewards_results_as_a_field() -> None:
-    """Before: ``results`` was a dataclass field: set, replaced, in asdict() and fields()."""
+    """``results`` is a dataclass field: set, replaced, in asdict() and fields()."""
     rewards = build_rewards("b", meta(), sample_results())
     names = [f.name for f in dataclasses.fields(rewards)]
     assert "results" in names
@@ -371,8 +371,9 @@ def test_batch_rewards_built_by_keyword_with_results() -> None:
 
 
 def test_batch_rewards_built_positionally() -> None:
-    """Before: the 8th positional argument was ``results``, the 9th ``errors``; now they land
-    in ``_records`` / ``_extras`` silently, and the batch breaks later, on first use."""
+    """The 8th positional argument is ``results``, the 9th ``errors``. The records change
+    (c84549d) had them land in ``_records`` / ``_extras`` silently, and the batch broke
+    later, on first use."""
     r = build_rewards("b", meta(), sample_results())
     made = BatchRewards(
         "b", r.rm_scores, r.scores, r.status, r.reward_extra_info, r.valid, r.indices, sample_results(), r.errors
@@ -382,7 +383,7 @@ def test_batch_rewards_built_positionally() -> None:
 
 
 def test_batch_rewards_repr_shows_each_sample_result() -> None:
-    """Before: repr(BatchRewards) listed the results (uids, reasons, errors)."""
+    """repr(BatchRewards) lists the results (uids, reasons, errors)."""
     rewards = build_rewards("b", meta(), sample_results())
     assert "scorer_error" in repr(rewards) and "b/3" in repr(rewards)
 

@@ -60,6 +60,37 @@ log = logging.getLogger(__name__)
 MISSING = None  # the explicit fill for a reward_extra_info key a sample did not report
 
 
+class _Records:
+    """A collected batch's results before anyone asked for them: their ResultRecords and
+    extras. A batch lives through a trainer's step, and a ScoreResult per sample (always
+    tracked by the garbage collector) that long is promoted to the oldest generation and
+    brings on full collections of the whole heap: 3 of ~0.12 s per 100,000 samples in the
+    trainer process of bench throughput. A tuple of atoms goes untracked after one pass."""
+
+    def __init__(self, records: list[ResultRecord], extras: list[dict[str, Any]]) -> None:
+        self.records = records
+        self.extras = extras
+
+    def results(self) -> list[ScoreResult]:
+        return [ScoreResult.from_record(r, x) for r, x in zip(self.records, self.extras)]
+
+
+class _ResultsField:
+    """``BatchRewards.results``: a plain field to whoever sets or reads it; the aggregator
+    sets it to a _Records, made into the ScoreResults on first read and kept."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> list[ScoreResult]:
+        if obj is None:
+            raise AttributeError("results")  # a dataclass field without a default
+        value = obj.__dict__["results"]
+        if isinstance(value, _Records):
+            value = obj.__dict__["results"] = value.results()
+        return value  # type: ignore[no-any-return]
+
+    def __set__(self, obj: Any, value: list[ScoreResult] | _Records) -> None:
+        obj.__dict__["results"] = value
+
+
 @dataclass
 class BatchRewards:
     """A collected batch, in index order.
@@ -77,21 +108,9 @@ class BatchRewards:
     reward_extra_info: dict[str, list[Any]]
     valid: torch.Tensor
     indices: list[int]
-    # Each sample's result as a ResultRecord and its extra until ``results`` is first read: a
-    # batch lives through a trainer's step, and a ScoreResult per sample (always tracked by the
-    # garbage collector) that long is promoted to the oldest generation, bringing on full
-    # collections of the whole heap: 3 of ~0.12 s per 100,000 samples in bench throughput.
-    _records: list[ResultRecord] = field(repr=False)
-    _extras: list[dict[str, Any]] = field(repr=False)
+    # Each sample's result; from collect, made on first read (see _Records).
+    results: list[ScoreResult | None] = _ResultsField()  # type: ignore[assignment]
     errors: list[str | None] = field(default_factory=list)
-    _results: list[ScoreResult] | None = field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def results(self) -> list[ScoreResult]:
-        """Each sample's result, in the order of ``indices``; made on first use, then kept."""
-        if self._results is None:
-            self._results = [ScoreResult.from_record(r, x) for r, x in zip(self._records, self._extras)]
-        return self._results
 
     @property
     def n(self) -> int:
@@ -492,13 +511,19 @@ class RewardAggregator:
 
 def build_rewards(batch_id: str, meta: BatchMeta, results: list[ScoreResult]) -> BatchRewards:
     """Apply the failure policy and lay the scores out as verl expects."""
-    return rewards_of_records(batch_id, meta, [r.record() for r in results], [r.extra for r in results])
+    records = [r.record() for r in results]
+    return rewards_of_records(batch_id, meta, records, [r.extra for r in results], results)
 
 
 def rewards_of_records(
-    batch_id: str, meta: BatchMeta, records: list[ResultRecord], extras: list[dict[str, Any]]
+    batch_id: str,
+    meta: BatchMeta,
+    records: list[ResultRecord],
+    extras: list[dict[str, Any]],
+    results: list[ScoreResult] | None = None,
 ) -> BatchRewards:
-    """``build_rewards`` of results given as records and their extras (what collect holds)."""
+    """``build_rewards`` of results given as records and their extras (what collect
+    holds); ``results``, when given, are those same results, kept as they are."""
     torch = import_torch()
 
     policy = meta.policy
@@ -506,6 +531,8 @@ def rewards_of_records(
     if policy.on_failure == "drop":
         kept = [at for at, record in enumerate(records) if record[4] != "failed"]  # ResultRecord: [4] is status
         records, extras = [records[at] for at in kept], [extras[at] for at in kept]
+        if results is not None:
+            results = [results[at] for at in kept]
     scores, lengths, valid, status, indices, errors = [], [], [], [], [], []
     for _uid, _batch, index, score, state, _reason, error, _attempts, length, _ds, _group, _at in records:
         ok = state == "ok"
@@ -527,7 +554,6 @@ def rewards_of_records(
         reward_extra_info=merge_extra_info(extras),  # the extras read, never changed: no copies
         valid=torch.tensor(valid, dtype=torch.bool),
         indices=indices,
-        _records=list(records),
-        _extras=list(extras),
+        results=list(results) if results is not None else _Records(records, extras),  # type: ignore[arg-type]
         errors=errors,
     )
