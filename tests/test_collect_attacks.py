@@ -329,6 +329,26 @@ def test_batch_rewards_survives_copy_deepcopy_pickle_and_replace_with_its_result
     assert rewards == copy.copy(rewards)
 
 
+async def test_a_shallow_copy_of_a_collected_batch_shares_its_results(redis_url, namespace) -> None:
+    """As a shallow copy of a batch whose results were a list shares that list, taken
+    before the first read too (the ScoreResults are made once, for both)."""
+    async with (
+        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(redis_url, namespace=namespace) as agg,
+    ):
+        await producer.open_batch("b", SIZE, RESP, policy=BatchPolicy(on_failure="mask"))
+        client = connect(redis_url)
+        try:
+            ledger = LedgerWriter(client, Keys(namespace), "scorers", result_ttl_s=60)
+            items = [LedgerItem("", "b", f"b/{i}", encode_result(ok("b", i, 1.0, 2))) for i in range(SIZE)]
+            await ledger.write(0, items)
+        finally:
+            await client.aclose()
+        rewards = await agg.collect("b", timeout_s=30)
+    twin = copy.copy(rewards)
+    assert twin.results is rewards.results and len(twin.results) == SIZE
+
+
 def test_an_edit_of_a_result_survives_dataclasses_replace() -> None:
     """replace() passes the same ScoreResult objects on. With c84549d the copy remade
     them from the records, and an edit made through ``results`` was lost."""

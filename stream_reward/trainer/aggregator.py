@@ -70,9 +70,14 @@ class _Records:
     def __init__(self, records: list[ResultRecord], extras: list[dict[str, Any]]) -> None:
         self.records = records
         self.extras = extras
+        self.made: list[ScoreResult] | None = None
 
     def results(self) -> list[ScoreResult]:
-        return [ScoreResult.from_record(r, x) for r, x in zip(self.records, self.extras)]
+        # Made once: copies of a batch taken before the first read share the list, as a
+        # shallow copy of a batch that held it did.
+        if self.made is None:
+            self.made = [ScoreResult.from_record(r, x) for r, x in zip(self.records, self.extras)]
+        return self.made
 
 
 class _ResultsField:
