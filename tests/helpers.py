@@ -23,6 +23,16 @@ from stream_reward.wire.keys import Keys
 from stream_reward.wire.lane import Lane
 
 
+@contextlib.asynccontextmanager
+async def producer_and_aggregator(url: str, namespace: str) -> AsyncIterator[tuple[RolloutProducer, RewardAggregator]]:
+    """A trainer's two ends on ``namespace``, closed on exit."""
+    async with (
+        RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer,
+        RewardAggregator(url, namespace=namespace) as agg,
+    ):
+        yield producer, agg
+
+
 async def wait_until(
     predicate: Callable[[], Awaitable[object]], timeout_s: float = 30.0, every_s: float = 0.05
 ) -> None:

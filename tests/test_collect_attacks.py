@@ -11,8 +11,9 @@ import pickle
 
 import msgpack
 import pytest
+from helpers import producer_and_aggregator
 
-from stream_reward import BatchPolicy, BatchRewards, ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult
+from stream_reward import BatchPolicy, BatchRewards, RolloutProducer, ScoreResult
 from stream_reward.trainer.aggregator import build_rewards
 from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result, result_from_row, stored_result
@@ -153,10 +154,7 @@ def check_aligned(rewards: BatchRewards, batch: str, policy: str) -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_collect_keeps_every_per_sample_field_aligned_under_each_policy(redis_url, namespace, policy) -> None:
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
         await mixed_batch(redis_url, namespace, producer, "m", policy)
         rewards = await agg.collect("m", timeout_s=0.5, on_timeout="resolve")
     check_aligned(rewards, "m", policy)
@@ -164,10 +162,7 @@ async def test_collect_keeps_every_per_sample_field_aligned_under_each_policy(re
 
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_build_rewards_of_the_collected_results_is_the_collected_batch(redis_url, namespace, policy) -> None:
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
         await mixed_batch(redis_url, namespace, producer, "p", policy)
         meta = await agg.meta("p")
         everything = await agg.collect("p", timeout_s=0.5, on_timeout="resolve")
@@ -184,10 +179,7 @@ async def test_build_rewards_of_the_collected_results_is_the_collected_batch(red
 async def test_stream_yields_each_sample_once_with_its_own_extra_and_fails_unreadable_ones(
     redis_url, namespace
 ) -> None:
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
         await mixed_batch(redis_url, namespace, producer, "s", "mask")
         got = [r async for r in agg.stream("s", timeout_s=0.5)]
         rewards = await agg.collect("s", timeout_s=0.5, on_timeout="resolve")
@@ -206,10 +198,7 @@ async def test_stream_yields_each_sample_once_with_its_own_extra_and_fails_unrea
 
 
 async def test_per_sample_result_of_foreign_and_garbled_records_fails_that_sample(redis_url, namespace) -> None:
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
         await mixed_batch(redis_url, namespace, producer, "r", "mask")
         foreign = await agg.result("r", "r/2", timeout_s=2)
         garbled = await agg.result("r", "r/3", timeout_s=2)
@@ -332,10 +321,7 @@ def test_batch_rewards_survives_copy_deepcopy_pickle_and_replace_with_its_result
 async def test_a_shallow_copy_of_a_collected_batch_shares_its_results(redis_url, namespace) -> None:
     """As a shallow copy of a batch whose results were a list shares that list, taken
     before the first read too (the ScoreResults are made once, for both)."""
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
         await producer.open_batch("b", SIZE, RESP, policy=BatchPolicy(on_failure="mask"))
         client = connect(redis_url)
         try:

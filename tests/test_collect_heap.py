@@ -14,8 +14,9 @@ from __future__ import annotations
 import gc
 
 import pytest
+from helpers import producer_and_aggregator
 
-from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult
+from stream_reward import RolloutProducer, ScoreResult
 from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
@@ -63,10 +64,7 @@ async def store(redis_url: str, namespace: str, producer: RolloutProducer, batch
 async def test_a_collected_batch_holds_no_tracked_object_per_sample_until_its_results_are_asked_for(
     redis_url, namespace
 ) -> None:
-    async with (
-        RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-        RewardAggregator(redis_url, namespace=namespace) as agg,
-    ):
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
         await store(redis_url, namespace, producer, "warm")
         await agg.collect("warm", timeout_s=30)  # connections, scripts, torch's first calls
         expected = await store(redis_url, namespace, producer, "b")
