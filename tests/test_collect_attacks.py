@@ -403,3 +403,10 @@ def test_two_batches_differing_only_in_a_result_are_unequal() -> None:
     c = build_rewards("b", meta(), changed)
     c = dataclasses.replace(c, rm_scores=a.rm_scores, valid=a.valid)  # same tensor objects: comparable
     assert a != c
+
+
+def test_a_batch_made_without_init_has_no_results_attribute_rather_than_a_key_error() -> None:
+    """As with a plain field: ``hasattr`` (and copy or pickle helpers that probe) see an
+    unset ``results`` as missing; a KeyError from the field would escape hasattr."""
+    bare = BatchRewards.__new__(BatchRewards)
+    assert not hasattr(bare, "results")
