@@ -85,8 +85,9 @@ class _ResultsField:
     sets it to a _Records, made into the ScoreResults on first read and kept."""
 
     def __get__(self, obj: Any, owner: Any = None) -> list[ScoreResult]:
-        if obj is None:
-            raise AttributeError("results")  # a dataclass field without a default
+        if obj is None or "results" not in obj.__dict__:
+            # On the class: a dataclass field without a default. On an instance: not set yet.
+            raise AttributeError("results")
         value = obj.__dict__["results"]
         if isinstance(value, _Records):
             value = obj.__dict__["results"] = value.results()
@@ -441,7 +442,7 @@ class RewardAggregator:
         """
         meta = await self.meta(batch_id)
         # Records and extras apart, by index (one each: _results counts by index), for the
-        # records to go untracked while the batch fills (see BatchRewards._records).
+        # records to go untracked while the batch fills (see _Records).
         by_index: dict[int, ResultRecord] = {}
         extras: dict[int, dict[str, Any]] = {}
         ended = {"deadline": False}

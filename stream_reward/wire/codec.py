@@ -344,7 +344,7 @@ def record_from_row(row: Any) -> tuple[ResultRecord, dict[str, Any]]:
         and (group is None or type(group) is str)
     ):
         raise CodecError(_bad_result_field(row))
-    # In the dataclass's field order (test_codec checks it).
+    # In ResultRecord's order, ScoreResult's without extra (test_codec's round trip checks it).
     return (uid, batch_id, index, float(score), status, reason, error, attempts, vl, ds, group, scored_at), extra or {}
 
 
