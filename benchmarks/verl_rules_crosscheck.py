@@ -113,14 +113,14 @@ def run_verl_subprocess(python: str, inputs: list[tuple[str, str, Any]]) -> tupl
 def import_rules() -> Any:
     sys.path.insert(0, str(REPO))
     try:
-        from stream_reward.scorers import rules
+        from stream_reward.scoring import rules
     except ImportError:
         # A verl-only venv lacks redis, aiohttp, ... which stream_reward/__init__
         # imports; the rules need none of them, so skip the package __init__.
         package = types.ModuleType("stream_reward")
         package.__path__ = [str(REPO / "stream_reward")]
         sys.modules["stream_reward"] = package
-        from stream_reward.scorers import rules
+        from stream_reward.scoring import rules
     return rules
 
 

@@ -356,7 +356,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 0 if healthy else 1
     settings.require_redis()
     # Signals kept since the program's first instant (see main) end here: one that came is
-    # a worker stopped before it started (0, as workers.main exits for one). From here
+    # a worker stopped before it started (0, as stream_reward.worker.main exits for one). From here
     # through the exec they are blocked, not lost: the worker program takes them at its
     # first instant (early_signals.keep unblocks them).
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
@@ -625,11 +625,11 @@ BENCHES = (
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Each bench is ``benchmarks/NAME.py`` with ``main(argv) -> int``. On a terminal a
+    """Each bench is ``stream_reward/bench/NAME.py`` with ``main(argv) -> int``. On a terminal a
     spinner runs meanwhile; a bench's own ``logs.progress_bar`` calls nest under it."""
     import importlib
 
-    module = importlib.import_module(f"benchmarks.{args.name}")
+    module = importlib.import_module(f"stream_reward.bench.{args.name}")
     with progress_bar(f"bench {args.name}", enabled="--json" not in args.rest):
         return int(module.main(args.rest) or 0)
 
@@ -789,7 +789,7 @@ def _expected_fault(exc: BaseException) -> str | None:
 
 
 def _stopped_early(command: str, signum: int) -> int:
-    """A signal before the command started. A worker exits as workers.main does for one:
+    """A signal before the command started. A worker exits as stream_reward.worker.main does for one:
     0 and quiet, since a stop with nothing in flight is a whole drain."""
     if command == "worker":
         return 0

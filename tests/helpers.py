@@ -181,7 +181,7 @@ async def started(worker) -> AsyncIterator:
 @contextlib.asynccontextmanager
 async def running_worker(url: str, ns: str, scorer, client=None, **cfg) -> AsyncIterator:
     """A worker running in this loop until the block ends (then stopped and drained)."""
-    from workers.consumer import Worker
+    from stream_reward.worker.consumer import Worker
 
     config = ConsumerConfig(namespace=ns, **{"block_ms": 20, "drain_timeout_s": 0.3, **cfg})
     async with started(Worker(url, scorer, config, client=client)) as w:

@@ -1,6 +1,6 @@
 """The rule-scorer case table, with verl 0.9.1's outputs for each case.
 
-One table for two readers: ``tests/test_rules.py`` checks ``stream_reward.scorers.rules``
+One table for two readers: ``tests/test_rules.py`` checks ``stream_reward.scoring.rules``
 against ``expected`` (verl is not a dependency), and
 ``benchmarks/verl_rules_crosscheck.py`` recomputes every case with verl itself.
 ``expected`` was recorded from ``verl.utils.reward_score.default_compute_score``

@@ -15,7 +15,7 @@ LIBRARY = "stream_reward"
 # The stages, lowest first: a stage may import only from stages listed before it (and itself).
 # ``_version`` (a constant), ``errors`` and ``config`` are the base every stage stands on; the CLI and the verl
 # integration sit on top of everything.
-STAGES = ["_version", "errors", "config", "wire", "scoring", "scorers", "managers", "trainer", "ops", "verl", "cli"]
+STAGES = ["_version", "errors", "config", "wire", "scoring", "trainer", "ops", "worker", "verl", "bench", "cli"]
 
 
 def _module_name(path: Path) -> str:
@@ -98,6 +98,8 @@ def test_stages_import_downward_only():
             continue
         for target in targets:
             there = _stage(target)
+            if target == LIBRARY and here == "bench":
+                continue  # a bench imports the public package as a user does, to measure it
             if target == LIBRARY or target.split(".")[0] == "workers":
                 wrong.append(f"{module} -> {target}")  # the library never imports its root or workers/
             elif there is not None and STAGES.index(there) > STAGES.index(here):

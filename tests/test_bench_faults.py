@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks import faults
+from stream_reward.bench import faults
 
 
 def test_faults_bench_tiny(capsys):

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import latency, memory, overlap, per_sample, throughput, vs_verl
+from stream_reward.bench import latency, memory, overlap, per_sample, throughput, vs_verl
 
 
 def run_json(capsys: pytest.CaptureFixture[str], module: Any, argv: list[str]) -> dict[str, Any]:

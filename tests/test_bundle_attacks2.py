@@ -17,7 +17,7 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.entries import ensure_group
 from stream_reward.wire.keys import Keys, key_slot
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -27,8 +27,8 @@ traj, Ident = exact_traj, Timed
 
 async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:
     """A dead letter for sample 0 of the stream's first entry, as a worker of ``group``
-    writes it for a sample of an entry of several (workers.consumer: _Member.fields)."""
-    from workers.consumer import _split
+    writes it for a sample of an entry of several (stream_reward.worker.consumer: _Member.fields)."""
+    from stream_reward.worker.consumer import _split
 
     (entry_id, fields), *_ = await client.xrange(keys.stream(), count=1)
     members = _split(fields)

@@ -14,7 +14,7 @@ from stream_reward.config import ConsumerConfig
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 

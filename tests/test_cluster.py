@@ -11,14 +11,14 @@ from helpers import done_results, refusals_of_pushes_that_fit, samples_of, wait_
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
-from stream_reward.managers.registry import RuleScorer
 from stream_reward.ops.cluster import LocalCluster
 from stream_reward.ops.deadletters import list_dead_letters, redrive_dead_letters
+from stream_reward.scoring.registry import RuleScorer
 from stream_reward.wire.codec import encode_trajectory
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_fields
 from stream_reward.wire.keys import Keys, key_slot
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -99,7 +99,7 @@ async def test_groups_stay_in_one_partition_and_the_aggregator_gathers_them_all(
     assert all(groups_by_partition)
     assert sum(len(g) for g in groups_by_partition) == n // GROUP_SIZE
     from stream_reward.config import ManagerConfig
-    from stream_reward.managers.registry import build_scorer
+    from stream_reward.scoring.registry import build_scorer
 
     worker = Worker(
         redis_url,

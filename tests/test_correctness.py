@@ -30,7 +30,7 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.trajectory import ScoreResult
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -271,7 +271,7 @@ def test_jsonl_null_response_is_a_bad_line() -> None:
 
 def test_rule_scorers_compare_numeric_ground_truth_as_its_string_form() -> None:
     from stream_reward.errors import ScoringError
-    from stream_reward.scorers.rules import compute_score
+    from stream_reward.scoring.rules import compute_score
 
     assert compute_score("openai/gsm8k", "so #### 72", 72) == 1.0
     assert compute_score("openai/gsm8k", "so #### 72", 72.0) == 1.0
@@ -420,9 +420,9 @@ async def test_expired_and_never_opened_are_told_apart(redis_url: str, namespace
 
 
 async def test_http_success_after_retries_reports_its_attempts() -> None:
+    from stream_reward.bench.verifier_server import VerifierServer
     from stream_reward.config import ManagerConfig
-    from stream_reward.scorers.http import build_http_scorer
-    from workers.verifier_server import VerifierServer
+    from stream_reward.scoring.http.verifiers import build_http_scorer
 
     async with VerifierServer(fail_5xx_rate=0.5, seed=3) as srv:
         config = ManagerConfig(

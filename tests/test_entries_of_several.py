@@ -9,14 +9,14 @@ import pytest
 
 from stream_reward import ProducerConfig, RewardAggregator, Trajectory
 from stream_reward.config import ConsumerConfig
-from stream_reward.managers.registry import RuleScorer
 from stream_reward.ops.deadletters import list_dead_letters
+from stream_reward.scoring.registry import RuleScorer
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.wire.codec import encode_trajectory
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_header, read_header, read_members
 from stream_reward.wire.keys import Keys
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 

@@ -16,8 +16,8 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import members_from_payloads
 from stream_reward.wire.heartbeat import encode_heartbeat
 from stream_reward.wire.keys import Keys
+from stream_reward.worker.consumer import Worker
 from tests.helpers import Counting, push_exact, stop_config, wait_until
-from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from stream_reward.errors import BadReplyError, ScoringError, VerifierError
-from stream_reward.scorers.http import DisRMScorer, GenericVerifier, GenRMScorer
-from stream_reward.scorers.http_options import HttpOptions
+from stream_reward.scoring.http.options import HttpOptions
+from stream_reward.scoring.http.verifiers import DisRMScorer, GenericVerifier, GenRMScorer
 from stream_reward.scoring.retry import RetryPolicy
 from stream_reward.wire.trajectory import Trajectory
 

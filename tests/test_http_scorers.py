@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
+from stream_reward.bench.verifier_server import VerifierServer
 from stream_reward.config import ManagerConfig, QuotaConfig
 from stream_reward.errors import BadReplyError, ConfigError, RetryLater, ScoringError, VerifierError
-from stream_reward.scorers.http import GenRMScorer, build_http_scorer, quota_name, render
-from stream_reward.scorers.http_options import HttpOptions
-from stream_reward.scorers.router import CircuitBreaker
+from stream_reward.scoring.http.options import HttpOptions
+from stream_reward.scoring.http.router import CircuitBreaker
+from stream_reward.scoring.http.verifiers import GenRMScorer, build_http_scorer, quota_name, render
 from stream_reward.scoring.quota import QuotaLimiter
 from stream_reward.scoring.retry import RetryPolicy, call_with_retry, parse_retry_after, status_error, transport_error
 from stream_reward.wire.trajectory import Trajectory
-from workers.verifier_server import VerifierServer
 
 pytestmark = pytest.mark.anyio
 

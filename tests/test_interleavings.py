@@ -31,7 +31,7 @@ from stream_reward.errors import BatchExistsError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 SIZE = 4
 

@@ -15,9 +15,9 @@ from helpers import score_batch
 from stream_reward import Trajectory
 from stream_reward.config import ManagerConfig, OverlongConfig, QuotaConfig
 from stream_reward.errors import BadReplyError, ConfigError, ScorerTimeoutError, ScoringError
-from stream_reward.managers.layers import MicroBatchScorer, overlong_penalty
-from stream_reward.managers.registry import build_scorer, function_scorer, manager_names, register_manager
+from stream_reward.scoring.layers import MicroBatchScorer, overlong_penalty
 from stream_reward.scoring.quota import QuotaLimiter
+from stream_reward.scoring.registry import build_scorer, function_scorer, manager_names, register_manager
 from stream_reward.scoring.scorer import Scored
 
 pytestmark = pytest.mark.anyio
@@ -155,7 +155,7 @@ def test_overlong_config_is_not_validated_when_disabled():
 
 
 def test_bad_manager_option_makes_the_worker_exit_with_the_key_named(capfd):
-    from workers.main import main
+    from stream_reward.worker.main import main
 
     code = main(
         [
@@ -461,12 +461,12 @@ async def _quota_state(redis_url: str, namespace: str, name: str, **limits: obje
 def _fake_scorer_modules(monkeypatch) -> dict[str, list]:
     seen: dict[str, list] = {"http": [], "sandbox": [], "fusion": []}
 
-    http = types.ModuleType("stream_reward.scorers.http")
+    http = types.ModuleType("stream_reward.scoring.http.verifiers")
     http.build_http_scorer = lambda spec, config: seen["http"].append((spec, config.timeout)) or "http-scorer"
-    sandbox = types.ModuleType("stream_reward.scorers.sandbox")
+    sandbox = types.ModuleType("stream_reward.scoring.sandbox.scorer")
     sandbox.SandboxConfig = lambda **kw: ("cfg", kw)
     sandbox.SandboxScorer = lambda cfg: seen["sandbox"].append(cfg) or "sandbox-scorer"
-    fusion = types.ModuleType("stream_reward.scorers.sandbox_fusion")
+    fusion = types.ModuleType("stream_reward.scoring.sandbox.fusion")
     fusion.SandboxFusionScorer = lambda url: seen["fusion"].append(url) or "fusion-scorer"
     for module in (http, sandbox, fusion):
         monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -490,8 +490,8 @@ def test_spec_errors_name_the_scorer_key(monkeypatch):
         with pytest.raises(ConfigError) as info:
             function_scorer(ManagerConfig(scorer=spec))
         assert info.value.key == "scorer"
-    monkeypatch.setitem(sys.modules, "stream_reward.scorers.http", None)  # not importable
-    with pytest.raises(ConfigError, match="stream_reward.scorers.http"):
+    monkeypatch.setitem(sys.modules, "stream_reward.scoring.http.verifiers", None)  # not importable
+    with pytest.raises(ConfigError, match="stream_reward.scoring.http.verifiers"):
         function_scorer(ManagerConfig(scorer="genrm:http://x"))
 
 
@@ -502,7 +502,7 @@ async def test_scoring_error_reasons_survive_wrappers():
         async def score(self, traj):
             raise ScoringError("nope", reason="custom")
 
-    from stream_reward.managers.layers import OverlongShaping, PrecomputedScore
+    from stream_reward.scoring.layers import OverlongShaping, PrecomputedScore
 
     scorer = OverlongShaping(PrecomputedScore(Failing()), OverlongConfig(), None)
     assert scorer.inline
@@ -512,8 +512,8 @@ async def test_scoring_error_reasons_survive_wrappers():
 
 
 def test_rate_limited_does_not_add_a_second_lease_to_verifiers_that_take_their_own(redis_url):
-    from stream_reward.managers.layers import RateLimitedScorer
-    from stream_reward.scorers.http import HttpScorer
+    from stream_reward.scoring.http.verifiers import HttpScorer
+    from stream_reward.scoring.layers import RateLimitedScorer
 
     scorer = build_scorer(
         ManagerConfig(manager="rate_limited", scorer="http:http://127.0.0.1:9/score", redis_url=redis_url, max_rpm=60)

@@ -144,7 +144,7 @@ def test_docs_commands_parse(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("manager", ["naive", "dapo", "prime"])
 def test_a_workers_scorer_is_named_by_its_spec_not_a_wrapper_class(manager: str) -> None:
     from stream_reward.config import ManagerConfig
-    from stream_reward.managers.registry import build_scorer
+    from stream_reward.scoring.registry import build_scorer
 
     scorer = build_scorer(ManagerConfig(manager=manager, scorer="rules"))
     assert getattr(scorer, "name", None) == "rules"

@@ -26,7 +26,7 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_fields, entry_header
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
-from workers.metrics import WorkerMetrics
+from stream_reward.worker.metrics import WorkerMetrics
 
 GOOD = "First 2 * 3 = 6.\n#### 6"
 

@@ -23,7 +23,7 @@ from stream_reward.errors import CollectTimeoutError, VerifierError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.trainer.aggregator import BatchMeta, build_rewards
 from stream_reward.wire.trajectory import ScoreResult
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 

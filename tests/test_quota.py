@@ -282,7 +282,7 @@ def test_two_processes_share_one_schedule(redis_url: str, namespace: str) -> Non
 
 
 def test_quota_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks.quota import main
+    from stream_reward.bench.quota import main
 
     assert main(["--duration-s", "2", "--quota-rpm", "1200", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()

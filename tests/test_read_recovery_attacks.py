@@ -21,7 +21,7 @@ from helpers import (
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer
 from stream_reward.config import ConsumerConfig
 from stream_reward.scoring.scorer import Scored
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 

@@ -17,14 +17,14 @@ from helpers import done_results, pending_samples, wait_until
 from stream_reward import BatchPolicy, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
 from stream_reward.errors import BackpressureError, BrokerError
-from stream_reward.managers.registry import RuleScorer
 from stream_reward.ops.deadletters import list_dead_letters, redrive_dead_letters
 from stream_reward.ops.embedded import EmbeddedServer
+from stream_reward.scoring.registry import RuleScorer
 from stream_reward.wire.codec import PROTOCOL_VERSION
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_fields
 from stream_reward.wire.keys import Keys
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -420,7 +420,7 @@ async def test_no_worker_reclaims_an_entry_a_live_worker_is_still_scoring(redis_
     count made an innocent sample a poison suspect."""
     from stream_reward.config import ConsumerConfig
     from stream_reward.scoring.scorer import Scored
-    from workers.consumer import Worker
+    from stream_reward.worker.consumer import Worker
 
     class Slow:
         async def score(self, traj: Trajectory) -> Scored:

@@ -10,9 +10,9 @@ import pytest
 from helpers import score_batch
 
 from stream_reward import BatchPolicy, Trajectory
+from stream_reward.bench.verifier_server import VerifierServer
 from stream_reward.config import QuotaConfig
 from stream_reward.scoring.quota import QuotaLimiter
-from workers.verifier_server import VerifierServer
 
 pytestmark = pytest.mark.anyio
 

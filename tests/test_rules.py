@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from stream_reward.errors import ScoringError, UnknownDataSourceError
-from stream_reward.scorers import rules
-from stream_reward.scorers.rules import (
+from stream_reward.scoring import rules
+from stream_reward.scoring.rules import (
     KNOWN_SOURCES,
     compute_score,
     extract_gsm8k_answer,

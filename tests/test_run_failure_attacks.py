@@ -17,8 +17,8 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.heartbeat import decode_heartbeat
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerWriter
+from stream_reward.worker.consumer import Worker
 from tests.helpers import Counting, identity_score, pending_samples, push_exact, stop_config, wait_until
-from workers.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 

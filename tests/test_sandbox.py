@@ -18,8 +18,8 @@ import msgpack
 import pytest
 
 from stream_reward.errors import ConfigError, ScoringError, VerifierError
-from stream_reward.scorers.sandbox import SandboxConfig, SandboxScorer, case_script, extract_code, parse_tests
-from stream_reward.scorers.sandbox_isolation import MARKER, OWNER_ENV
+from stream_reward.scoring.sandbox.isolation import MARKER, OWNER_ENV
+from stream_reward.scoring.sandbox.scorer import SandboxConfig, SandboxScorer, case_script, extract_code, parse_tests
 from stream_reward.wire.trajectory import Trajectory
 
 # A uid range of our own, so that sandboxes of other test runs or benchmarks on the
@@ -480,7 +480,7 @@ def test_refuses_to_run_without_isolation(tmp_path, caplog):
         SandboxScorer(_config(**missing))
     with pytest.raises(ConfigError):
         SandboxScorer(_config(backend="none"))
-    with caplog.at_level(logging.WARNING, logger="stream_reward.scorers.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="stream_reward.scoring.sandbox.scorer"):
         unsafe = SandboxScorer(_config(unsafe_no_isolation=True, **missing))
     assert unsafe.backend == "none"
     assert "SANDBOX DISABLED" in caplog.text
@@ -558,7 +558,7 @@ def test_tests_reach_the_program_only_through_proxies(bwrap):
 
 
 def test_slot_cgroups_limit_and_sweep_leftovers():
-    from stream_reward.scorers import sandbox_cgroups
+    from stream_reward.scoring.sandbox import cgroups as sandbox_cgroups
 
     if os.geteuid() != 0 or sandbox_cgroups._bases() is None:
         pytest.skip("cgroups need root and a memory+pids hierarchy")

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from stream_reward.errors import BadReplyError, ConfigError, ScoringError, VerifierError
-from stream_reward.scorers.sandbox_fusion import SandboxFusionConfig, SandboxFusionScorer
+from stream_reward.scoring.sandbox.fusion import SandboxFusionConfig, SandboxFusionScorer
 from stream_reward.wire.trajectory import Trajectory
 
 FAST = dict(backoff_base_s=0.01, backoff_max_s=0.05, retries=2, run_timeout_s=2.0, request_timeout_s=5.0)

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from stream_reward.errors import ConfigError
-from stream_reward.scorers.sandbox import SandboxConfig, SandboxScorer
+from stream_reward.scoring.sandbox.scorer import SandboxConfig, SandboxScorer
 from stream_reward.wire.trajectory import Trajectory
 
 UIDS = dict(uid_base=300_000 + (os.getpid() % 10_000) * 16, uid_count=16)

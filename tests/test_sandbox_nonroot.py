@@ -31,7 +31,7 @@ sys.path[:0] = [repo, site]
 pkg = types.ModuleType("stream_reward")
 pkg.__path__ = [repo + "/stream_reward"]
 sys.modules["stream_reward"] = pkg
-from stream_reward.scorers.sandbox import SandboxConfig, SandboxScorer
+from stream_reward.scoring.sandbox.scorer import SandboxConfig, SandboxScorer
 from stream_reward.wire.trajectory import Trajectory
 
 cases = json.loads(sys.stdin.read())

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stream_reward.scorers.sandbox_judge import same, wrapped_outputs
-from stream_reward.scorers.sandbox_wire import WireError, dumps, loads
+from stream_reward.scoring.sandbox.judge import same, wrapped_outputs
+from stream_reward.scoring.sandbox.wire import WireError, dumps, loads
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text() | st.binary()
 hashables = st.recursive(scalars, lambda c: st.tuples(c, c) | st.frozensets(c, max_size=3), max_leaves=8)

@@ -8,18 +8,18 @@ launcher that wraps one call instead of a sleep that guesses it.
    supervisor is inside ``subprocess.Popen`` for a worker (the child is forked and
    exec'ing, ``Popen`` waits on its error pipe) never stops that worker: ``on_signal``
    signals the children it knows, and the one being spawned is not in ``children``
-   yet (``workers/supervisor.py`` ``spawn``: ``children[slot] = subprocess.Popen(...)``).
+   yet (``stream_reward/worker/supervisor.py`` ``spawn``: ``children[slot] = subprocess.Popen(...)``).
    The supervisor then waits for that worker forever: a hang, not a drain and exit 0.
 2. A worker (``python -m workers --processes 1``) sent SIGTERM or Ctrl-C after
-   ``workers.main.main`` gave back the signals kept through its imports
+   ``stream_reward.worker.main.main`` gave back the signals kept through its imports
    (``early_signals.release()``) and before ``run_worker`` installs its loop handlers
    (``_install_signal_handlers``): argparse, ``resolve_args``, ``asyncio.run``'s set-up and
-   ``run_worker``'s own ``from workers.consumer import Worker``. SIGTERM there is
+   ``run_worker``'s own ``from stream_reward.worker.consumer import Worker``. SIGTERM there is
    SIG_DFL, a death by signal (-15) with nothing drained; Ctrl-C there is asyncio.Runner's
    SIGINT handler, which cancels the main task: a ``KeyboardInterrupt`` traceback out of
    ``asyncio.run`` (exit -2). The SIGTERM storm hit it in 5/25 runs of ``--processes 1``.
    Likewise a pool (``--processes 2``) before ``_join_unless_stopped`` puts its loop
-   handlers in: ``run_from_args``'s ``from workers.supervisor import supervise`` (and, not
+   handlers in: ``run_from_args``'s ``from stream_reward.worker.supervisor import supervise`` (and, not
    tested here, from the join's loop teardown until ``supervise``'s ``signal.signal``).
 3. ``stream-reward worker`` sent SIGTERM or Ctrl-C after ``main`` gave back the kept
    signals (``early_signals.release()``; ``worker`` gets no ``_on_signal``) and before
@@ -126,7 +126,7 @@ class Popen(real):
 
 subprocess.Popen = Popen
 
-from workers.main import main
+from stream_reward.worker.main import main
 
 sys.exit(main(sys.argv[1:]))
 """
@@ -166,7 +166,7 @@ class Hook:
 
 
 sys.meta_path.insert(0, Hook())
-from workers.main import main
+from stream_reward.worker.main import main
 
 sys.exit(main(sys.argv[1:]))
 """
@@ -175,7 +175,7 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize(
     ("module", "processes"),
-    [("workers.consumer", "1"), ("workers.supervisor", "2")],
+    [("stream_reward.worker.consumer", "1"), ("stream_reward.worker.supervisor", "2")],
     ids=["worker-imports-consumer", "pool-imports-supervisor-before-join"],
 )
 def test_worker_or_pool_stopped_between_its_handlers_exits_0_quietly(redis_url, namespace, sig, module, processes):

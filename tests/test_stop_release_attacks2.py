@@ -18,7 +18,7 @@ from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer
 from stream_reward.ops.deadletters import list_dead_letters
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
-from workers.consumer import _RELEASED_IDLE_MS, Worker
+from stream_reward.worker.consumer import _RELEASED_IDLE_MS, Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -410,7 +410,7 @@ CRASHER = """
 import asyncio, os, signal, sys
 from stream_reward.config import ConsumerConfig
 from stream_reward.scoring.scorer import Scored
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 class Crash:
     inline = False

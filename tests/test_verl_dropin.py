@@ -376,11 +376,11 @@ def _load(path, name):
 
 
 def test_compute_score_functions_travel_by_name():
-    from stream_reward.scorers import rules
+    from stream_reward.scoring import rules
     from stream_reward.scoring.scorer import load_function
 
     assert scorer_spec(None) == ("rules", {})
-    assert scorer_spec(rules.compute_score) == ("stream_reward.scorers.rules:compute_score", {})
+    assert scorer_spec(rules.compute_score) == ("stream_reward.scoring.rules:compute_score", {})
     # a function of a file-loaded top-level module goes by its file
     fn = load_function(PREFIX_MATCH)
     spec, kw = scorer_spec(fn)

@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stream_reward.config import ConsumerConfig
-from stream_reward.managers.registry import RuleScorer
+from stream_reward.scoring.registry import RuleScorer
 from stream_reward.wire.codec import decode_trajectory, encode_trajectory
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_fields
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.trajectory import Trajectory
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 scalars = (
     st.none()

@@ -32,7 +32,7 @@ from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import _WRITE_SCRIPT
-from workers.consumer import Worker
+from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,5 @@
-"""The runnable consumer side of stream-reward: worker processes and their supervisor.
+"""The deployable worker, from a checkout: ``python -m workers --redis URL`` runs a pool.
 
-``python -m workers --redis URL`` (or ``stream-reward worker``) runs a pool.
+The worker itself is the library's ``stream_reward.worker`` (an installed host runs
+``stream-reward worker``); this folder holds the entry point and the deployment files.
 """

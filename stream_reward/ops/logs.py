@@ -1,7 +1,7 @@
 """What an operator sees: log handlers and progress bars.
 
 Library modules only ever call ``logging.getLogger(__name__)``; the entry points
-(``stream-reward ...``, ``python -m workers``) call ``configure_logging`` once.
+(``stream-reward ...``, ``python -m stream_reward.worker``) call ``configure_logging`` once.
 Text lines read well on a terminal; ``--log-format json`` gives one JSON object
 per line for log shippers. INFO is for lifecycle events (a worker joined, drained,
 reclaimed a sweep's entries), never one line per trajectory.

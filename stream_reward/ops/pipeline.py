@@ -31,7 +31,7 @@ _CANCEL_WAIT_S = 5.0
 def spawn_worker(
     redis_url: str, *args: str, namespace: str = DEFAULT_NAMESPACE, quiet: bool = True, stderr: int | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start one worker process (``python -m workers``) with extra CLI ``args``."""
+    """Start one worker process (``python -m stream_reward.worker``) with extra CLI ``args``."""
     argv = worker_command("--redis", redis_url, "--namespace", namespace, *args)
     if quiet and "--log-level" not in args:
         argv += ["--log-level", "WARNING"]

@@ -1,6 +1,6 @@
 """The worker's command line: its flags, how they resolve into settings, and the argv that starts one.
 
-``stream-reward worker``, ``python -m workers``, the supervisor's children and the
+``stream-reward worker``, ``python -m stream_reward.worker``, the supervisor's children and the
 local pipelines of ``demo`` / ``score`` / the verl integration all start workers;
 this module is the one place that knows how. Every setting can come from a config
 file (``--config``), the environment (``STREAM_REWARD_*``) or a flag, in that order
@@ -34,8 +34,8 @@ __all__ = [
     "worker_argv",
 ]
 
-# The runnable consumer side (top-level ``workers/``): started as a program, never imported here.
-WORKER_MODULE = "workers"
+# The worker program (``stream_reward.worker``, a later stage): started as a program, never imported here.
+WORKER_MODULE = "stream_reward.worker"
 
 
 def worker_command(*args: str) -> list[str]:

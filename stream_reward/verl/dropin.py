@@ -48,8 +48,8 @@ from typing import Any, TypeVar
 
 from stream_reward.config import BatchPolicy, ManagerConfig, ProducerConfig
 from stream_reward.errors import ConfigError, StreamRewardError
-from stream_reward.managers.registry import build_scorer
 from stream_reward.ops.pipeline import LocalPipeline
+from stream_reward.scoring.registry import build_scorer
 from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.trainer.producer import RolloutProducer

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from stream_reward.config import ManagerConfig, ProducerConfig
 from stream_reward.errors import ConfigError, StreamRewardError
-from stream_reward.managers.registry import build_scorer
+from stream_reward.scoring.registry import build_scorer
 from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.verl.options import LoopOptions

@@ -49,7 +49,7 @@ class LoopOptions:
     From ``reward.reward_kwargs`` (verl's DAPO keys keep their meaning):
 
     * ``manager``: ``naive`` (default), ``dapo``, ``batch``, ``prime``, ``remote``,
-      ``rate_limited`` — the calling discipline on the workers (``stream_reward.managers``);
+      ``rate_limited`` — the calling discipline on the workers (``stream_reward.scoring``);
     * ``overlong_buffer_cfg``, ``max_resp_len`` (default: verl's configured response
       length, ``actor_rollout_ref.rollout.response_length``): DAPO's overlong penalty;
     * ``scorer``: a scorer spec (``http:URL``, ``genrm:URL``, ``sandbox``, ...) instead

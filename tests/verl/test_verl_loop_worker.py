@@ -184,7 +184,7 @@ def test_genrm_judge_under_a_global_quota(compose, tokenizer) -> None:
     the scorer, under the rate_limited manager's quota: configured from verl's keys only."""
     import asyncio
 
-    from workers.verifier_server import VerifierServer
+    from stream_reward.bench.verifier_server import VerifierServer
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)  # verl's RewardLoopWorker takes the thread's loop

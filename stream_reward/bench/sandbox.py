@@ -1,0 +1,349 @@
+"""Sandboxed vs plain-subprocess throughput of the local code sandbox.
+
+Scores a set of small real problems (a correct and a broken solution each, all
+four ground-truth forms) through ``SandboxScorer``, and in the same run executes
+the same programs as fresh unsandboxed ``python3`` subprocesses (``python -I -S
+-c`` per test case, the way a naive reward function runs them) with the same
+parallelism. Rounds alternate between the two so background load hits both alike.
+
+``multi_case_ratio`` = sandboxed samples/s / baseline samples/s with every case
+of every problem (goal >= 1.5); ``single_case_ratio`` the same with only each
+problem's first case (goal >= 1.0): the worst case for the sandbox, where a
+sample is a single program run. The sandbox's slots are started by a warm-up
+round, as in a long-running worker.
+
+    stream-reward bench sandbox --json      (or: python -m stream_reward.bench.sandbox --json)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from stream_reward.bench._common import bench_parser, emit, plot_figure
+from stream_reward.scoring.sandbox.scorer import SandboxConfig, SandboxScorer, case_script, parse_tests
+from stream_reward.wire.trajectory import Trajectory
+
+# (ground truth, correct solution, broken solution)
+PROBLEMS: list[tuple[dict[str, Any], str, str]] = [
+    (
+        {"inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7\n", "0\n"]},
+        "a, b = map(int, input().split())\nprint(a + b)",
+        "a, b = map(int, input().split())\nprint(a - b)",
+    ),
+    (
+        {"inputs": ["abc\n", "racecar\n", "x\n"], "outputs": ["cba\n", "racecar\n", "x\n"]},
+        "print(input()[::-1])",
+        "print(input())",
+    ),
+    (
+        {"inputs": ["3\n1 5 2\n", "1\n-4\n", "4\n7 7 1 9\n"], "outputs": ["5\n", "-4\n", "9\n"]},
+        "input()\nprint(max(map(int, input().split())))",
+        "input()\nprint(sorted(map(int, input().split()))[0])",
+    ),
+    (
+        {"inputs": ["hello world\n", "xyz\n", "AEIOU\n"], "outputs": ["3\n", "0\n", "5\n"]},
+        "print(sum(c in 'aeiouAEIOU' for c in input()))",
+        "print(sum(c in 'aeiou' for c in input()))",
+    ),
+    (
+        {"inputs": ["10\n", "1\n", "30\n"], "outputs": ["55\n", "1\n", "832040\n"]},
+        "n = int(input())\na, b = 0, 1\nfor _ in range(n):\n    a, b = b, a + b\nprint(a)",
+        "n = int(input())\nprint(n * (n + 1) // 2)",
+    ),
+    (
+        {"inputs": ["5\n", "0\n", "20\n"], "outputs": ["120\n", "1\n", "146326063\n"]},
+        "import math\nprint(math.factorial(int(input())) % (10**9 + 7))",
+        "import math\nprint(math.factorial(int(input())))",
+    ),
+    (
+        {"inputs": ["3 1 2\n", "5\n", "10 9 100\n"], "outputs": ["1 2 3\n", "5\n", "9 10 100\n"]},
+        "print(*sorted(map(int, input().split())))",
+        "print(*sorted(input().split()))",
+    ),
+    (
+        {"inputs": ["level\n", "hello\n", "abca\n"], "outputs": ["YES\n", "NO\n", "NO\n"]},
+        "s = input().strip()\nprint('YES' if s == s[::-1] else 'NO')",
+        "s = input().strip()\nprint('YES' if s[0] == s[-1] else 'NO')",
+    ),
+    (
+        {"inputs": ["12 18\n", "7 13\n", "100 75\n"], "outputs": ["6\n", "1\n", "25\n"]},
+        "from math import gcd\na, b = map(int, input().split())\nprint(gcd(a, b))",
+        "a, b = map(int, input().split())\nprint(min(a, b))",
+    ),
+    (
+        {"inputs": ["7\n", "12\n", "97\n", "1\n"], "outputs": ["prime\n", "composite\n", "prime\n", "neither\n"]},
+        "n = int(input())\nif n < 2:\n    print('neither')\nelif all(n % d for d in range(2, int(n**0.5) + 1)):\n    print('prime')\nelse:\n    print('composite')",
+        "n = int(input())\nprint('prime' if n % 2 else 'composite')",
+    ),
+    (
+        {"inputs": ["the cat the dog\n", "a\n", "x y x y x\n"], "outputs": ["the 2\n", "a 1\n", "x 3\n"]},
+        "from collections import Counter\nw, c = Counter(input().split()).most_common(1)[0]\nprint(w, c)",
+        "words = input().split()\nprint(words[0], len(words))",
+    ),
+    (
+        {"inputs": ["2 3\n1 2 3\n4 5 6\n", "1 1\n9\n"], "outputs": ["1 4\n2 5\n3 6\n", "9\n"]},
+        "r, c = map(int, input().split())\nm = [input().split() for _ in range(r)]\nfor col in zip(*m):\n    print(*col)",
+        "r, c = map(int, input().split())\nm = [input().split() for _ in range(r)]\nfor row in m:\n    print(*row)\nraise SystemExit(1)",
+    ),
+    (
+        {"fn_name": "add", "inputs": [[1, 2], [-5, 5], [100, 23]], "outputs": [3, 0, 123]},
+        "def add(a, b):\n    return a + b",
+        "def add(a, b):\n    return a * b",
+    ),
+    (
+        {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]], "outputs": [[0, 1], [1, 2]]},
+        "class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n        for i, x in enumerate(nums):\n            if target - x in seen:\n                return [seen[target - x], i]\n            seen[x] = i",
+        "class Solution:\n    def twoSum(self, nums, target):\n        return [0, len(nums) - 1]",
+    ),
+    (
+        {
+            "fn_name": "is_anagram",
+            "inputs": [["listen", "silent"], ["ab", "abc"], ["rat", "car"]],
+            "outputs": [True, False, False],
+        },
+        "def is_anagram(a, b):\n    return sorted(a) == sorted(b)",
+        "def is_anagram(a, b):\n    return set(a) <= set(b)",
+    ),
+    (
+        {"fn_name": "flatten", "inputs": [[[[1, [2, 3]], 4]], [[[]]], [[[[5]]]]], "outputs": [[1, 2, 3, 4], [], [5]]},
+        "def flatten(xs):\n    out = []\n    for x in xs:\n        out.extend(flatten(x) if isinstance(x, list) else [x])\n    return out",
+        "def flatten(xs):\n    return xs[0]",
+    ),
+    (
+        {"assert_case": ["assert square(3) == 9", "assert square(-2) == 4", "assert square(0) == 0"]},
+        "def square(x):\n    return x * x",
+        "def square(x):\n    return x + x",
+    ),
+    (
+        {"assert_case": ["assert max3(1, 2, 3) == 3", "assert max3(9, 2, 3) == 9", "assert max3(-1, -2, -3) == -1"]},
+        "def max3(a, b, c):\n    return max(a, b, c)",
+        "def max3(a, b, c):\n    return c",
+    ),
+    (
+        {
+            "test": "def check(candidate):\n    assert candidate([1.0, 2.0, 3.0], 0.5) is False\n    assert candidate([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3) is True\n",
+            "entry_point": "has_close_elements",
+        },
+        "def has_close_elements(numbers, threshold):\n    s = sorted(numbers)\n    return any(b - a < threshold for a, b in zip(s, s[1:]))",
+        "def has_close_elements(numbers, threshold):\n    return False",
+    ),
+    (
+        {
+            "test": "def check(candidate):\n    assert candidate([1, 2, -4, 5]) is True\n    assert candidate([1, 2, 3]) is False\n",
+            "entry_point": "below_zero",
+        },
+        "def below_zero(ops):\n    total = 0\n    for op in ops:\n        total += op\n        if total < 0:\n            return True\n    return False",
+        "def below_zero(ops):\n    return sum(ops) < 0",
+    ),
+]
+
+
+def _samples(n_problems: int) -> list[tuple[Trajectory, float]]:
+    """(trajectory, expected score) for a correct and a broken solution per problem."""
+    out = []
+    for i in range(n_problems):
+        gt, good, bad = PROBLEMS[i % len(PROBLEMS)]
+        for j, code in enumerate((good, bad)):
+            traj = Trajectory(
+                batch_id="bench",
+                index=2 * i + j,
+                data_source="code",
+                response=f"Here:\n```python\n{code}\n```\n",
+                ground_truth=json.dumps(gt),
+            )
+            out.append((traj, 1.0 if j == 0 else -1.0))  # broken: any score < 1
+    return out
+
+
+async def _sandboxed(scorer: SandboxScorer, samples: list[tuple[Trajectory, float]]) -> tuple[float, list[float]]:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(scorer.score(t) for t, _ in samples))
+    return time.perf_counter() - start, [r.score for r in results]
+
+
+async def _plain_case(code: str, stdin: str, expected: str | None, timeout_s: float) -> bool:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        code,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(stdin.encode()), timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return False
+    if proc.returncode != 0:
+        return False
+    if expected is None:
+        return True
+    norm = lambda s: [line.rstrip() for line in s.rstrip().split("\n")]  # noqa: E731
+    return norm(out.decode("utf-8", "replace")) == norm(expected)
+
+
+async def _baseline(
+    samples: list[tuple[Trajectory, float]], concurrency: int, timeout_s: float
+) -> tuple[float, list[float]]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(traj: Trajectory) -> float:
+        form, cases = parse_tests(traj.ground_truth)
+        program = traj.response.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        async with sem:  # like the sandbox: one slot runs one sample's cases in turn
+            passed = 0
+            for case in cases:
+                code, stdin = case_script(form, program, case)
+                passed += await _plain_case(code, stdin, case["stdout"] if form == "stdin" else None, timeout_s)
+        return passed / len(cases)
+
+    start = time.perf_counter()
+    scores = await asyncio.gather(*(one(t) for t, _ in samples))
+    return time.perf_counter() - start, list(scores)
+
+
+def _first_case_only(samples: list[tuple[Trajectory, float]]) -> list[tuple[Trajectory, float]]:
+    out = []
+    for traj, expected in samples:
+        gt = json.loads(traj.ground_truth)
+        for key in ("inputs", "outputs", "assert_case"):
+            if key in gt:
+                gt[key] = gt[key][:1]
+        out.append(
+            (
+                Trajectory(
+                    batch_id=traj.batch_id,
+                    index=traj.index,
+                    data_source=traj.data_source,
+                    response=traj.response,
+                    ground_truth=json.dumps(gt),
+                ),
+                expected,
+            )
+        )
+    return out
+
+
+def run(n_problems: int = 20, concurrency: int | None = None, rounds: int = 5, backend: str = "auto") -> dict[str, Any]:
+    concurrency = concurrency or os.cpu_count() or 1
+    config = SandboxConfig(concurrency=concurrency, backend=backend, timeout_s=5.0, cpu_s=5.0)
+    scorer = SandboxScorer(config)
+    samples = _samples(n_problems)
+    one_case = _first_case_only(samples)
+    runs = sum(len(parse_tests(t.ground_truth)[1]) for t, _ in samples)
+
+    async def timed(which: list[tuple[Trajectory, float]]) -> tuple[float, float, list[float], list[float]]:
+        """Total sandbox and baseline seconds over all rounds, alternating which goes first."""
+        sandbox_s = baseline_s = 0.0
+        sandbox_scores: list[float] = []
+        baseline_scores: list[float] = []
+        for i in range(rounds):
+            for side in (0, 1) if i % 2 == 0 else (1, 0):
+                if side == 0:
+                    t, sandbox_scores = await _sandboxed(scorer, which)
+                    sandbox_s += t
+                else:
+                    t, baseline_scores = await _baseline(which, concurrency, config.timeout_s)
+                    baseline_s += t
+        return sandbox_s, baseline_s, sandbox_scores, baseline_scores
+
+    async def go() -> tuple[
+        tuple[float, float, list[float], list[float]], tuple[float, float, list[float], list[float]]
+    ]:
+        await _sandboxed(scorer, samples[: 2 * concurrency])  # warm-up: starts every slot, page cache
+        await _baseline(samples[:4], concurrency, config.timeout_s)
+        return await timed(samples), await timed(one_case)
+
+    try:
+        (sandbox_s, baseline_s, sandbox_scores, baseline_scores), (one_s, one_base_s, _, _) = asyncio.run(go())
+    finally:
+        scorer.close()
+    expected_ok = all((s == 1.0) if e == 1.0 else (s < 1.0) for s, (_, e) in zip(sandbox_scores, samples, strict=True))
+    runs_per_s = runs * rounds / sandbox_s
+    baseline_runs_per_s = runs * rounds / baseline_s
+    return {
+        "backend": scorer.backend,
+        "n": len(samples),
+        "problems": n_problems,
+        "runs": runs,
+        "rounds": rounds,
+        "concurrency": concurrency,
+        "runs_per_s": round(runs_per_s, 2),
+        "baseline_runs_per_s": round(baseline_runs_per_s, 2),
+        "ratio": round(runs_per_s / baseline_runs_per_s, 3),
+        "samples_per_s": round(len(samples) * rounds / sandbox_s, 2),
+        "baseline_samples_per_s": round(len(samples) * rounds / baseline_s, 2),
+        # Worst case for the one-sandbox-per-sample design: every sample has a single case.
+        "one_case_runs_per_s": round(len(samples) * rounds / one_s, 2),
+        "one_case_baseline_runs_per_s": round(len(samples) * rounds / one_base_s, 2),
+        "one_case_ratio": round(one_base_s / one_s, 3),
+        "single_case_ratio": round(one_base_s / one_s, 3),
+        "multi_case_ratio": round(baseline_s / sandbox_s, 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "scores_as_expected": expected_ok,
+        "scores_agree_with_baseline": sandbox_scores == baseline_scores,
+    }
+
+
+def plot(path: str, result: dict[str, Any]) -> None:
+    plt = plot_figure(path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = ["all cases", "one case per sample"]
+    x = range(len(labels))
+    ax.bar(
+        [i - 0.2 for i in x],
+        [result["runs_per_s"], result["one_case_runs_per_s"]],
+        width=0.4,
+        label=f"sandboxed ({result['backend']})",
+    )
+    ax.bar(
+        [i + 0.2 for i in x],
+        [result["baseline_runs_per_s"], result["one_case_baseline_runs_per_s"]],
+        width=0.4,
+        label="plain subprocess",
+    )
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("runs / s")
+    ax.set_title(f"code sandbox, concurrency {result['concurrency']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser("sandbox", __doc__.splitlines()[0])
+    parser.add_argument("--n-problems", type=int, default=20)
+    parser.add_argument("--concurrency", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--backend", default="auto", choices=["auto", "bwrap", "unshare"])
+    args = parser.parse_args(list(argv or []))
+    if args.n_problems < 1 or args.rounds < 1 or (args.concurrency is not None and args.concurrency < 1):
+        print("bench sandbox: --n-problems, --rounds and --concurrency must be >= 1", file=sys.stderr)
+        return 2
+    result = run(n_problems=args.n_problems, concurrency=args.concurrency, rounds=args.rounds, backend=args.backend)
+    if args.plot:
+        plot(args.plot, result)
+    emit(
+        args,
+        "sandbox: sandboxed vs plain subprocess runs",
+        result,
+        goals={
+            "single_case_ratio >= 1.0": result["single_case_ratio"] >= 1.0,
+            "multi_case_ratio >= 1.5": result["multi_case_ratio"] >= 1.5,
+            "scores as expected": result["scores_as_expected"] and result["scores_agree_with_baseline"],
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,638 @@
+"""The in-sandbox harness: a pre-imported interpreter that runs candidate programs,
+one fresh process per test case, and judges nothing.
+
+It starts once per sandbox slot (``python -I -S -c BOOT`` inside bwrap or
+unshare), reads a boot job, imports the common modules, and then serves cases
+for as long as the slot lives, so a case costs a clone() instead of an
+interpreter start. It runs as root (in the sandbox); candidate processes never
+do. The host sends ``sandbox_wire`` in front of this source; nothing from
+stream_reward is importable here.
+
+Wire: frames of a 4-byte little-endian length and a body, on stdin (host ->
+harness, ``marshal``; the host is trusted) and stdout (harness -> host, JSON;
+the host parses it as untrusted text).
+
+Per case the harness clones a child into a new PID and mount namespace (when
+the sandbox allows it): the child (in new PID, mount and IPC namespaces) joins the slot's memory and pids cgroups,
+mounts a fresh /proc, /tmp and /dev/shm, sets rlimits, drops to the slot's
+unprivileged uid (or drops every capability without root), sets no_new_privs,
+installs the seccomp filter, reports "setup done" on a private pipe that it then
+closes, and only then runs the program. Being PID 1 of its namespace, its death
+takes every process it started with it; it cannot see the harness at all.
+
+Modes of a case:
+
+``stdin``  run the program with the case's stdin; report exit status and output.
+``calls``  load the program, then call functions with plain-data arguments the
+           host sent (the call form); report each reply (``sandbox_wire`` bytes).
+``serve``  load the program, report its top-level functions and classes, then
+           serve calls relayed from the trusted checker until the host says
+           ``end`` (the check and assert forms).
+
+Nothing the candidate writes is a verdict: replies are data the trusted side
+decodes and judges; the candidate's exit code means only "exited".
+"""
+
+# Startup cost is per slot, not per sample, but keep the import list to the stdlib.
+import _signal as signal  # type: ignore[import-not-found]  # signal would import enum
+import builtins
+import ctypes
+import fcntl
+import gc
+import json as _json
+import marshal
+import os
+import resource
+import select
+import sys
+import time
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, SIGCHLD = 0x00020000, 0x20000000, 0x08000000, 17
+# A case's own IPC namespace too: SysV shared memory and message queues outlive
+# their processes, and would carry state (and memory charges) into later cases.
+CASE_NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 38, 22, 4, 36
+PR_CAPBSET_DROP = 24
+
+if "dumps" not in globals():  # run on its own; the host normally sends wire.py ahead of this source
+    from stream_reward.scoring.sandbox.wire import WireError, dumps, loads
+PRELOAD = ("collections", "itertools", "functools", "heapq", "bisect", "math", "re", "string", "typing", "traceback")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_pylibc = ctypes.PyDLL(None, use_errno=True)  # holds the GIL across clone()
+_pylibc.syscall.restype = ctypes.c_long
+
+
+def _sys(name, *args):
+    if getattr(_libc, name)(*args) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{name}: {os.strerror(e)}")
+
+
+def _b(s):
+    return None if s is None else s.encode()
+
+
+def _mount(src, dst, fstype, flags, data=None):
+    _sys("mount", _b(src), _b(dst), _b(fstype), ctypes.c_ulong(flags), _b(data))
+
+
+# ---------------------------------------------------------------- frames
+
+
+def read_exact(fd, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(fd):
+    head = read_exact(fd, 4)
+    if head is None:
+        return None
+    return read_exact(fd, int.from_bytes(head, "little"))
+
+
+def write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def frame(data):
+    return len(data).to_bytes(4, "little") + data
+
+
+def send(obj):
+    write_all(1, frame(_json.dumps(obj).encode()))
+
+
+def text(raw):
+    return raw.decode("utf-8", "surrogateescape")
+
+
+# ---------------------------------------------------------------- the unshare backend's root
+
+
+def enter_new_root(boot):
+    # unshare backend: build a minimal read-only root like bwrap's, then chroot.
+    if os.stat("/proc/self/ns/mnt").st_ino == boot["host_mntns"]:
+        raise SystemExit("refusing to mount: not in a private mount namespace")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    os.umask(0o022)
+    sources = []
+    for path in boot["binds"]:
+        if os.path.islink(path):
+            sources.append((path, os.readlink(path), None))
+        elif os.path.exists(path):
+            sources.append((path, None, os.open(path, os.O_PATH)))
+    devs = [(d, os.open(d, os.O_PATH)) for d in boot["devices"]]
+    new = "/tmp"  # any directory: the mount is private to this namespace
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path, link, fd in sources:
+        dst = new + path
+        if link is not None:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.symlink(link, dst)
+            continue
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(dst, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            open(dst, "w").close()
+        _mount(f"/proc/self/fd/{fd}", dst, None, MS_BIND | MS_REC)
+        _mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
+    os.makedirs(new + "/dev", exist_ok=True)
+    for dev, fd in devs:
+        open(new + dev, "w").close()
+        _mount(f"/proc/self/fd/{fd}", new + dev, None, MS_BIND)
+        _mount(None, new + dev, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NOEXEC)
+        os.close(fd)
+    for name, target in boot["dev_links"]:
+        os.symlink(target, new + name)
+    for d in ("/proc", "/tmp", "/dev/shm"):
+        os.makedirs(new + d, exist_ok=True)
+    _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for d in ("/tmp", "/dev/shm"):
+        _mount("tmpfs", new + d, "tmpfs", MS_NOSUID | MS_NODEV, f"size={boot['tmp_mb']}m,mode=1777")
+    _mount(None, new, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    os.chroot(new)
+    os.chdir("/")
+
+
+# ---------------------------------------------------------------- main loop
+
+
+def main():
+    boot = marshal.loads(read_frame(0))
+    if boot["isolation"] == "unshare":
+        enter_new_root(boot)
+    sys.path[:0] = boot["sys_path"]
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    # Candidates of a non-root sandbox share our uid: not dumpable keeps our fds
+    # and memory out of their reach even if they could name our pid.
+    _sys("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+    _sys("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come back to us (no-namespace mode)
+    if boot["per_case_ns"] and os.uname().machine not in SYS_CLONE:
+        boot["per_case_ns"] = False
+    gc.collect()
+    gc.freeze()  # children share these pages instead of copying them
+    send({"ev": "ready", "per_case_ns": boot["per_case_ns"]})
+    while True:
+        raw = read_frame(0)
+        if raw is None:
+            os._exit(0)
+        msg = marshal.loads(raw)
+        if msg["op"] == "case":
+            try:
+                send(run_case(boot, msg))
+            except OSError as exc:  # pipe/clone/reap failed: the host's fault, not the program's
+                send({"ev": "infra", "error": f"{type(exc).__name__}: {exc}", "errno": exc.errno or 0})
+        elif msg["op"] == "exit":
+            os._exit(0)
+        # a late "call"/"end" for a case that already ended: nothing to do
+
+
+def oom_kills(boot):
+    fd = boot.get("oom_fd")
+    if fd is None:
+        return 0
+    try:
+        os.lseek(fd, 0, 0)
+        for line in os.read(fd, 4096).decode().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def spawn(boot):
+    if boot["per_case_ns"]:
+        pid = _pylibc.syscall(SYS_CLONE[os.uname().machine], ctypes.c_ulong(CASE_NAMESPACES | SIGCHLD), 0, 0, 0, 0)
+        if pid < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"clone: {os.strerror(e)}")
+        return pid
+    return os.fork()
+
+
+def run_case(boot, msg):
+    stdin_fd = os.memfd_create("stdin")
+    write_all(stdin_fd, msg.get("stdin", b""))
+    os.lseek(stdin_fd, 0, 0)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    set_r, set_w = os.pipe()
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    ooms = oom_kills(boot)
+    if not boot["per_case_ns"]:  # no mount namespace: a fresh directory stands in for /tmp
+        import tempfile
+
+        msg["workdir"] = tempfile.mkdtemp(prefix="stream-reward-case-")
+        if boot["uid"] is not None:
+            os.chown(msg["workdir"], boot["uid"], boot["uid"])
+    sys.stdout.flush()
+    pid = spawn(boot)
+    if pid == 0:
+        candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w)
+    for fd in (stdin_fd, out_w, err_w, set_w, req_r, rep_w):
+        os.close(fd)
+    try:
+        return supervise(boot, msg, pid, out_r, err_r, set_r, req_w, rep_r, ooms)
+    finally:
+        for fd in (out_r, err_r, set_r, req_w, rep_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if "workdir" in msg:
+            import shutil
+
+            shutil.rmtree(msg["workdir"], ignore_errors=True)
+
+
+def supervise(boot, msg, pid, out_r, err_r, set_r, req_w, rep_r, ooms):
+    lim = msg["limits"]
+    cap = lim["max_output_bytes"]
+    mode = msg["mode"]
+    deadline = time.monotonic() + msg["timeout_s"]
+    # setup first: its failure is ours (infra), whatever the exit code
+    setup = b""
+    while True:
+        ready, _, _ = select.select([set_r], [], [], max(0.0, deadline + 5 - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(set_r, 4096)
+        if not chunk:
+            break
+        setup += chunk
+    if setup[:1] != b"K":
+        kill_case(boot, pid)
+        os.wait4(pid, 0)
+        if setup[:1] == b"E":
+            raise OSError(0, "case setup failed: " + setup[1:].decode("utf-8", "replace"))
+        raise OSError(0, "case process died during setup")
+    bufs = {out_r: bytearray(), err_r: bytearray()}
+    rep_buf = bytearray()
+    replies = []
+    total = 0
+    pending = bytearray()  # requests for the candidate not yet written
+    os.set_blocking(req_w, False)
+    pidfd = os.pidfd_open(pid)
+    poller = select.poll()
+    for fd in (out_r, err_r, rep_r, pidfd):
+        poller.register(fd, select.POLLIN)
+    if mode == "serve":
+        poller.register(0, select.POLLIN)
+    status, exited, ended = None, False, False
+    try:
+        while status is None and not exited and not ended:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                status = "timeout"
+                break
+            for fd, _ in poller.poll(max(1, int(remaining * 1000) + 1)):
+                if fd == pidfd:
+                    exited = True
+                elif fd == 0:
+                    raw = read_frame(0)
+                    if raw is None:
+                        os._exit(0)  # the host is gone
+                    cmd = marshal.loads(raw)
+                    if cmd["op"] == "end":
+                        ended = True
+                    elif cmd["op"] == "call":
+                        pending += frame(cmd["data"])
+                        poller.register(req_w, select.POLLOUT)
+                elif fd == req_w:
+                    try:
+                        del pending[: os.write(req_w, pending)]
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        pending.clear()  # the candidate closed its end: it will be reported gone
+                    if not pending:
+                        poller.unregister(req_w)
+                else:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        poller.unregister(fd)
+                        continue
+                    total += len(chunk)
+                    if total > cap:
+                        status = "output_limit"
+                        break
+                    if fd != rep_r:
+                        bufs[fd] += chunk
+                        continue
+                    rep_buf += chunk
+                    while len(rep_buf) >= 4 and len(rep_buf) >= 4 + int.from_bytes(rep_buf[:4], "little"):
+                        n = int.from_bytes(rep_buf[:4], "little")
+                        body = bytes(rep_buf[4 : 4 + n])
+                        del rep_buf[: 4 + n]
+                        if mode == "serve":
+                            send({"ev": "msg", "data": text(body)})
+                        else:
+                            replies.append(text(body))
+    finally:
+        os.close(pidfd)
+    kill_case(boot, pid)
+    _, wstatus, usage = os.wait4(pid, 0)
+    reap_orphans(boot)
+    for fd in bufs:  # every writer is dead now: what is left in the pipes is finite
+        os.set_blocking(fd, False)
+        while status is None:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > cap:
+                status = "output_limit"
+            bufs[fd] += chunk
+    if status is None and oom_kills(boot) > ooms:
+        status = "memory"
+    err = text(bytes(bufs[err_r][-4096:]))
+    report = {"ev": "done", "status": status, "stdout": text(bytes(bufs[out_r])), "err": err, "replies": replies}
+    if status is None and not ended:
+        if os.WIFSIGNALED(wstatus):
+            sig = os.WTERMSIG(wstatus)
+            cpu = usage.ru_utime + usage.ru_stime
+            if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= lim["cpu_s"] - 0.05):
+                report["status"] = "timeout"
+            report["signal"] = sig
+        else:
+            report["exit"] = os.WEXITSTATUS(wstatus)
+    return report
+
+
+def kill_case(boot, pid):
+    # With a namespace per case the child is its PID 1: killing it ends them all.
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    if not boot["per_case_ns"]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for other in descendants(os.getpid()):
+            try:
+                os.kill(other, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def descendants(root):
+    found, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+                found += kids
+                todo += kids
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def reap_orphans(boot):
+    if boot["per_case_ns"]:
+        return
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return
+        if time.monotonic() > deadline:
+            raise OSError(0, "sandboxed processes survived SIGKILL")
+        for other in descendants(os.getpid()):
+            try:
+                os.kill(other, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.0005)
+
+
+# ---------------------------------------------------------------- the candidate process
+
+
+def setlimit(kind, soft, hard=None):
+    hard = soft if hard is None else hard
+    _, cur_hard = resource.getrlimit(kind)
+    if cur_hard != resource.RLIM_INFINITY:
+        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    resource.setrlimit(kind, (soft, hard))
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_all_caps():
+    # Root inside a user namespace (the non-root sandbox) cannot change uid: it
+    # gives up every capability instead (and the bounding set where it may:
+    # that needs CAP_SETPCAP; no_new_privs already keeps exec from granting any).
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:  # EINVAL: no such cap
+            break
+    header = _CapHeader(0x20080522, 0)
+    data = (_CapData * 2)()
+    _sys("capset", ctypes.byref(header), ctypes.byref(data))
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+def install_seccomp(prog):
+    fprog = _SockFprog(len(prog) // 8, prog)
+    _sys("prctl", PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0)
+
+
+def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
+    try:
+        for fd in boot.get("cgroup_fds", ()):
+            os.write(fd, b"0")  # this process joins the slot's memory / pids group
+        tmp_opts = f"size={boot['tmp_mb']}m,mode=1777"
+        if boot["per_case_ns"]:
+            _mount(None, "/", None, MS_REC | MS_PRIVATE)
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            for d in ("/tmp", "/dev/shm"):
+                _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
+            os.chdir("/tmp")
+        else:
+            os.setsid()
+            os.chdir(msg["workdir"])
+        # Lift every source above the targets first, so no dup2 closes a source
+        # that has not been moved yet.
+        sources = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (stdin_fd, out_w, err_w, req_r, rep_w, set_w)]
+        for target, fd in enumerate(sources):
+            os.dup2(fd, target)
+        os.closerange(6, 1 << 16)
+        lim = msg["limits"]
+        cpu = max(1, int(lim["cpu_s"] + 0.999))
+        setlimit(resource.RLIMIT_CPU, cpu, cpu + 1)
+        setlimit(resource.RLIMIT_AS, lim["memory_mb"] << 20)
+        setlimit(resource.RLIMIT_FSIZE, lim["max_file_mb"] << 20)
+        setlimit(resource.RLIMIT_CORE, 0)
+        if not boot.get("cgroup_fds"):
+            # Without a pids cgroup: RLIMIT_NPROC, per real uid (the slot's own when
+            # root, where it is honoured; the worker's user otherwise).
+            setlimit(resource.RLIMIT_NPROC, lim["max_procs"])
+        uid = boot["uid"]
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            if os.geteuid() != uid or os.getuid() != uid:
+                raise OSError("uid drop failed")
+        elif boot["drop_caps"]:
+            drop_all_caps()
+        _sys("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        if boot.get("seccomp"):
+            install_seccomp(boot["seccomp"])
+        sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
+        sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.argv = ["solution.py"]
+        os.write(5, b"K")
+        os.close(5)
+    except BaseException as exc:
+        try:
+            os.write(5, b"E" + f"{type(exc).__name__}: {exc}".encode()[:500])
+        finally:
+            os._exit(1)
+    code = 1
+    try:
+        code = execute(msg)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    os._exit(code)
+
+
+def exit_code(exc):
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def report_error():
+    import traceback
+
+    traceback.print_exc()
+
+
+def execute(msg):
+    mode = msg["mode"]
+    g = {"__name__": "__main__" if mode == "stdin" else "solution", "__builtins__": builtins}
+    try:
+        exec(compile(msg["program"], "solution.py", "exec"), g)
+    except SystemExit as exc:
+        return exit_code(exc)
+    except BaseException:
+        report_error()
+        return 1
+    if mode == "stdin":
+        return 0
+    handles = {}
+    names = {}
+    for name, value in list(g.items()):
+        if not name.startswith("__"):
+            if isinstance(value, type):
+                names[name] = "class"
+            elif callable(value):
+                names[name] = "function"
+    reply(("ready", names))
+    if mode == "calls":
+        for fn_name, args in msg["calls"]:
+            reply(serve_one(g, handles, ("call", fn_name, None, args, {})))
+        return 0
+    while True:
+        raw = read_frame(3)
+        if raw is None:
+            return 0
+        try:
+            req = loads(raw)
+        except WireError as exc:
+            reply(("bad", f"unreadable request: {exc}"))
+            continue
+        reply(serve_one(g, handles, req))
+
+
+def reply(value):
+    try:
+        data = dumps(value)
+    except WireError as exc:
+        data = dumps(("bad", f"the program returned {exc}"))
+    write_all(4, frame(data))
+
+
+def resolve(g, name):
+    fn = g.get(name)
+    if fn is None and isinstance(g.get("Solution"), type):
+        fn = getattr(g["Solution"](), name, None)
+    if fn is None:
+        raise NameError(f"the program defines no function {name!r}")
+    return fn
+
+
+def serve_one(g, handles, req):
+    """One call from the trusted side: ``(kind, name, handle, args, kwargs)``."""
+    try:
+        kind, name, handle, args, kwargs = req
+        if kind == "call":
+            target = resolve(g, name)
+        elif kind == "new":
+            target = g[name]
+        elif kind == "method":
+            target = getattr(handles[handle], name)
+        else:
+            return ("bad", f"unknown request {kind!r}")
+        result = target(*args, **kwargs)
+        if kind == "new":
+            handles[len(handles) + 1] = result
+            return ("handle", len(handles))
+        return ("ok", result)
+    except MemoryError:
+        return ("raise", "MemoryError", "")
+    except BaseException as exc:
+        if isinstance(exc, SystemExit):
+            return ("raise", "SystemExit", str(exc.code)[:200])
+        report_error()
+        return ("raise", type(exc).__name__, str(exc)[:300])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The sandbox's test forms: reading a sample's ground truth and code, scoring its
+cases, and the stand-alone per-case programs for runners without the harness.
+
+Forms: ``check`` (HumanEval ``test`` + ``entry_point``), ``stdin`` (``inputs`` /
+``outputs``), ``call`` (the same with ``fn_name``) and ``assert``
+(``assert_case``). Shared by the local sandbox (``sandbox.py``) and
+SandboxFusion (``sandbox_fusion.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.resources
+import json
+import re
+from typing import Any
+
+from stream_reward.errors import ScoringError
+from stream_reward.scoring.sandbox.judge import wrapped_outputs
+from stream_reward.scoring.scorer import Scored
+from stream_reward.wire.trajectory import Trajectory
+
+__all__ = [
+    "CASE_STATUSES",
+    "WRONG_ANSWER_EXIT",
+    "parse_tests",
+    "extract_code",
+    "read_sample",
+    "no_code",
+    "tally",
+    "case_script",
+]
+
+CASE_STATUSES = ("passed", "failed", "runtime_error", "timeout", "memory", "output_limit")
+
+
+def _bad(message: str) -> ScoringError:
+    return ScoringError(f"ground truth: {message}", reason="bad_tests")
+
+
+def _text(value: Any, what: str) -> str:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "\n".join(value)
+    if not isinstance(value, str):
+        raise _bad(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
+    """Validate a ground-truth test spec; return ``(form, cases)``.
+
+    form is ``check`` (``test`` + ``entry_point``), ``stdin`` (``inputs`` /
+    ``outputs``), ``call`` (the same with ``fn_name``) or ``assert``
+    (``assert_case``). Anything else raises ScoringError(reason="bad_tests").
+    """
+    gt = ground_truth
+    if isinstance(gt, (bytes, bytearray)):
+        gt = gt.decode("utf-8", "replace")
+    if isinstance(gt, str):
+        try:
+            gt = json.loads(gt)
+        except ValueError as exc:
+            raise _bad(f"not JSON ({exc})") from exc
+    if not isinstance(gt, dict):
+        raise _bad(f"expected a JSON object, got {type(gt).__name__}")
+    if "test" in gt or "entry_point" in gt:
+        test, entry = gt.get("test"), gt.get("entry_point")
+        if not isinstance(test, str) or not isinstance(entry, str) or not entry.isidentifier():
+            raise _bad("'test' must be code and 'entry_point' an identifier")
+        return "check", [{"test": test, "entry_point": entry}]
+    if "assert_case" in gt:
+        asserts = gt["assert_case"]
+        if not isinstance(asserts, list) or not asserts or not all(isinstance(a, str) and a.strip() for a in asserts):
+            raise _bad("'assert_case' must be a non-empty list of statements")
+        return "assert", [{"assert": a} for a in asserts]
+    if "inputs" in gt or "outputs" in gt:
+        inputs, outputs = gt.get("inputs"), gt.get("outputs")
+        if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs or len(inputs) != len(outputs):
+            raise _bad("'inputs' and 'outputs' must be non-empty lists of the same length")
+        fn_name = gt.get("fn_name")
+        if fn_name is None:
+            return "stdin", [
+                {"stdin": _text(i, "input"), "stdout": _text(o, "output")} for i, o in zip(inputs, outputs, strict=True)
+            ]
+        if not isinstance(fn_name, str) or not fn_name.isidentifier():
+            raise _bad("'fn_name' must be an identifier")
+        if not all(isinstance(args, list) for args in inputs):
+            raise _bad("call-based 'inputs' must be lists of arguments")
+        try:
+            json.dumps([inputs, outputs])
+        except (TypeError, ValueError) as exc:
+            raise _bad(f"call-based cases are not JSON values ({exc})") from exc
+        wrapped = wrapped_outputs(outputs)
+        return "call", [
+            {"fn_name": fn_name, "args": a, "expected": o, "wrapped": wrapped}
+            for a, o in zip(inputs, outputs, strict=True)
+        ]
+    raise _bad(f"unknown test format (keys: {sorted(map(str, gt))[:8]})")
+
+
+_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.S)
+
+
+def extract_code(response: str) -> str | None:
+    """The last fenced ```python block, else the last fenced block of any kind."""
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(response or "")]
+    blocks = [(lang, body) for lang, body in blocks if body.strip()]
+    for lang, body in reversed(blocks):
+        if lang in ("python", "py", "python3"):
+            return body
+    return blocks[-1][1] if blocks else None
+
+
+def read_sample(traj: Trajectory) -> tuple[str, list[dict[str, Any]], str | None]:
+    """``(form, cases, program)`` of a code sample; the tests are checked first.
+    ``program`` is None when the response has no code block (see ``no_code``)."""
+    form, cases = parse_tests(traj.ground_truth)
+    return form, cases, extract_code(traj.response)
+
+
+def no_code(cases: list[dict[str, Any]], *, all_or_nothing: bool) -> Scored:
+    """A response without code is the policy's wrong answer, not our failure: 0.0."""
+    return tally([("failed", "no code block in the response")] * len(cases), all_or_nothing=all_or_nothing)
+
+
+def tally(results: list[tuple[str, str]], *, all_or_nothing: bool) -> Scored:
+    """The sample's score from its cases' ``(status, detail)``: the fraction passed
+    (1.0 or 0.0 with ``all_or_nothing``), with ``cases``, ``passed``, ``total`` and
+    ``error`` (the first failing case's message, "" when all passed) as extra."""
+    statuses = [status for status, _ in results]
+    passed = statuses.count("passed")
+    total = len(statuses)
+    if all_or_nothing:
+        score = 1.0 if passed == total else 0.0
+    else:
+        score = passed / total
+    error = next((f"case {i}: {s}: {d}".rstrip(": ") for i, (s, d) in enumerate(results) if s != "passed"), "")
+    return Scored(score, {"cases": statuses, "passed": passed, "total": total, "error": error})
+
+
+WRONG_ANSWER_EXIT = 3  # exit code of case_script() programs whose answer is wrong
+
+
+def case_script(form: str, program: str, case: dict[str, Any]) -> tuple[str, str]:
+    """One stand-alone program + stdin for one case, for runners without the harness
+    (remote sandboxes, the benchmark baseline). A wrong answer exits with
+    WRONG_ANSWER_EXIT after printing ``wrong answer`` to stderr."""
+    if form == "stdin":
+        return program, case["stdin"]
+    if form == "call":
+        # JSON values as Python source, so the script needs no json import.
+        check = (
+            f"import sys as _sr_sys\n"
+            f"_sr_case = {{'a': {_literal(case['args'])}, 'e': {_literal(case['expected'])}}}\n"
+            f"_sr_result = _sr_function(globals(), {case['fn_name']!r})(*_sr_case['a'])\n"
+            f"if not _sr_same(_sr_result, _sr_case['e'], {bool(case.get('wrapped'))!r}):\n"
+            f"    print('wrong answer', file=_sr_sys.stderr); _sr_sys.exit({WRONG_ANSWER_EXIT})\n"
+        )
+    elif form == "assert":
+        check = _assert_wrapper(case["assert"], "pass")
+    elif form == "check":
+        check = _assert_wrapper(case["test"], f"check({case['entry_point']})")
+    else:
+        raise ValueError(f"unknown form {form!r}")
+    return f"{program}\n\n{_compare_src()}\n{check}", ""
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return f"float({str(value)!r})"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_literal, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def _assert_wrapper(code: str, then: str) -> str:
+    return (
+        f"import sys as _sr_sys\ntry:\n    exec(compile({code!r}, 'test.py', 'exec'), globals())\n    {then}\n"
+        f"except AssertionError:\n    print('wrong answer', file=_sr_sys.stderr); _sr_sys.exit({WRONG_ANSWER_EXIT})\n"
+    )
+
+
+_JUDGE = importlib.resources.files(__package__).joinpath("judge.py").read_text(encoding="utf-8")
+
+_FUNCTION_SRC = """
+def _sr_function(g, name):
+    fn = g.get(name)
+    if fn is None and isinstance(g.get("Solution"), type):
+        fn = getattr(g["Solution"](), name, None)
+    if fn is None:
+        raise NameError(f"the program defines no function {name!r}")
+    return fn
+"""
+
+
+@functools.cache
+def _compare_src() -> str:
+    """The judge's ``_sr_*`` functions, for the stand-alone programs of case_script()."""
+    functions = [
+        node for node in ast.parse(_JUDGE).body if isinstance(node, ast.FunctionDef) and node.name.startswith("_sr_")
+    ]
+    return "\n" + "\n\n".join(ast.get_source_segment(_JUDGE, node) or "" for node in functions) + _FUNCTION_SRC
