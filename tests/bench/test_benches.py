@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from stream_reward.bench import latency, memory, overlap, per_sample, throughput, vs_verl
+from stream_reward.bench import faults, latency, memory, overlap, per_sample, throughput, vs_verl
 
 
 def run_json(capsys: pytest.CaptureFixture[str], module: Any, argv: list[str]) -> dict[str, Any]:
@@ -156,3 +156,14 @@ def test_vs_verl(capsys: pytest.CaptureFixture[str]) -> None:
     else:
         r = run_json(capsys, vs_verl, ["--n", "256"])
         assert list(r) == ["skipped"] and "verl" in r["skipped"]
+
+
+def test_faults_bench_tiny_kills_workers_and_finds_nothing_lost_or_doubled(capsys):
+    code = faults.main(
+        ["--n", "400", "--workers", "2", "--kills", "2", "--kill-every-s", "0.1", "--reclaim-idle-ms", "300", "--json"]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["n"] == 400 and report["kills"] == 2
+    assert report["lost"] == 0 and report["duplicates"] == 0 and report["wrong_scores"] == 0
+    assert report["scored"] == 400

@@ -20,7 +20,7 @@ from stream_reward.trainer import tensors
 from stream_reward.wire.entries import read_members
 from stream_reward.wire.keys import Keys
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"data_source": "openai/gsm8k", "response": "#### 6", "ground_truth": "6", "valid_response_length": 4}
 
 

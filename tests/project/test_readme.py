@@ -13,7 +13,7 @@ from stream_reward.cli import build_parser, main
 from stream_reward.errors import BatchExistsError
 from stream_reward.ops.embedded import EmbeddedServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 
 

@@ -14,7 +14,7 @@ from stream_reward.cli import build_parser, main
 from stream_reward.errors import ConfigDeprecationWarning
 from stream_reward.ops.worker_cli import DeprecatedFlag
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 
 
