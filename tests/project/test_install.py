@@ -125,7 +125,7 @@ def test_a_worker_runs_from_the_base_install(redis_url: str, namespace: str, tmp
     """``pip install stream-reward`` (no extras) pulls no torch, and a worker scores from it."""
     # A copy of the source: building in the checkout would leave build/ and *.egg-info behind.
     source = tmp_path / "src"
-    for name in ("stream_reward", "workers", "benchmarks"):
+    for name in ("stream_reward", "workers", "benchmarks"):  # all the repo has: the wheel takes stream_reward alone
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
@@ -144,8 +144,25 @@ def test_a_worker_runs_from_the_base_install(redis_url: str, namespace: str, tmp
     # The producer side (this interpreter) pushes; the torch-free worker scores.
     path = _rollouts(tmp_path, 5)
     assert main(["produce", "--redis", redis_url, "--namespace", namespace, "--batch", "w1", str(path)]) == 0
+    # The installed command, as a worker host has it (``python -m workers`` is a checkout's).
+    top = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import importlib.metadata as m; print(m.distribution('stream-reward').read_text('top_level.txt'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    ).stdout.split()
+    assert top == ["stream_reward"]
+    bench = subprocess.run(
+        [str(venv / "bin" / "stream-reward"), "bench", "--help"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert bench.returncode == 0 and "throughput" in bench.stdout, bench.stderr
     worker = subprocess.run(
-        [str(py), "-m", "workers", "--redis", redis_url, "--namespace", namespace, "--burst"],
+        [str(venv / "bin" / "stream-reward"), "worker", "--redis", redis_url, "--namespace", namespace, "--burst"],
         capture_output=True,
         text=True,
         timeout=120,
