@@ -17,10 +17,20 @@ from helpers import score_batch
 from stream_reward import Trajectory
 from stream_reward.config import ManagerConfig, OverlongConfig, QuotaConfig
 from stream_reward.errors import BadReplyError, ConfigError, ScorerTimeoutError, ScoringError
-from stream_reward.scoring.layers import MicroBatchScorer, overlong_penalty
+from stream_reward.scoring.http.verifiers import HttpScorer
+from stream_reward.scoring.layers import (
+    MicroBatchScorer,
+    OverlongShaping,
+    PrecomputedScore,
+    RateLimitedScorer,
+    overlong_penalty,
+)
 from stream_reward.scoring.quota import QuotaLimiter
 from stream_reward.scoring.registry import build_scorer
 from stream_reward.scoring.scorer import Scored
+from stream_reward.wire.connection import connect
+from stream_reward.wire.keys import Keys
+from stream_reward.worker.main import main as worker_main
 
 pytestmark = pytest.mark.anyio
 
@@ -31,8 +41,6 @@ FAST = ["--block-ms", "50", "--log-level", "ERROR"]
 async def wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:
     """Until ``n`` worker processes have joined (heartbeated): a test about how work
     spreads over processes must not start while one of them is still importing."""
-    from stream_reward.wire.connection import connect
-    from stream_reward.wire.keys import Keys
 
     client = connect(redis_url)
     try:
@@ -101,9 +109,7 @@ def test_overlong_config_is_not_validated_when_disabled():
 
 
 def test_bad_manager_option_makes_the_worker_exit_with_the_key_named(capfd):
-    from stream_reward.worker.main import main
-
-    code = main(
+    code = worker_main(
         [
             "--redis",
             "unix:///nonexistent",
@@ -346,9 +352,6 @@ def test_rate_limited_options_are_validated():
 
 
 def test_rate_limited_does_not_add_a_second_lease_to_verifiers_that_take_their_own(redis_url):
-    from stream_reward.scoring.http.verifiers import HttpScorer
-    from stream_reward.scoring.layers import RateLimitedScorer
-
     scorer = build_scorer(
         ManagerConfig(manager="rate_limited", scorer="http:http://127.0.0.1:9/score", redis_url=redis_url, max_rpm=60)
     )
@@ -366,8 +369,6 @@ async def test_scoring_error_reasons_survive_wrappers():
 
         async def score(self, traj):
             raise ScoringError("nope", reason="custom")
-
-    from stream_reward.scoring.layers import OverlongShaping, PrecomputedScore
 
     scorer = OverlongShaping(PrecomputedScore(Failing()), OverlongConfig(), None)
     assert scorer.inline
