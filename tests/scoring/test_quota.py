@@ -237,7 +237,7 @@ def test_limiter_binds_no_loop_in_init(redis_url: str) -> None:
     asyncio.run(use())
 
 
-def test_config_is_validated() -> None:
+def test_bad_quota_config_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="quota_key"):
         QuotaConfig("a{b}")
     with pytest.raises(ConfigError, match="max_rpm"):

@@ -14,7 +14,7 @@ from stream_reward.scoring.retry import RetryPolicy, call_with_retry, parse_retr
 pytestmark = pytest.mark.anyio
 
 
-def test_parse_retry_after() -> None:
+def test_retry_after_is_read_from_seconds_ms_or_a_date_and_capped() -> None:
     assert parse_retry_after({"retry-after-ms": "250"}) == 0.25
     assert parse_retry_after({"Retry-After": "3"}) == 3.0
     assert parse_retry_after({"Retry-After": "Wed, 21 Oct 2015 07:28:10 GMT"}, now=1445412480.0) == 10.0

@@ -95,7 +95,7 @@ async def test_disrm_classify_uses_the_template() -> None:
     assert default.stats["tokens"] > 0
 
 
-async def test_disrm_embeddings() -> None:
+async def test_disrm_embeddings_api_posts_to_v1_embeddings() -> None:
     async with VerifierServer() as srv:
         s = scorer(f"disrm:{srv.url}/v1", options={"api": "embeddings"})
         assert (await s.score(traj(0, response="GOOD"))).score == pytest.approx(0.9)

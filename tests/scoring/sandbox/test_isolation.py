@@ -113,7 +113,7 @@ def test_cannot_read_root_only_files(scorer, open_scorer):
         os.rmdir(secret_dir)
 
 
-def test_no_network(scorer):
+def test_no_network_not_even_loopback_or_dns(scorer):
     accepted = []
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

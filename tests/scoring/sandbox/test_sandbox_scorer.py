@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("no_sandboxed_process_left")
 
 
 # ------------------------------------------------------------ config and lifecycle
-def test_config_validation():
+def test_bad_sandbox_config_is_a_config_error():
     with pytest.raises(ConfigError):
         SandboxConfig(timeout_s=0)
     with pytest.raises(ConfigError):
@@ -101,7 +101,7 @@ def test_wrong_and_crashing_solutions(scorer):
     assert r.extra["cases"] == ["runtime_error"]
 
 
-def test_all_or_nothing(open_scorer):
+def test_all_or_nothing_scores_only_when_every_case_passes(open_scorer):
     s = open_scorer(all_or_nothing=True)
     r = score(s, "print(int(input()) + 1)", {"inputs": ["1", "2"], "outputs": ["2", "4"]})
     assert r.score == 0.0 and r.extra["passed"] == 1
@@ -196,7 +196,7 @@ def test_output_flood_is_output_limit(scorer):
     assert r.extra["cases"] == ["output_limit"]
 
 
-def test_file_size_limit(bwrap, open_scorer):
+def test_writing_past_the_file_size_limit_fails_with_efbig(bwrap, open_scorer):
     s = open_scorer(backend="bwrap", max_file_mb=1)
     code = (
         "try:\n    open('/tmp/big', 'wb').write(b'x' * (3 << 20))\nexcept OSError as e:\n    print('refused', e.errno)"
