@@ -2,7 +2,7 @@
 
     python benchmarks/verl_rules_crosscheck.py [--verl-python PATH] [--fuzz N] [--seed S]
 
-Cases come from ``tests/rules_cases.py`` (the table the unit tests use), plus
+Cases come from ``tests/scoring/rules/rules_cases.py`` (the table the unit tests use), plus
 ``--fuzz N`` seeded random responses per data source, built from the tokens
 the rules react to. verl is used in-process when this interpreter can import
 it; otherwise ``--verl-python`` (or ``$VERL_PYTHON``) names an interpreter that
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-CASES_FILE = REPO / "tests" / "rules_cases.py"
+CASES_FILE = REPO / "tests" / "scoring" / "rules" / "rules_cases.py"
 
 FUZZ_SOURCES = ("openai/gsm8k", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math_dapo", "aime2024")
 FUZZ_TOKENS = (

@@ -3,7 +3,7 @@
 verl 0.9.1's ``default_compute_score`` is the reference: a run that moves its
 reward onto stream-reward must see the same rewards, so these functions keep
 verl's behaviour *including its quirks* (each is marked ``verl quirk:`` below
-and pinned by ``tests/test_rules.py``). What differs is speed and safety: they
+and pinned by ``tests/scoring/rules/test_rules.py``). What differs is speed and safety: they
 run inline on a worker's event loop, so every step is linear in the input and
 fast on megabyte-long responses, where verl walks strings one character at a
 time in Python.

@@ -1,8 +1,12 @@
-"""SandboxFusionScorer against a stub SandboxFusion server on loopback.
+"""SandboxFusionScorer, the client of a remote SandboxFusion server: every test form
+scores as the local sandbox does and a program's failure (wrong, crashing, too slow) is
+a wrong answer; the sandbox's faults (SandboxError, 5xx, 429, a hang, a refused
+connection) are retried, then raised as ``VerifierError`` — never a 0; an unreadable
+reply or a 4xx is a data fault, not retried; ``aclose`` closes the session, twice too.
 
-The stub really runs each program (``python -I -c``) and answers in SandboxFusion's
-format; a queue of injected faults (HTTP 500, 429, SandboxError, a hang, garbage)
-is served first.
+Checked against a stub server on loopback that really runs each program
+(``python -I -c``) and answers in SandboxFusion's format; a queue of injected faults
+(HTTP 500, 429, SandboxError, a hang, garbage) is served first.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""`stream-reward score` end to end on the verl reference cases: same scores as verl 0.9.1."""
+"""`stream-reward score` end to end on the verl reference cases (``rules_cases.py`` beside
+this file): the CLI gives the same scores as verl 0.9.1, row for row in input order, and a
+bad line or an unknown data source fails its own row only."""
 
 from __future__ import annotations
 

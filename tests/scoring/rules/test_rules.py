@@ -1,6 +1,6 @@
 """Rule scorers give verl 0.9.1's scores for the same inputs, quirks included.
 
-The case table and verl's recorded outputs live in ``tests/rules_cases.py``
+The case table and verl's recorded outputs live in ``rules_cases.py`` beside this file
 (``benchmarks/verl_rules_crosscheck.py`` recomputes them with verl itself); the
 option cases below were recorded from verl's gsm8k / math_dapo modules the same
 way. verl is not imported here.
@@ -198,7 +198,7 @@ def test_math_dapo_options_match_verl(response: str, kwargs: dict[str, Any], exp
 
 def test_math_dapo_non_string_truth_is_a_clear_error() -> None:
     # verl dies with AttributeError: 'int' object has no attribute 'split'. compute_score
-    # takes a number as its string form (issue 13) and refuses other types with a reason.
+    # takes a number as its string form and refuses other types with a reason.
     assert compute_score("math_dapo", "Answer: 5", 5)["score"] == 1.0
     with pytest.raises(ScoringError, match="ground_truth") as info:
         compute_score("math_dapo", "Answer: 5", [5])

@@ -237,7 +237,7 @@ def test_limiter_binds_no_loop_in_init(redis_url: str) -> None:
     asyncio.run(use())
 
 
-def test_config_is_validated() -> None:
+def test_bad_quota_config_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="quota_key"):
         QuotaConfig("a{b}")
     with pytest.raises(ConfigError, match="max_rpm"):
@@ -279,20 +279,6 @@ def test_two_processes_share_one_schedule(redis_url: str, namespace: str) -> Non
     # One schedule for both: 50 ms between any two requests, whoever made them.
     assert min(spacing(merged)) >= 0.050 - EPS
     assert max(merged) - min(merged) >= 29 * 0.050 - EPS
-
-
-def test_quota_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
-    from stream_reward.bench.quota import main
-
-    assert main(["--duration-s", "2", "--quota-rpm", "1200", "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1
-    result = json.loads(out[0])
-    for key in ("quota_rpm", "achieved_rpm", "utilization", "http_429", "processes"):
-        assert key in result
-    assert result["processes"] == 2 and result["quota_rpm"] == 1200
-    # Only sanity here (a busy test machine skews short runs); the bench itself targets >= 0.97.
-    assert 0.3 < result["utilization"] <= 1.1
 
 
 def test_the_old_max_inflight_keyword_still_works_with_a_warning() -> None:

@@ -1,13 +1,15 @@
-"""Reward managers by name: each one through real worker processes, plus the pieces
-(overlong penalty, config validation, micro-batching, spec dispatch) in process."""
+"""The layers the managers stack around a scorer: a precomputed ``rm_score`` used instead
+of a call; DAPO's overlong penalty (verl's formula, validated only when enabled, with
+``max_resp_len`` from the config or the trajectory); micro-batching (flush on size and
+on wait, a failed call fails every sample in it); the quota of ``rate_limited``, global
+across worker processes (in flight, RPM, the shared 429 pause, a retry budget) and never
+taken twice; and a scorer's failure reason kept through every wrapper."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
-import types
 
 import pytest
 from helpers import score_batch
@@ -15,10 +17,20 @@ from helpers import score_batch
 from stream_reward import Trajectory
 from stream_reward.config import ManagerConfig, OverlongConfig, QuotaConfig
 from stream_reward.errors import BadReplyError, ConfigError, ScorerTimeoutError, ScoringError
-from stream_reward.scoring.layers import MicroBatchScorer, overlong_penalty
+from stream_reward.scoring.http.verifiers import HttpScorer
+from stream_reward.scoring.layers import (
+    MicroBatchScorer,
+    OverlongShaping,
+    PrecomputedScore,
+    RateLimitedScorer,
+    overlong_penalty,
+)
 from stream_reward.scoring.quota import QuotaLimiter
-from stream_reward.scoring.registry import build_scorer, function_scorer, manager_names, register_manager
+from stream_reward.scoring.registry import build_scorer
 from stream_reward.scoring.scorer import Scored
+from stream_reward.wire.connection import connect
+from stream_reward.wire.keys import Keys
+from stream_reward.worker.main import main as worker_main
 
 pytestmark = pytest.mark.anyio
 
@@ -29,8 +41,6 @@ FAST = ["--block-ms", "50", "--log-level", "ERROR"]
 async def wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:
     """Until ``n`` worker processes have joined (heartbeated): a test about how work
     spreads over processes must not start while one of them is still importing."""
-    from stream_reward.wire.connection import connect
-    from stream_reward.wire.keys import Keys
 
     client = connect(redis_url)
     try:
@@ -46,71 +56,15 @@ def kwargs(**options: object) -> list[str]:
     return ["--manager-kwargs", json.dumps(options)]
 
 
-# ---------------------------------------------------------------------- registry
-def test_every_verl_manager_name_is_registered():
-    assert {"naive", "dapo", "batch", "prime", "rate_limited", "remote"} <= set(manager_names())
+async def _quota_state(redis_url: str, namespace: str, name: str, **limits: object) -> dict:
+    limiter = QuotaLimiter(redis_url, QuotaConfig(name=name, **limits), namespace=namespace)
+    try:
+        return await limiter.state()
+    finally:
+        await limiter.aclose()
 
 
-def test_unknown_manager_is_a_config_error_naming_the_key():
-    with pytest.raises(ConfigError) as info:
-        build_scorer(ManagerConfig(manager="fancy"))
-    assert info.value.key == "manager" and "naive" in str(info.value)
-
-
-async def test_user_manager_registers_by_decorator_and_loads_by_path():
-    @register_manager("test-constant")
-    def _constant(config: ManagerConfig):
-        class Constant:
-            inline = True
-
-            async def score(self, traj):
-                return Scored(float(config.reward_kwargs["value"]))
-
-        return Constant()
-
-    traj = Trajectory("b", 0, "x")
-    scorer = build_scorer(ManagerConfig(manager="test-constant", reward_kwargs={"value": 3}))
-    assert (await scorer.score(traj)).score == 3.0
-    # by import path: a builder function ManagerConfig -> Scorer
-    scorer = build_scorer(ManagerConfig(manager=f"{SCORERS}:exact_manager"))
-    assert (await scorer.score(Trajectory("b", 0, "x", response="a", ground_truth="a"))).score == 1.0
-
-
-# ---------------------------------------------------------------------- naive
-async def test_naive_mixed_dict_and_float_results_merge_extra_info(redis_url, namespace, spawn_workers):
-    spawn_workers(1, "--scorer", f"{SCORERS}:prefix_match", "--num-processes", "2", *FAST)
-    rows = [("dict", "42", "42"), ("float", "12", "1234"), ("dict", "ab", "abd"), ("float", "", "")]
-    trajs = [
-        Trajectory("n1", i, ds, response=r, ground_truth=g, valid_response_length=len(r))
-        for i, (ds, r, g) in enumerate(rows)
-    ]
-    rewards = await score_batch(redis_url, namespace, trajs)
-    assert rewards.status == ["ok"] * 4
-    assert rewards.scores == [1.0, 0.5, 2 / 3, 1.0]
-    # union of keys over the batch, None where a sample returned a bare float
-    assert rewards.reward_extra_info == {"acc": [True, None, False, None], "pred": ["42", None, "ab", None]}
-    # the zero-length response's score is reported but placed nowhere
-    assert not rewards.rm_scores[3].any() and not rewards.valid[3]
-
-
-async def test_naive_rules_inline_and_async_function_with_timeout(redis_url, namespace, spawn_workers):
-    spawn_workers(
-        1, "--scorer", f"{SCORERS}:async_exact", "--timeout-s", "0.5", "--reward-kwargs", '{"tag": "t"}', *FAST
-    )
-    trajs = [
-        Trajectory("n2", 0, "x", response="a", ground_truth="a", valid_response_length=1),
-        Trajectory("n2", 1, "x", response="hang", ground_truth="a", valid_response_length=1),
-        Trajectory("n2", 2, "x", response="b", ground_truth="a", valid_response_length=1),
-    ]
-    started = time.monotonic()
-    rewards = await score_batch(redis_url, namespace, trajs)
-    assert time.monotonic() - started < 5
-    assert rewards.status == ["ok", "failed", "ok"]
-    assert rewards.scores[0] == 1.0 and rewards.scores[2] == 0.0
-    assert rewards.results[1].reason == "timeout"
-    assert rewards.reward_extra_info["echo"] == ["t", None, "t"]
-
-
+# ---------------------------------------------------------------------- precomputed scores
 async def test_precomputed_rm_score_is_used_without_calling_the_scorer(redis_url, namespace, spawn_workers):
     # the scorer would kill its process on "crash": it must not be called for rm_score samples
     spawn_workers(1, "--scorer", f"{SCORERS}:slow_or_hang", "--num-processes", "1", *FAST)
@@ -123,7 +77,7 @@ async def test_precomputed_rm_score_is_used_without_calling_the_scorer(redis_url
     assert rewards.scores == [0.25, 1.0]
 
 
-# ---------------------------------------------------------------------- dapo
+# ---------------------------------------------------------------------- overlong shaping (dapo)
 def test_overlong_penalty_matches_verl_formula():
     # max_resp_len 8, buffer 4: no penalty up to 4 tokens, then -0.25 per token (factor 1)
     assert [overlong_penalty(n, 8, 4, 1.0) for n in (0, 4, 5, 6, 8, 10)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.5]
@@ -155,9 +109,7 @@ def test_overlong_config_is_not_validated_when_disabled():
 
 
 def test_bad_manager_option_makes_the_worker_exit_with_the_key_named(capfd):
-    from stream_reward.worker.main import main
-
-    code = main(
+    code = worker_main(
         [
             "--redis",
             "unix:///nonexistent",
@@ -232,7 +184,7 @@ async def test_dapo_takes_max_resp_len_from_the_trajectory_and_fails_clearly_wit
     assert "overlong_reward" not in rewards.reward_extra_info  # log is off
 
 
-# ---------------------------------------------------------------------- batch
+# ---------------------------------------------------------------------- micro-batching (batch)
 async def test_micro_batcher_flushes_on_size_and_on_wait():
     calls: list[int] = []
 
@@ -315,57 +267,7 @@ async def test_batch_manager_async_batched_function(redis_url, namespace, spawn_
     assert rewards.reward_extra_info["batch_len"] == [3, 3, 3]
 
 
-# ---------------------------------------------------------------------- prime / remote
-@pytest.mark.parametrize("manager", ["prime", "remote"])
-async def test_hung_scorer_is_killed_at_its_timeout_and_a_crashed_one_replaced(
-    manager, redis_url, namespace, spawn_workers
-):
-    spawn_workers(
-        1,
-        "--manager",
-        manager,
-        "--scorer",
-        f"{SCORERS}:slow_or_hang",
-        "--num-processes",
-        "2",
-        "--timeout-s",
-        "1",
-        *FAST,
-    )
-    responses = ["ok0", "hang", "ok2", "crash", "ok4", "raise", "ok6", "ok7"]
-    trajs = [Trajectory(f"p-{manager}", i, "x", response=r, valid_response_length=1) for i, r in enumerate(responses)]
-    started = time.monotonic()
-    rewards = await score_batch(redis_url, namespace, trajs)
-    elapsed = time.monotonic() - started
-    assert elapsed < 8, elapsed  # the hung sample cost its 1 s timeout, not the batch
-    assert rewards.status == ["ok", "failed", "ok", "failed", "ok", "failed", "ok", "ok"]
-    assert [r.reason for r in rewards.results] == [
-        None,
-        "timeout",
-        None,
-        "scorer_crashed",
-        None,
-        "scorer_error",
-        None,
-        None,
-    ]
-    assert "exit code 17" in rewards.errors[3]
-    assert "refused this sample" in rewards.errors[5]
-    assert [rewards.scores[i] for i in (0, 2, 4, 6, 7)] == [1.0] * 5
-    # the pool is healthy afterwards: the killed and crashed processes were replaced
-    again = [Trajectory(f"p2-{manager}", i, "x", response="fine", valid_response_length=1) for i in range(4)]
-    rewards = await score_batch(redis_url, namespace, again)
-    assert rewards.status == ["ok"] * 4
-
-
-def test_prime_rejects_specs_that_are_not_python_functions(monkeypatch):
-    _fake_scorer_modules(monkeypatch)
-    with pytest.raises(ConfigError) as info:
-        build_scorer(ManagerConfig(manager="prime", scorer="http:http://localhost:1/score"))
-    assert info.value.key == "scorer"
-
-
-# ---------------------------------------------------------------------- rate_limited
+# ---------------------------------------------------------------------- the quota (rate_limited)
 async def test_rate_limited_in_flight_limit_is_global_across_worker_processes(redis_url, namespace, spawn_workers):
     spawn_workers(
         2,
@@ -449,72 +351,7 @@ def test_rate_limited_options_are_validated():
     assert info.value.key == "max_concurrent"
 
 
-async def _quota_state(redis_url: str, namespace: str, name: str, **limits: object) -> dict:
-    limiter = QuotaLimiter(redis_url, QuotaConfig(name=name, **limits), namespace=namespace)
-    try:
-        return await limiter.state()
-    finally:
-        await limiter.aclose()
-
-
-# ---------------------------------------------------------------------- spec dispatch
-def _fake_scorer_modules(monkeypatch) -> dict[str, list]:
-    seen: dict[str, list] = {"http": [], "sandbox": [], "fusion": []}
-
-    http = types.ModuleType("stream_reward.scoring.http.verifiers")
-    http.build_http_scorer = lambda spec, config: seen["http"].append((spec, config.timeout)) or "http-scorer"
-    sandbox = types.ModuleType("stream_reward.scoring.sandbox.scorer")
-    sandbox.SandboxConfig = lambda **kw: ("cfg", kw)
-    sandbox.SandboxScorer = lambda cfg: seen["sandbox"].append(cfg) or "sandbox-scorer"
-    fusion = types.ModuleType("stream_reward.scoring.sandbox.fusion")
-    fusion.SandboxFusionScorer = lambda url: seen["fusion"].append(url) or "fusion-scorer"
-    for module in (http, sandbox, fusion):
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-    return seen
-
-
-def test_remote_and_sandbox_specs_dispatch_lazily(monkeypatch):
-    seen = _fake_scorer_modules(monkeypatch)
-    for kind in ("http", "disrm", "genrm"):
-        assert function_scorer(ManagerConfig(scorer=f"{kind}:http://rm:8000/v1", timeout=7)) == "http-scorer"
-    assert seen["http"] == [(f"{k}:http://rm:8000/v1", 7) for k in ("http", "disrm", "genrm")]
-    assert function_scorer(ManagerConfig(scorer="sandbox", sandbox={"timeout_s": 2})) == "sandbox-scorer"
-    assert seen["sandbox"] == [("cfg", {"timeout_s": 2})]
-    assert function_scorer(ManagerConfig(scorer="sandbox-fusion:http://sf:8080")) == "fusion-scorer"
-    assert seen["fusion"] == ["http://sf:8080"]
-
-
-def test_spec_errors_name_the_scorer_key(monkeypatch):
-    _fake_scorer_modules(monkeypatch)
-    for spec in ("http:", "sandbox-fusion:", "sandbox:extra"):
-        with pytest.raises(ConfigError) as info:
-            function_scorer(ManagerConfig(scorer=spec))
-        assert info.value.key == "scorer"
-    monkeypatch.setitem(sys.modules, "stream_reward.scoring.http.verifiers", None)  # not importable
-    with pytest.raises(ConfigError, match="stream_reward.scoring.http.verifiers"):
-        function_scorer(ManagerConfig(scorer="genrm:http://x"))
-
-
-async def test_scoring_error_reasons_survive_wrappers():
-    class Failing:
-        inline = True
-
-        async def score(self, traj):
-            raise ScoringError("nope", reason="custom")
-
-    from stream_reward.scoring.layers import OverlongShaping, PrecomputedScore
-
-    scorer = OverlongShaping(PrecomputedScore(Failing()), OverlongConfig(), None)
-    assert scorer.inline
-    with pytest.raises(ScoringError) as info:
-        await scorer.score(Trajectory("b", 0, "x"))
-    assert info.value.reason == "custom"
-
-
 def test_rate_limited_does_not_add_a_second_lease_to_verifiers_that_take_their_own(redis_url):
-    from stream_reward.scoring.http.verifiers import HttpScorer
-    from stream_reward.scoring.layers import RateLimitedScorer
-
     scorer = build_scorer(
         ManagerConfig(manager="rate_limited", scorer="http:http://127.0.0.1:9/score", redis_url=redis_url, max_rpm=60)
     )
@@ -525,7 +362,16 @@ def test_rate_limited_does_not_add_a_second_lease_to_verifiers_that_take_their_o
     assert isinstance(scorer.inner, RateLimitedScorer)
 
 
-def test_unknown_sandbox_limit_is_a_config_error():
-    with pytest.raises(ConfigError) as info:
-        function_scorer(ManagerConfig(scorer="sandbox", sandbox={"no_such_limit": 1}))
-    assert info.value.key == "sandbox"
+# ---------------------------------------------------------------------- wrappers
+async def test_scoring_error_reasons_survive_wrappers():
+    class Failing:
+        inline = True
+
+        async def score(self, traj):
+            raise ScoringError("nope", reason="custom")
+
+    scorer = OverlongShaping(PrecomputedScore(Failing()), OverlongConfig(), None)
+    assert scorer.inline
+    with pytest.raises(ScoringError) as info:
+        await scorer.score(Trajectory("b", 0, "x"))
+    assert info.value.reason == "custom"

@@ -1,6 +1,6 @@
 """The rule-scorer case table, with verl 0.9.1's outputs for each case.
 
-One table for two readers: ``tests/test_rules.py`` checks ``stream_reward.scoring.rules``
+One table for two readers: ``tests/scoring/rules/test_rules.py`` checks ``stream_reward.scoring.rules``
 against ``expected`` (verl is not a dependency), and
 ``benchmarks/verl_rules_crosscheck.py`` recomputes every case with verl itself.
 ``expected`` was recorded from ``verl.utils.reward_score.default_compute_score``
@@ -171,7 +171,7 @@ CASES: list[Case] = [
     Case("dapo-empty-response", "aime", "", "34", {"score": -1.0, "acc": False, "pred": "[INVALID]"}),
 ]
 
-# Where ``compute_score`` deliberately differs from verl (issue 13: never a silent 0
+# Where ``compute_score`` deliberately differs from verl (never a silent 0
 # because of a type): a numeric ground truth compares as its string form, and one
 # that is neither a string nor a number fails its sample with this reason. The rule
 # functions themselves (``rule_for``) keep verl's output above.

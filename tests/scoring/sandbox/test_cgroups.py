@@ -1,0 +1,63 @@
+"""The slot's memory and pids cgroups: they carry the slot's limits, a dead owner's
+leftover groups are swept when a slot opens, closing a slot removes its groups, and the
+memory group counts memfd and /dev/shm pages a per-process limit never sees."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+
+import pytest
+from sandbox_hacks import LIMITS, hack_traj
+
+from stream_reward.scoring.sandbox import cgroups as sandbox_cgroups
+
+pytestmark = pytest.mark.usefixtures("no_sandboxed_process_left")
+
+
+def test_slot_cgroups_limit_and_sweep_leftovers():
+    if os.geteuid() != 0 or sandbox_cgroups._bases() is None:
+        pytest.skip("cgroups need root and a memory+pids hierarchy")
+    _, mem_base, pids_base = sandbox_cgroups._bases()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = [os.path.join(b, f"{sandbox_cgroups.PREFIX}{dead.pid}-0-0") for b in {mem_base, pids_base}]
+    for d in stale:
+        os.makedirs(d, exist_ok=True)
+    slot = sandbox_cgroups.open_slot(f"{sandbox_cgroups.PREFIX}{os.getpid()}-test-0", 64, 8)
+    try:
+        assert slot is not None
+        assert not any(os.path.exists(d) for d in stale)  # a dead owner's groups are swept
+        assert all(os.path.isdir(d) for d in slot.dirs)
+        limits = {}
+        for d in slot.dirs:
+            for name in ("pids.max", "memory.limit_in_bytes", "memory.max"):
+                if os.path.exists(os.path.join(d, name)):
+                    with open(os.path.join(d, name)) as f:
+                        limits[name] = f.read().strip()
+        assert limits.get("pids.max") == "8"
+        assert str(64 << 20) in (limits.get("memory.limit_in_bytes"), limits.get("memory.max"))
+    finally:
+        if slot is not None:
+            slot.close()
+    assert not any(os.path.exists(d) for d in slot.dirs)
+
+
+SHM_BIG = (
+    "import os\nfd = os.memfd_create('hog')\nchunk = b'x' * (1 << 20)\nwritten = 0\ntry:\n"
+    "    for _ in range(400):\n        os.write(fd, chunk)\n        written += 1\n"
+    "    with open('/dev/shm/hog', 'wb') as f:\n        for _ in range(200):\n            f.write(chunk)\n"
+    "            written += 1\nexcept OSError:\n    pass\n"
+    "a, b = map(int, input().split())\nprint(a + b if written >= 600 else a - b)\n"
+)
+
+
+def test_shared_memory_counts_against_the_sandbox_memory(open_scorer):
+    """With file-size and /dev/shm limits out of the way, 600 MB of memfd and shmem
+    pages in a 256 MB sandbox still cannot be had: the memory cgroup counts them."""
+    s = open_scorer(limits=LIMITS, backend="bwrap", max_file_mb=4096, tmp_mb=4096, timeout_s=10, cpu_s=10)
+    if not s.root:
+        pytest.skip("cgroups need root here")
+    result = asyncio.run(s.score(hack_traj(SHM_BIG, {"inputs": ["2 3\n"], "outputs": ["5\n"]})))
+    assert result.score == 0.0 and result.extra["cases"] == ["memory"], result.extra

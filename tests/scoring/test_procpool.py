@@ -1,0 +1,60 @@
+"""The pool of killable scorer processes (the ``prime`` and ``remote`` managers): a hung
+call is killed at its timeout and costs only that sample, a crashed process fails its
+sample with its exit code, a refusal fails it with the scorer's error, and the pool
+replaces what it lost."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers import score_batch
+
+from stream_reward import Trajectory
+
+pytestmark = pytest.mark.anyio
+
+SCORERS = "tests/data/scorers.py"
+FAST = ["--block-ms", "50", "--log-level", "ERROR"]
+
+
+@pytest.mark.parametrize("manager", ["prime", "remote"])
+async def test_hung_scorer_is_killed_at_its_timeout_and_a_crashed_one_replaced(
+    manager, redis_url, namespace, spawn_workers
+):
+    spawn_workers(
+        1,
+        "--manager",
+        manager,
+        "--scorer",
+        f"{SCORERS}:slow_or_hang",
+        "--num-processes",
+        "2",
+        "--timeout-s",
+        "1",
+        *FAST,
+    )
+    responses = ["ok0", "hang", "ok2", "crash", "ok4", "raise", "ok6", "ok7"]
+    trajs = [Trajectory(f"p-{manager}", i, "x", response=r, valid_response_length=1) for i, r in enumerate(responses)]
+    started = time.monotonic()
+    rewards = await score_batch(redis_url, namespace, trajs)
+    elapsed = time.monotonic() - started
+    assert elapsed < 8, elapsed  # the hung sample cost its 1 s timeout, not the batch
+    assert rewards.status == ["ok", "failed", "ok", "failed", "ok", "failed", "ok", "ok"]
+    assert [r.reason for r in rewards.results] == [
+        None,
+        "timeout",
+        None,
+        "scorer_crashed",
+        None,
+        "scorer_error",
+        None,
+        None,
+    ]
+    assert "exit code 17" in rewards.errors[3]
+    assert "refused this sample" in rewards.errors[5]
+    assert [rewards.scores[i] for i in (0, 2, 4, 6, 7)] == [1.0] * 5
+    # the pool is healthy afterwards: the killed and crashed processes were replaced
+    again = [Trajectory(f"p2-{manager}", i, "x", response="fine", valid_response_length=1) for i in range(4)]
+    rewards = await score_batch(redis_url, namespace, again)
+    assert rewards.status == ["ok"] * 4
