@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from helpers import CutProxy, ReadHold, Timed, backlog_ready, backlog_traj, backlog_truth, running_worker
 
-import stream_reward.trainer.producer as producer_module
+import stream_reward.trainer.flush as flush_module
 from stream_reward import ProducerConfig, RolloutProducer, SyncRolloutProducer
 from stream_reward.errors import BackpressureError, BrokerError, ResultTimeoutError
 from stream_reward.ops.cluster import LocalCluster
@@ -86,7 +86,7 @@ async def test_a_failed_flush_whose_samples_landed_leaves_the_estimate_low(redis
         async with RolloutProducer(proxy.url, _config(namespace), client=client) as producer:
             await backlog_ready(producer, "lost", 2000)
             assert (producer._lane is not None) == lane
-            cuts = producer_module._LANE_ATTEMPTS if lane else 20
+            cuts = flush_module._LANE_ATTEMPTS if lane else 20
             proxy.arm(b"EVALSHA", times=cuts)  # every attempt runs, every reply lost
             with pytest.raises(BrokerError):
                 await producer.push_many(backlog_traj("lost", i) for i in range(1, 11))
@@ -115,7 +115,7 @@ async def test_a_failed_flush_retried_as_a_whole_settles_exact(redis_url, namesp
         # Room for the retry's ten on top of the failed call's, which stay counted.
         async with RolloutProducer(proxy.url, _config(namespace, max_backlog=30)) as producer:
             await backlog_ready(producer, "retry", 2000)
-            proxy.arm(b"EVALSHA", times=producer_module._LANE_ATTEMPTS)
+            proxy.arm(b"EVALSHA", times=flush_module._LANE_ATTEMPTS)
             with pytest.raises(BrokerError):
                 await producer.push_many(backlog_traj("retry", i) for i in range(1, 11))
             await producer.push_many(backlog_traj("retry", i) for i in range(1, 11))
@@ -333,7 +333,7 @@ async def test_a_reading_inside_the_lane_backoff_after_a_lost_reply(redis_url, n
     then place it before the reading: exact. With another producer's pushes between the
     reading and the resend, the resend's count is past the reading's: the claimed
     'duplicate resend after the reading' case, which may err high (never low)."""
-    monkeypatch.setattr(producer_module, "_LANE_BACKOFF_S", 0.5)
+    monkeypatch.setattr(flush_module, "_LANE_BACKOFF_S", 0.5)
     problems: list[str] = []
     async with CutProxy(redis_url[len("unix://") :]) as proxy:
         async with (

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from stream_reward.config import ProducerConfig
-from stream_reward.trainer.producer import _RECENT_BATCHES, RolloutProducer
+from stream_reward.trainer.batches import _RECENT_BATCHES
+from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.wire.trajectory import Trajectory
 
 
