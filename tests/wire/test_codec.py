@@ -1,19 +1,36 @@
+"""The msgpack codecs (wire/codec.py): a trajectory and a result round-trip every field;
+token ids pack four bytes each; garbage, a non-map, a wrong schema version, wrong fields
+and an oversized payload are a CodecError that names what is wrong; arbitrary bytes and
+records decode or raise CodecError, never anything else; the fast field check accepts and
+names exactly what the reference decoder does; every record carries the one protocol
+version; a batch's codec rows round-trip and fail their own sample.
+"""
+
 from __future__ import annotations
+
+import dataclasses
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
+from stream_reward.errors import (
+    CodecError,
+    PayloadTooLargeError,
+    SchemaVersionError,
+)
 from stream_reward.wire.codec import (
     _TRAJECTORY_FIELDS,
+    PROTOCOL_VERSION,
     SCHEMA_VERSION,
     decode_result,
     decode_trajectory,
     encode_result,
     encode_trajectory,
     pack_ids,
+    result_from_row,
+    stored_result,
     unpack_ids,
 )
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, trajectory_from_json
@@ -279,3 +296,43 @@ def test_the_fast_check_accepts_and_names_exactly_what_the_reference_decoder_doe
     except CodecError as exc:
         got = (type(exc), str(exc))
     assert got == want
+
+
+pytestmark = pytest.mark.anyio
+
+
+def test_every_record_carries_the_one_protocol_version() -> None:
+    from stream_reward.wire import codec
+
+    traj = msgpack.unpackb(encode_trajectory(Trajectory("b", 0, "x", response="r")))
+    assert traj["v"] == PROTOCOL_VERSION
+    assert msgpack.unpackb(encode_result(ScoreResult("u", "b", 0, 1.0)))[0] == PROTOCOL_VERSION
+    assert PROTOCOL_VERSION >= 2  # bumped when results became positional arrays
+    assert codec.SCHEMA_VERSION == PROTOCOL_VERSION
+
+
+def ok(batch: str, i: int, score: float, vl: int | None, extra: dict | None = None, uid: str = "") -> ScoreResult:
+    return ScoreResult(uid or f"{batch}/{i}", batch, i, score, "ok", extra or {}, valid_response_length=vl)
+
+
+def test_codec_rows_round_trip_and_fail_their_own_sample() -> None:
+    r = ScoreResult("u", "b", 3, 1, "ok", {"n": {"x": [1]}}, None, None, 2, 7, "ds", "g", 1.5)
+    row = msgpack.unpackb(encode_result(r))
+    back = result_from_row(row)
+    assert back == dataclasses.replace(r, score=1.0) and type(back.score) is float
+    assert stored_result(row) == back
+    foreign = stored_result([PROTOCOL_VERSION + 7, "u", "b", 3, "anything"])
+    assert (foreign.uid, foreign.index, foreign.batch_id, foreign.status, foreign.reason) == (
+        "u",
+        3,
+        "b",
+        "failed",
+        "schema_version",
+    )
+    assert foreign.extra == {} and foreign.score == 0.0
+    assert stored_result([PROTOCOL_VERSION, 5, "b"]) is None
+    # Two failed results of unreadable rows never share an extra.
+    a, b = stored_result([99, "a", 1, 0]), stored_result([99, "b", None, 1])
+    assert a.batch_id == "" and b.batch_id == ""
+    a.extra["k"] = 1
+    assert b.extra == {}
