@@ -26,10 +26,7 @@ from helpers import producer_and_aggregator
 
 from stream_reward import BatchPolicy, BatchRewards, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig, ProducerConfig
-from stream_reward.errors import (
-    CollectTimeoutError,
-    VerifierError,
-)
+from stream_reward.errors import CollectTimeoutError, VerifierError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.trainer.aggregator import BatchMeta, build_rewards
 from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result
@@ -39,10 +36,9 @@ from stream_reward.wire.ledger import DONE_FIELD, LedgerItem, LedgerWriter
 from stream_reward.wire.trajectory import ScoreResult
 from stream_reward.worker.consumer import Worker
 
-# The failure policy, pure and through the pipeline
-
-
 pytestmark = pytest.mark.anyio
+
+# The failure policy, pure and through the pipeline
 
 
 RESPONSE_LEN = 8
@@ -573,8 +569,8 @@ async def test_a_shallow_copy_of_a_collected_batch_shares_its_results(redis_url,
 
 
 def test_an_edit_of_a_result_survives_dataclasses_replace() -> None:
-    """replace() passes the same ScoreResult objects on. With c84549d the copy remade
-    them from the records, and an edit made through ``results`` was lost."""
+    """replace() passes the same ScoreResult objects on: a copy that remade them from the
+    records would lose an edit made through ``results``."""
     rewards = build_rewards("b", meta(), sample_results())
     rewards.results[0].reason = "relabelled"
     assert dataclasses.replace(rewards, scores=list(rewards.scores)).results[0].reason == "relabelled"
@@ -614,9 +610,8 @@ def test_batch_rewards_built_by_keyword_with_results() -> None:
 
 
 def test_batch_rewards_built_positionally() -> None:
-    """The 8th positional argument is ``results``, the 9th ``errors``. The records change
-    (c84549d) had them land in ``_records`` / ``_extras`` silently, and the batch broke
-    later, on first use."""
+    """The 8th positional argument is ``results``, the 9th ``errors``: not ``_records`` /
+    ``_extras``, where they would land silently and break the batch later, on first use."""
     r = build_rewards("b", meta(), sample_results())
     made = BatchRewards(
         "b", r.rm_scores, r.scores, r.status, r.reward_extra_info, r.valid, r.indices, sample_results(), r.errors

@@ -36,19 +36,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 import stream_reward.trainer.flush as flush_module
-from stream_reward import (
-    ProducerConfig,
-    RolloutProducer,
-    SyncRolloutProducer,
-    Trajectory,
-)
+from stream_reward import ProducerConfig, RolloutProducer, SyncRolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
-from stream_reward.errors import (
-    BackpressureError,
-    BrokerError,
-    PushConflictError,
-    ResultTimeoutError,
-)
+from stream_reward.errors import BackpressureError, BrokerError, PushConflictError, ResultTimeoutError
 from stream_reward.ops.cluster import LocalCluster
 from stream_reward.ops.deadletters import list_dead_letters
 from stream_reward.scoring.registry import RuleScorer
@@ -57,10 +47,9 @@ from stream_reward.wire.entries import XADD_MANY_CHUNK, entry_header
 from stream_reward.wire.keys import Keys
 from stream_reward.worker.consumer import Worker
 
-# A push and a reading in flight together
-
-
 pytestmark = pytest.mark.anyio
+
+# A push and a reading in flight together
 
 
 @pytest.mark.parametrize("partitions", [1, 3])
@@ -1446,7 +1435,7 @@ async def test_a_reply_during_a_reading_after_another_call_restarted_the_count(r
 # The estimate on the per-sample path
 
 
-def traj(batch: str, i: int, right: bool) -> Trajectory:
+def graded(batch: str, i: int, right: bool) -> Trajectory:
     gt = str(1000 + i)
     return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
 
@@ -1460,7 +1449,7 @@ async def test_backpressure_holds_when_redis_reports_no_lag(redis_url, namespace
     )  # an entry per sample: the test deletes one mid-stream
     async with RolloutProducer(redis_url, config) as producer:
         await producer.open_batch("lag", 40, 4)
-        await producer.push_many(traj("lag", i, True) for i in range(12))
+        await producer.push_many(graded("lag", i, True) for i in range(12))
         client = connect(redis_url)
         try:
             stream = producer.keys.stream()
@@ -1472,7 +1461,7 @@ async def test_backpressure_holds_when_redis_reports_no_lag(redis_url, namespace
         finally:
             await client.aclose()
         with pytest.raises(BackpressureError, match="exceeds max_backlog 10"):
-            await producer.push(traj("lag", 20, True))
+            await producer.push(graded("lag", 20, True))
 
 
 async def test_a_stale_backlog_estimate_with_room_lets_pushes_go_and_catches_up_in_the_background(redis_url, namespace):
@@ -1486,14 +1475,14 @@ async def test_a_stale_backlog_estimate_with_room_lets_pushes_go_and_catches_up_
         RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as other,
     ):
         await other.open_batch("o", 20, 4)
-        await other.push_many(traj("o", i, True) for i in range(20))  # the backlog is now 20, over our limit
+        await other.push_many(graded("o", i, True) for i in range(20))  # the backlog is now 20, over our limit
         await mine.open_batch("m", 5, 4)
-        await mine.push(traj("m", 0, True))  # our estimate says 0: it goes, and a reading starts
+        await mine.push(graded("m", 0, True))  # our estimate says 0: it goes, and a reading starts
         await asyncio.sleep(0.1)
         # The reading counts samples exactly (each entry is stamped with the samples queued
         # before it): the other's 20 and our 1.
         with pytest.raises(BackpressureError, match="backlog 21 \\+ 1 exceeds max_backlog 10"):
-            await mine.push(traj("m", 1, True))
+            await mine.push(graded("m", 1, True))
 
 
 async def test_pushes_waiting_for_room_share_one_backlog_reading(redis_url, namespace):
@@ -1502,13 +1491,13 @@ async def test_pushes_waiting_for_room_share_one_backlog_reading(redis_url, name
     config = ProducerConfig(namespace=namespace, max_backlog=10, on_backlog="raise", backlog_poll_s=0.05)
     async with RolloutProducer(redis_url, config) as mine:
         await mine.open_batch("w", 60, 4)
-        await mine.push_many(traj("w", i, True) for i in range(10))  # our estimate is at the limit
+        await mine.push_many(graded("w", i, True) for i in range(10))  # our estimate is at the limit
         await asyncio.sleep(0.06)  # and stale
         client = connect(redis_url)
         try:
             await client.config_resetstat()
             replies = await asyncio.gather(
-                *(mine.push(traj("w", i, True)) for i in range(10, 60)), return_exceptions=True
+                *(mine.push(graded("w", i, True)) for i in range(10, 60)), return_exceptions=True
             )
             stats = await client.info("commandstats")
         finally:
@@ -1517,10 +1506,9 @@ async def test_pushes_waiting_for_room_share_one_backlog_reading(redis_url, name
     assert stats["cmdstat_xinfo|groups"]["calls"] <= 2  # one reading for all 50, not one each
 
 
-def traj_push_results(
-    batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None
-) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 async def test_a_stale_estimate_does_not_let_many_concurrent_pushes_past_max_backlog(redis_url, namespace) -> None:
@@ -1532,19 +1520,13 @@ async def test_a_stale_estimate_does_not_let_many_concurrent_pushes_past_max_bac
         RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as other,
     ):
         await other.open_batch("o", 20, 4)
-        await other.push_many(traj_push_results("o", i) for i in range(20))
+        await other.push_many(traj("o", i) for i in range(20))
         await mine.open_batch("m", 100, 4)
-        results = await asyncio.gather(
-            *(mine.push(traj_push_results("m", i)) for i in range(100)), return_exceptions=True
-        )
+        results = await asyncio.gather(*(mine.push(traj("m", i)) for i in range(100)), return_exceptions=True)
         went = sum(r is None for r in results)
         assert all(r is None or isinstance(r, BackpressureError) for r in results)
         # The design lets a stale estimate's push go; it must not let max_backlog be exceeded tenfold.
         assert went <= config.max_backlog, f"{went} pushes went with a backlog of 20 over max_backlog 10"
-
-
-def traj_score_call(batch: str, i: int, *, response: str = "r", **kw) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 def expected(t: Trajectory) -> float:
@@ -1588,16 +1570,16 @@ async def _zero(count) -> bool:
 
 @pytest.mark.parametrize("mode", ["raise", "wait"])
 async def test_score_refused_or_given_up_at_max_backlog_releases_its_uid_and_count(redis_url, namespace, mode) -> None:
-    """Attacks the split room check (_has_room / _make_room / _count) on score()'s path: a
+    """The split room check (_has_room / _make_room / _count) on score()'s path: a
     BackpressureError ("raise") or a cancel while waiting for room ("wait") leaves no uid
     reserved, no waiter, and the backlog estimate uncounted; the same uids score fine once
     workers drained the backlog."""
     cfg = ProducerConfig(namespace=namespace, max_backlog=3, on_backlog=mode, backlog_poll_s=0.02)
     async with RolloutProducer(redis_url, cfg) as p:
         await p.open_batch("b", 40, 8)
-        await p.push_many([traj_score_call("b", i) for i in range(30, 33)])  # the backlog is full
+        await p.push_many([traj("b", i) for i in range(30, 33)])  # the backlog is full
         await asyncio.sleep(0.05)
-        samples = [traj_score_call("b", i) for i in range(10)]
+        samples = [traj("b", i) for i in range(10)]
         if mode == "raise":
             got = await settle([p.score(t, timeout_s=5) for t in samples], 5)
             assert all(isinstance(g, BackpressureError) for g in got), got
@@ -1624,7 +1606,7 @@ async def test_score_refused_or_given_up_at_max_backlog_releases_its_uid_and_cou
 
 @pytest.mark.parametrize("verdict", ["fresh", "duplicate", "conflict", "failed_flush"])
 async def test_the_backlog_estimate_counts_only_what_score_queued(redis_url, namespace, verdict) -> None:
-    """Attacks _ScoreCall.apply's backlog correction (readings held off): a FRESH push adds
+    """_ScoreCall.apply's backlog correction (readings held off): a FRESH push adds
     one to the estimate, and so does a DUPLICATE (it may be this call's own sample, found by a
     send retried after its reply was lost: the estimate errs high until the next reading,
     never low), and so does a failed flush (its sample may have been queued before the reply
@@ -1632,16 +1614,16 @@ async def test_the_backlog_estimate_counts_only_what_score_queued(redis_url, nam
     cfg = ProducerConfig(namespace=namespace, backlog_poll_s=1000)
     async with RolloutProducer(redis_url, cfg) as a, RolloutProducer(redis_url, cfg) as p:
         await a.open_batch("c", 10, 8)
-        await a.push_many([traj_score_call("c", 0), traj_score_call("c", 1, uid="taken")])
-        await p.push(traj_score_call("c", 9))
+        await a.push_many([traj("c", 0), traj("c", 1, uid="taken")])
+        await p.push(traj("c", 9))
         if p._backlog_reading is not None:
             await p._backlog_reading
         before = p._backlog
         t = {
-            "fresh": traj_score_call("c", 2),
-            "duplicate": traj_score_call("c", 0),
-            "conflict": traj_score_call("c", 1, uid="mine"),
-        }.get(verdict, traj_score_call("c", 3))
+            "fresh": traj("c", 2),
+            "duplicate": traj("c", 0),
+            "conflict": traj("c", 1, uid="mine"),
+        }.get(verdict, traj("c", 3))
         if verdict == "failed_flush":
 
             async def broken(calls: list, cluster: bool) -> list:  # the flush's round trip fails

@@ -6,7 +6,8 @@ flushes, ``max_entries`` and ``max_in_flight``; it waits up to ``max_delay_s`` f
 only while submissions come faster than the delay, so a push after a quiet spell is
 never held back; closing it or cancelling its runner ends every caller; a ``Verdict``
 handed over by callback ends every wait however it ends. The flush here is a recording
-coroutine, not Redis: the pushes that go through Redis are in test_producer.py.
+coroutine, not Redis: the pushes that go through Redis are in test_producer.py and
+test_samples.py.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import pytest
 from stream_reward import ProducerConfig
 from stream_reward.trainer.coalescer import Coalescer, Verdict
 
-# The delay: who waits, and for how long
-
-
 pytestmark = pytest.mark.anyio
+
+# The delay: who waits, and for how long
 
 
 DELAY_S = 0.4  # long against this VM's loop turns (under 10 ms even with the suite running)
@@ -133,11 +133,8 @@ async def test_closing_while_pushes_wait_out_the_delay_cancels_them() -> None:
 
 
 def test_the_producer_default_delay_is_one_millisecond() -> None:
-    """The default the issue-16 measurements chose (see benchmarks/README.md)."""
+    """The default the measurements in benchmarks/README.md chose."""
     assert ProducerConfig().coalesce_delay_s == 0.001
-
-
-DELAY_S_coalescer_delay = 0.4
 
 
 SLACK_S = 0.2  # scheduling slack on this VM (loop turns are under 10 ms, GC and neighbours not)
@@ -212,7 +209,7 @@ def assert_drained(coalescer: Coalescer[Any, Any]) -> None:
 
 async def test_a_submission_larger_than_max_entries_goes_alone_whole_and_at_once() -> None:
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_entries=4)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
     await co.submit([0])
     small = asyncio.ensure_future(co.submit([1, 2]))
     await asyncio.sleep(0.05)  # small is waiting out the delay
@@ -232,7 +229,7 @@ async def test_a_submission_larger_than_max_entries_goes_alone_whole_and_at_once
 
 async def test_exactly_max_entries_in_one_submission_goes_at_once_even_when_pushes_come_fast() -> None:
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_entries=4)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
     await co.submit([0])
     t0 = time.monotonic()
     assert await co.submit([1, 2, 3, 4]) == [("ok", e) for e in (1, 2, 3, 4)]  # 1 ms after the one before
@@ -250,9 +247,7 @@ async def test_exactly_max_entries_in_one_submission_goes_at_once_even_when_push
 @pytest.mark.parametrize("max_in_flight", [1, 2])
 async def test_the_count_crossing_max_entries_during_the_wait_ends_it(max_in_flight: int) -> None:
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(
-        flush, max_delay_s=DELAY_S_coalescer_delay, max_entries=5, max_in_flight=max_in_flight
-    )
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=5, max_in_flight=max_in_flight)
     await co.submit([0])
     a = asyncio.ensure_future(co.submit([1, 2, 3]))
     await asyncio.sleep(0.1)
@@ -282,19 +277,19 @@ async def test_a_steady_stream_faster_than_the_delay_does_not_starve_anyone() ->
     """Submissions every delay/4 for 2.4 s: each goes within the delay (+ slack) of its
     submission, the stream is still gathered (fewer flushes than submissions)."""
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_entries=1000)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=1000)
     calls = []
     submitted_at = []
     for i in range(24):
         submitted_at.append(time.monotonic())
         calls.append(asyncio.ensure_future(co.submit([i])))
-        await asyncio.sleep(DELAY_S_coalescer_delay / 4)
+        await asyncio.sleep(DELAY_S / 4)
         if i == 7:
             # The first of the stream (submitted at 0.1 s, after the lone first one) must be out by 0.8 s.
             assert 1 in [e for b in flush.batches for e in b], f"starved: batches {flush.batches}"
     assert await asyncio.wait_for(asyncio.gather(*calls), 5) == [[("ok", i)] for i in range(24)]
     late = [(i, round(flush.sent_at(i) - submitted_at[i], 3)) for i in range(24)]
-    assert all(d <= DELAY_S_coalescer_delay + SLACK_S for _, d in late), f"held beyond the delay: {late}"
+    assert all(d <= DELAY_S + SLACK_S for _, d in late), f"held beyond the delay: {late}"
     assert late[0][1] < SLACK_S, "the first ever submission was delayed"
     assert len(flush.batches) < 24 / 2, f"the stream was not gathered: {flush.batches}"
     await co.aclose()
@@ -327,12 +322,12 @@ async def test_with_slow_flushes_nobody_waits_the_delay_beyond_a_free_flush_slot
 
 async def test_the_first_ever_submission_is_not_delayed() -> None:
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
     t0 = time.monotonic()
     assert await co.submit([1]) == [("ok", 1)]
     assert time.monotonic() - t0 < SLACK_S
     v_calls: list[int] = []
-    co2: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay)
+    co2: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
     t0 = time.monotonic()
     v = co2.submit_nowait([2], Verdict(lambda c: c.append(1), v_calls))
     await asyncio.wait_for(v.wait(), 3)
@@ -341,14 +336,14 @@ async def test_the_first_ever_submission_is_not_delayed() -> None:
 
 async def test_a_lone_submission_after_a_quiet_spell_is_not_delayed_whatever_came_before() -> None:
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_in_flight=2)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=2)
     # After a stream that made the runner wait.
     calls = [asyncio.ensure_future(co.submit([0]))]
     for i in (1, 2, 3):
         await asyncio.sleep(0.05)
         calls.append(asyncio.ensure_future(co.submit([i])))
     await asyncio.gather(*calls)
-    await asyncio.sleep(DELAY_S_coalescer_delay * 1.3)
+    await asyncio.sleep(DELAY_S * 1.3)
     t0 = time.monotonic()
     assert await co.submit([4]) == [("ok", 4)]
     assert time.monotonic() - t0 < SLACK_S, "a lone push after a stream and a quiet spell was delayed"
@@ -357,7 +352,7 @@ async def test_a_lone_submission_after_a_quiet_spell_is_not_delayed_whatever_cam
     gone = co.submit_nowait([5])
     await asyncio.sleep(0.05)
     gone.cancel()
-    await asyncio.sleep(DELAY_S_coalescer_delay * 1.3)
+    await asyncio.sleep(DELAY_S * 1.3)
     t0 = time.monotonic()
     assert await co.submit([6]) == [("ok", 6)]
     assert time.monotonic() - t0 < SLACK_S, "a lone push after a cancelled one and a quiet spell was delayed"
@@ -368,9 +363,9 @@ async def test_a_lone_submission_after_a_quiet_spell_is_not_delayed_whatever_cam
 
 async def test_a_lone_submission_while_a_slow_flush_is_in_flight_on_a_free_slot_is_not_delayed() -> None:
     flush = Flush(hold=lambda n: 1.0 if n == 0 else 0.0)
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_in_flight=2)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=2)
     slow = asyncio.ensure_future(co.submit([0]))
-    await asyncio.sleep(DELAY_S_coalescer_delay * 1.3)
+    await asyncio.sleep(DELAY_S * 1.3)
     t0 = time.monotonic()
     assert await co.submit([1]) == [("ok", 1)]
     assert time.monotonic() - t0 < SLACK_S
@@ -381,16 +376,16 @@ async def test_a_lone_submission_while_a_slow_flush_is_in_flight_on_a_free_slot_
 
 async def test_a_burst_in_one_loop_turn_after_a_quiet_spell_is_not_delayed() -> None:
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
     await co.submit([0])
-    await asyncio.sleep(DELAY_S_coalescer_delay * 1.3)
+    await asyncio.sleep(DELAY_S * 1.3)
     t0 = time.monotonic()
     futs = [co.submit_nowait([i]) for i in (1, 2, 3)]  # one loop turn, the first after a quiet spell
     await asyncio.wait_for(asyncio.gather(*futs), 3)
     took = time.monotonic() - t0
     await co.aclose()
     assert flush.batches == [[0], [1, 2, 3]]
-    assert took < SLACK_S, f"a burst after a quiet spell waited {took:.3f} s (delay {DELAY_S_coalescer_delay} s)"
+    assert took < SLACK_S, f"a burst after a quiet spell waited {took:.3f} s (delay {DELAY_S} s)"
 
 
 # Every submission sent once, every caller answered with its own verdicts
@@ -601,7 +596,7 @@ async def test_cancelled_before_during_and_after_the_wait_of_every_kind() -> Non
     """One deterministic round of each cancellation moment, for a future, a Verdict and a
     task awaiting submit(): before the runner looked, during its delay, while in a flush."""
     flush = Flush(hold=lambda n: 0.3 if n in (1, 2) else 0.0)
-    co: Coalescer[str, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_in_flight=2)
+    co: Coalescer[str, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=2)
     assert await co.submit(["lone"]) == [("ok", "lone")]
     calls: list[int] = []
     # Before the wait: cancelled in the loop turn they were submitted in.
@@ -794,7 +789,7 @@ async def _runner_cancel_setup(moment: str) -> tuple[Coalescer[str, Any], Flush,
     """Callers of every kind in every state, then the runner cancelled: ``moment`` is
     "delay" (the runner waits out the delay) or "gated" (it waits for a flush slot)."""
     flush = Flush(hold=lambda n: 3.0 if n == 0 else 0.0)
-    co: Coalescer[str, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_in_flight=1, max_entries=100)
+    co: Coalescer[str, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=1, max_entries=100)
     calls: list[int] = []
     slots: dict[str, Any] = {}
     slots["t-inflight"] = asyncio.ensure_future(co.submit(["t-inflight"]))
@@ -805,7 +800,7 @@ async def _runner_cancel_setup(moment: str) -> tuple[Coalescer[str, Any], Flush,
     slots["t-wait"] = asyncio.ensure_future(co.submit(["t-wait"]))
     slots["f-wait"] = co.submit_nowait(["f-wait"])
     slots["v-wait"] = co.submit_nowait(["v-wait"], Verdict(lambda c: c.append(1), calls))
-    await asyncio.sleep(0.1 if moment == "delay" else DELAY_S_coalescer_delay + 0.2)
+    await asyncio.sleep(0.1 if moment == "delay" else DELAY_S + 0.2)
     slots["f-late"] = co.submit_nowait(["f-late"])
     await asyncio.sleep(0)
     slots["calls"] = calls
@@ -844,7 +839,7 @@ async def test_after_a_runner_cancel_fast_pushes_still_wait_and_share_a_flush() 
     """What a leaked _count does: with max_entries 4 and 3 entries pending at the cancel,
     each later submission brings the count to max_entries: the delay never applies again."""
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_entries=4)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
     await co.submit([0])
     waiting = co.submit_nowait([1, 2])
     waiting2 = co.submit_nowait([3])
@@ -853,7 +848,7 @@ async def test_after_a_runner_cancel_fast_pushes_still_wait_and_share_a_flush() 
     co._runner.cancel()
     await asyncio.sleep(0.05)
     assert waiting.cancelled() and waiting2.cancelled()
-    await asyncio.sleep(DELAY_S_coalescer_delay * 1.3)
+    await asyncio.sleep(DELAY_S * 1.3)
     await co.submit([10])  # lone: at once
     a = co.submit_nowait([11])
     await asyncio.sleep(0.05)
@@ -867,7 +862,7 @@ async def test_a_verdict_that_submits_when_the_runner_cancels_it_does_not_strand
     """The runner's cancel path cancels each pending slot while iterating _pending; a
     Verdict whose _settled submits again (a retry) appends to it mid-iteration."""
     flush = Flush()
-    co: Coalescer[str, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay)
+    co: Coalescer[str, Any] = Coalescer(flush, max_delay_s=DELAY_S)
     await co.submit(["lone"])
     log: list[Resubmit] = []
     retrying = Resubmit(co, "r", 1, log, on_cancel=True)
@@ -894,7 +889,7 @@ async def test_cancelling_the_runner_in_the_turn_a_group_fills_still_cancels_its
     the producer closes (cancels the runner) in the same loop turn. On Python 3.11 wait_for returns the inner result when the inner wait finished as
     it was cancelled, so the runner's cancel would be swallowed: it goes on and flushes."""
     flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S_coalescer_delay, max_entries=3)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=3)
     await co.submit([0])
     a = co.submit_nowait([1])
     await asyncio.sleep(0.05)  # the runner waits out the delay

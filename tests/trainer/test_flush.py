@@ -10,16 +10,14 @@ again, found as a duplicate), a server answering LOADING, a server that lost its
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from helpers import CutProxy, queued, samples_of
 from redis.asyncio import Redis
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
-from stream_reward.errors import (
-    BrokerError,
-    PushConflictError,
-)
+from stream_reward.errors import BrokerError, PushConflictError
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
@@ -29,11 +27,12 @@ from stream_reward.wire.packed import pack_command
 pytestmark = pytest.mark.anyio
 
 
-def traj(batch: str, i: int, *, uid: str = "", response: str = "r") -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid)
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
-async def queued_push_paths(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
+async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
     """(uid, index) of every sample in the producer's stream, in order."""
     client = connect(redis_url)
     try:
@@ -53,13 +52,7 @@ async def test_a_push_after_the_server_lost_its_scripts_loads_them_again(redis_u
         finally:
             await client.aclose()
         await producer.push_many([traj("b", i) for i in range(100, 300)])  # two script calls, both NOSCRIPT
-        assert await queued_push_paths(redis_url, producer) == [(f"b/{i}", i) for i in range(300)]
-
-
-def traj_push_results(
-    batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None
-) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
+        assert await stream_samples(redis_url, producer) == [(f"b/{i}", i) for i in range(300)]
 
 
 async def test_the_pipeline_path_of_a_single_connection_client_queues_once(redis_url, namespace) -> None:
@@ -70,13 +63,11 @@ async def test_the_pipeline_path_of_a_single_connection_client_queues_once(redis
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace), client=client) as p:
             await p.open_batch("s", 600, 8)
-            await p.push_many([traj_push_results("s", i) for i in range(300)])
+            await p.push_many([traj("s", i) for i in range(300)])
             await client.script_flush()
             async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace), client=client) as q:
                 with pytest.raises(PushConflictError, match="index 5"):
-                    await q.push_many(
-                        [traj_push_results("s", i) for i in range(200, 600)] + [traj_push_results("s", 5, uid="z")]
-                    )
+                    await q.push_many([traj("s", i) for i in range(200, 600)] + [traj("s", 5, uid="z")])
             assert sorted(i for _, _, i in await queued(redis_url, p.keys)) == list(range(600))
     finally:
         await client.aclose()
@@ -108,7 +99,7 @@ async def test_connections_killed_under_pushes_queue_each_sample_once(redis_url,
         failures: list[BaseException] = []
         try:
             for lo in range(0, 3000, 300):
-                chunk = [traj_push_results("k", i, response="x" * 4000) for i in range(lo, lo + 300)]
+                chunk = [traj("k", i, response="x" * 4000) for i in range(lo, lo + 300)]
                 for _attempt in range(200):
                     try:
                         await p.push_many(chunk)
@@ -129,15 +120,15 @@ async def test_script_flush_before_a_slow_path_call_is_recovered(redis_url, name
     config = ProducerConfig(namespace=namespace)
     async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
         await a.open_batch("f", 600, 8)
-        await a.push_many([traj_push_results("f", i) for i in range(300)])
-        await b.push_many([traj_push_results("f", 0)])  # b's script is loaded
+        await a.push_many([traj("f", i) for i in range(300)])
+        await b.push_many([traj("f", 0)])  # b's script is loaded
         admin = connect(redis_url)
         try:
             await admin.script_flush()
         finally:
             await admin.aclose()
         # duplicates + fresh + a conflict, over two script calls, after the cache is gone
-        call = [traj_push_results("f", i) for i in range(250, 600)] + [traj_push_results("f", 1, uid="z")]
+        call = [traj("f", i) for i in range(250, 600)] + [traj("f", 1, uid="z")]
         with pytest.raises(PushConflictError, match="index 1"):
             await b.push_many(call)
         got = await queued(redis_url, a.keys)

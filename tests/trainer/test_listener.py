@@ -18,22 +18,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import msgpack
 import pytest
 from helpers import CutProxy, Timed, queued, running_worker, wait_until
 from redis.exceptions import ResponseError
 
-from stream_reward import (
-    ProducerConfig,
-    RewardAggregator,
-    RolloutProducer,
-    ScoreResult,
-    Trajectory,
-)
-from stream_reward.errors import (
-    ResultTimeoutError,
-)
+from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, Trajectory
+from stream_reward.errors import ResultTimeoutError
 from stream_reward.trainer import listener as listener_mod
 from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
@@ -41,16 +34,15 @@ from stream_reward.wire.lane import Lane
 from stream_reward.wire.ledger import DONE_FIELD, LedgerItem, LedgerWriter
 from stream_reward.wire.packed import pack_command
 
-# Waiters and their results
-
-
 pytestmark = pytest.mark.anyio
+
+# Waiters and their results
 
 
 SCORER = "python:tests/data/scorers.py:exact"
 
 
-def traj(batch: str, i: int, right: bool) -> Trajectory:
+def graded(batch: str, i: int, right: bool) -> Trajectory:
     gt = str(1000 + i)
     return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
 
@@ -74,7 +66,7 @@ async def test_many_concurrent_score_calls_each_get_their_own_result_without_an_
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, partitions=2)) as producer:
         for b in range(n_batches):
             await producer.open_batch(f"s{b}", per_batch, 8)
-        samples = [traj(f"s{b}", i, (i * 7 + b) % 3 != 0) for b in range(n_batches) for i in range(per_batch)]
+        samples = [graded(f"s{b}", i, (i * 7 + b) % 3 != 0) for b in range(n_batches) for i in range(per_batch)]
         results = await asyncio.wait_for(asyncio.gather(*(producer.score(t, timeout_s=60) for t in samples)), 90)
     for t, r in zip(samples, results):
         assert (r.uid, r.batch_id, r.index, r.status) == (t.uid, t.batch_id, t.index, "ok")
@@ -136,8 +128,8 @@ async def test_hundreds_of_concurrent_batches(redis_url, namespace, spawn_worker
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, partitions=2)) as producer:
         for b in range(n_batches):
             await producer.open_batch(f"m{b}", 2, 4)
-        # One push of more batches than the producer remembers used to raise KeyError.
-        assert await producer.push_many(traj(f"m{b}", 0, True) for b in range(n_batches)) == n_batches
+        # One push to more batches than the producer remembers must not evict a uid set it is using.
+        assert await producer.push_many(graded(f"m{b}", 0, True) for b in range(n_batches)) == n_batches
         # And one in-flight score() per batch, all at once.
         # Each batch's second sample in a GRPO group of its own: they spread over both partitions.
         second = [
@@ -156,16 +148,17 @@ async def test_result_of_a_sample_already_read_for_score_by_the_shared_listener(
     config = ProducerConfig(namespace=namespace)
     async with RolloutProducer(redis_url, config) as producer, RewardAggregator(redis_url, namespace=namespace) as agg:
         await producer.open_batch("shared", 3, 4)
-        await producer.push(traj("shared", 0, True))
-        assert (await producer.score(traj("shared", 1, False), timeout_s=30)).score == 0.0
-        assert (await producer.score(traj("shared", 2, True), timeout_s=30)).score == 1.0
+        await producer.push(graded("shared", 0, True))
+        assert (await producer.score(graded("shared", 1, False), timeout_s=30)).score == 0.0
+        assert (await producer.score(graded("shared", 2, True), timeout_s=30)).score == 1.0
         assert producer._listener is agg._listener or agg._listener is None
         r0 = await agg.result("shared", "shared/0", timeout_s=5)
         assert agg._listener is producer._listener  # one listener per process, loop, server and namespace
     assert (r0.index, r0.score) == (0, 1.0)
 
 
-def traj_score_call(batch: str, i: int, *, response: str = "r", **kw) -> Trajectory:
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
     return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
@@ -249,7 +242,7 @@ CASES = [
 async def test_two_waiters_on_one_uid_one_cancelled_the_other_gets_the_result(
     redis_url, namespace, first, cancel
 ) -> None:
-    """Attacks _add_waiter/_drop_waiter (and its single-waiter fast path), watch/unwatch vs
+    """_add_waiter/_drop_waiter (and its single-waiter fast path), watch/unwatch vs
     expect/forget on one uid: cancelling one waiter must not drop the other's future, the
     remaining waiters get the right result, and no waiter is left in the listener."""
     cfg = ProducerConfig(namespace=namespace, partitions=2)
@@ -259,8 +252,8 @@ async def test_two_waiters_on_one_uid_one_cancelled_the_other_gets_the_result(
         RewardAggregator(redis_url, namespace=namespace) as agg,
     ):
         await p.open_batch("w", 20, 8)
-        await p.push(traj_score_call("w", 19))  # groups ready: the push is handed over without an await
-        t = traj_score_call("w", 3)
+        await p.push(traj("w", 19))  # groups ready: the push is handed over without an await
+        t = traj("w", 3)
         hold = Hold(p) if cancel == "score_in_flight" else None
         tasks: dict[str, asyncio.Task] = {}
 
@@ -310,13 +303,13 @@ async def test_two_waiters_on_one_uid_one_cancelled_the_other_gets_the_result(
 
 
 async def test_cancel_one_waiter_as_the_result_lands_the_others_get_it(redis_url, namespace, monkeypatch) -> None:
-    """Attacks the moment _land pops a uid's waiters: score() and two result() calls on one
+    """The moment _land pops a uid's waiters: score() and two result() calls on one
     uid, one of them cancelled from inside _land (its future already resolved): the others
     still get the result, and unwatch/forget of a popped list leave nothing behind."""
     cfg = ProducerConfig(namespace=namespace)
     async with RolloutProducer(redis_url, cfg) as p, RewardAggregator(redis_url, namespace=namespace) as agg:
         await p.open_batch("l", 10, 8)
-        for victim, t in (("score", traj_score_call("l", 1)), ("result", traj_score_call("l", 2))):
+        for victim, t in (("score", traj("l", 1)), ("result", traj("l", 2))):
             tasks = {"score": asyncio.ensure_future(p.score(t, timeout_s=10))}
             await wait_until(lambda t=t: _queued(redis_url, p, t), 5, 0.01)
             for k in ("result", "result2"):
@@ -343,7 +336,7 @@ async def test_cancel_one_waiter_as_the_result_lands_the_others_get_it(redis_url
 async def test_a_waiter_registered_as_another_is_resolved_is_not_dropped_by_its_unwatch(
     redis_url, namespace, monkeypatch
 ) -> None:
-    """Attacks _drop_waiter's single-waiter fast path: _land pops and resolves score() A's
+    """_drop_waiter's single-waiter fast path: _land pops and resolves score() A's
     future; before A's task runs its unwatch, a second producer's score() B of the same
     sample registers a new one-future list for the uid. A's unwatch must drop only its own
     future, not B's: B (a DUPLICATE, which rereads the done stream) gets the result."""
@@ -354,7 +347,7 @@ async def test_a_waiter_registered_as_another_is_resolved_is_not_dropped_by_its_
     async with RolloutProducer(redis_url, cfg) as p, RolloutProducer(redis_url, cfg) as p2:
         await p.open_batch("f", 10, 8)
         await p2._ensure_groups()  # p2's push is handed over in its first step
-        t = traj_score_call("f", 2)
+        t = traj("f", 2)
         a = asyncio.ensure_future(p.score(t, timeout_s=10))
         await wait_until(lambda: _queued(redis_url, p, t), 5, 0.01)
         b: list[asyncio.Task] = []
@@ -375,12 +368,6 @@ async def test_a_waiter_registered_as_another_is_resolved_is_not_dropped_by_its_
         assert ra.score == expected(t)
         assert isinstance(rb, ScoreResult) and rb.score == expected(t), rb
         clean(p._listener)
-
-
-def traj_push_results(
-    batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None
-) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
 
 
 def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:
@@ -425,7 +412,7 @@ async def test_a_uid_written_twice_resolves_once_with_the_first_result(redis_url
         RewardAggregator(redis_url, namespace=namespace) as agg,
     ):
         await p.open_batch("w", 3, 8)
-        await p.push_many([traj_push_results("w", i) for i in range(3)])
+        await p.push_many([traj("w", i) for i in range(3)])
         client = connect(redis_url)
         try:
             ledger = LedgerWriter(client, p.keys, "scorers", result_ttl_s=60)
@@ -494,7 +481,7 @@ async def test_score_times_out_with_a_clear_error_and_the_sample_stays_queued(re
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
         await producer.open_batch("nobody", 1, 4)
         with pytest.raises(ResultTimeoutError, match="no result for uid"):
-            await producer.score(traj("nobody", 0, True), timeout_s=0.2)
+            await producer.score(graded("nobody", 0, True), timeout_s=0.2)
         client = connect(redis_url)
         try:
             assert await client.xlen(producer.keys.stream()) == 1
@@ -512,7 +499,7 @@ async def test_timeouts_fire_on_time_never_early(redis_url, namespace):
         async def timed(i: int, timeout_s: float) -> float:
             started = loop.time()
             with pytest.raises(ResultTimeoutError):
-                await producer.score(traj("nobody", i, True), timeout_s=timeout_s)
+                await producer.score(graded("nobody", i, True), timeout_s=timeout_s)
             return loop.time() - started
 
         took = await asyncio.gather(timed(0, 0.3), timed(1, 0.45), timed(2, 0.7))
@@ -524,7 +511,7 @@ async def test_resolved_samples_leave_no_timeout_behind(redis_url, namespace, sp
     spawn_workers(1, "--scorer", SCORER)
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
         await producer.open_batch("t", 200, 4)
-        results = await asyncio.gather(*(producer.score(traj("t", i, True), timeout_s=600) for i in range(200)))
+        results = await asyncio.gather(*(producer.score(graded("t", i, True), timeout_s=600) for i in range(200)))
         assert all(r.status == "ok" for r in results)
         listener = producer._listener
         assert listener is not None
@@ -542,7 +529,7 @@ async def test_a_followed_done_stream_is_dropped_only_linger_after_its_last_wait
         RewardAggregator(redis_url, namespace=namespace) as agg,
     ):
         await producer.open_batch("lin", 2, 8)
-        await producer.push(traj("lin", 0, True))
+        await producer.push(graded("lin", 0, True))
         # No worker yet: a waiter that outlives several lingers and reader turns.
         waiter = asyncio.ensure_future(agg.result("lin", "lin/0", timeout_s=30))
         while agg._listener is None or not agg._listener._readers:
@@ -563,14 +550,14 @@ async def test_a_followed_done_stream_is_dropped_only_linger_after_its_last_wait
         assert name not in reader.streams
         assert time.monotonic() - left >= 0.6
         # Asked again later: read again from the start.
-        await producer.push(traj("lin", 1, True))
+        await producer.push(graded("lin", 1, True))
         assert (await agg.result("lin", "lin/0", timeout_s=10)).status == "ok"
         assert (await agg.result("lin", "lin/1", timeout_s=30)).status == "ok"
 
 
 @pytest.mark.parametrize("when", ["expire", "cancel_after_verdict", "cancel_as_verdict_lands", "result_calls"])
 async def test_timed_out_or_cancelled_calls_leave_no_armed_timeout(redis_url, namespace, when) -> None:
-    """Attacks the tick arm() returns (kept on the call, handed to unwatch/forget): score()
+    """The tick arm() returns (kept on the call, handed to unwatch/forget): score()
     calls that time out, or are cancelled once their timeout is armed (later, or in the
     very turn the flush hands out verdicts), and result() calls alike, leave nothing in
     listener._due or the waiters."""
@@ -578,8 +565,8 @@ async def test_timed_out_or_cancelled_calls_leave_no_armed_timeout(redis_url, na
     n = 120
     async with RolloutProducer(redis_url, cfg) as p, RewardAggregator(redis_url, namespace=namespace) as agg:
         await p.open_batch("t", n + 1, 8)
-        await p.push(traj_score_call("t", n))
-        samples = [traj_score_call("t", i) for i in range(n)]
+        await p.push(traj("t", n))
+        samples = [traj("t", i) for i in range(n)]
         if when == "expire":
             got = await settle([p.score(t, timeout_s=(i % 7) * 0.04) for i, t in enumerate(samples)], 5)
             assert all(isinstance(g, ResultTimeoutError) for g in got), [type(g) for g in got]
@@ -741,8 +728,8 @@ async def test_score_calls_get_their_own_results_while_the_listeners_lane_is_kil
             async def one(i: int):
                 await asyncio.sleep(rng.random() * 2)
                 answer = str(i % 7)
-                traj = Trajectory("L", i, "openai/gsm8k", response=f"#### {answer}", ground_truth=str(i % 3))
-                return i, await producer.score(traj, timeout_s=60)
+                sample = Trajectory("L", i, "openai/gsm8k", response=f"#### {answer}", ground_truth=str(i % 3))
+                return i, await producer.score(sample, timeout_s=60)
 
             results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(1, 200))), 90)
             stop.set()

@@ -16,35 +16,26 @@ from __future__ import annotations
 import asyncio
 import gc
 import warnings
+from typing import Any
 
 import pytest
 from helpers import queued, samples_of
 
-from stream_reward import (
-    ProducerConfig,
-    RewardAggregator,
-    RolloutProducer,
-    Trajectory,
-)
-from stream_reward.errors import (
-    BrokerError,
-    PayloadTooLargeError,
-    PushConflictError,
-)
+from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
+from stream_reward.errors import BrokerError, PayloadTooLargeError, PushConflictError
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.trainer.batches import _RECENT_BATCHES
 from stream_reward.wire.connection import connect
 
-# Conflicts and odd uids
-
-
 pytestmark = pytest.mark.anyio
+
+# Conflicts and odd uids
 
 
 SCORER = "python:tests/data/scorers.py:exact"
 
 
-def traj(batch: str, i: int, right: bool) -> Trajectory:
+def graded(batch: str, i: int, right: bool) -> Trajectory:
     gt = str(1000 + i)
     return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
 
@@ -90,17 +81,17 @@ async def test_conflicts_between_default_and_custom_uids(redis_url, namespace):
     config = ProducerConfig(namespace=namespace)
     async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
         await a.open_batch("d", 4, 4)
-        await a.push(traj("d", 0, True))  # default uid "d/0"
+        await a.push(graded("d", 0, True))  # default uid "d/0"
         with pytest.raises(PushConflictError, match="default uid of index 0"):
             await b.push(Trajectory("d", 1, "test/exact", response="1", ground_truth="1", uid="d/0"))
         with pytest.raises(PushConflictError, match="another uid"):
             await b.push(Trajectory("d", 0, "test/exact", response="1", ground_truth="1", uid="custom"))
         with pytest.raises(PushConflictError, match="other content"):
             await b.push(Trajectory("d", 0, "test/exact", response="changed", ground_truth="1000"))
-        await b.push(traj("d", 0, True))  # unchanged: a no-op
+        await b.push(graded("d", 0, True))  # unchanged: a no-op
         await b.push(Trajectory("d", 1, "test/exact", response="1", ground_truth="1", uid="c1"))
         with pytest.raises(PushConflictError, match="another uid"):
-            await a.push(traj("d", 1, True))  # default uid at an index a custom uid holds
+            await a.push(graded("d", 1, True))  # default uid at an index a custom uid holds
         with pytest.raises(PushConflictError, match="at another index"):
             await a.push(Trajectory("d", 2, "test/exact", response="1", ground_truth="1", uid="c1"))
         client = connect(redis_url)
@@ -110,10 +101,9 @@ async def test_conflicts_between_default_and_custom_uids(redis_url, namespace):
             await client.aclose()
 
 
-def traj_push_results(
-    batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None
-) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
@@ -126,7 +116,7 @@ async def test_a_custom_uid_with_a_unicode_digit_is_not_a_crash(redis_url, names
     """``"b/²".isdigit()`` is True but ``int("²")`` raises: _default_index in producer.py."""
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
         await p.open_batch("b", 4, 8)
-        await p.push(traj_push_results("b", 1, uid="b/²"))  # observed: raw ValueError
+        await p.push(traj("b", 1, uid="b/²"))  # observed: raw ValueError
         assert await queued(redis_url, p.keys) == [("b", "b/²", 1)]
 
 
@@ -198,11 +188,7 @@ async def test_partitions_two_odd_uids_retries_and_mixed_batches_score_each_samp
 # Bad samples and cancelled pushes
 
 
-def traj_push_paths(batch: str, i: int, *, uid: str = "", response: str = "r") -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid)
-
-
-async def queued_push_paths(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
+async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
     """(uid, index) of every sample in the producer's stream, in order."""
     client = connect(redis_url)
     try:
@@ -213,20 +199,20 @@ async def queued_push_paths(redis_url: str, producer: RolloutProducer) -> list[t
 
 
 async def test_a_push_many_with_a_bad_sample_queues_nothing_and_can_be_pushed_again(redis_url, namespace) -> None:
-    batch = [traj_push_paths("b", i) for i in range(300)]
+    batch = [traj("b", i) for i in range(300)]
     bad = list(batch)
-    bad[250] = traj_push_paths("b", 250, response="x" * 10_000)  # over the message size below
+    bad[250] = traj("b", 250, response="x" * 10_000)  # over the message size below
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, max_message_bytes=4096)) as producer:
         await producer.open_batch("b", 300, 8)
         with pytest.raises(PayloadTooLargeError):
             await producer.push_many(bad)
-        assert await queued_push_paths(redis_url, producer) == []  # every sample is encoded before any is sent
+        assert await stream_samples(redis_url, producer) == []  # every sample is encoded before any is sent
         assert await producer.push_many(batch) == 300
-        assert await queued_push_paths(redis_url, producer) == [(f"b/{i}", i) for i in range(300)]
+        assert await stream_samples(redis_url, producer) == [(f"b/{i}", i) for i in range(300)]
 
 
 async def test_a_long_push_many_cancelled_midway_can_be_pushed_again_whole(redis_url, namespace) -> None:
-    batch = [traj_push_paths("b", i, response="x" * 2000) for i in range(2000)]
+    batch = [traj("b", i, response="x" * 2000) for i in range(2000)]
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
         await producer.open_batch("b", 2000, 8)
         task = asyncio.ensure_future(producer.push_many(batch))
@@ -241,7 +227,7 @@ async def test_a_long_push_many_cancelled_midway_can_be_pushed_again_whole(redis
             await task
         await asyncio.sleep(0.2)  # a call already handed to Redis still lands
         assert await producer.push_many(batch) == 2000
-        assert await queued_push_paths(redis_url, producer) == [(f"b/{i}", i) for i in range(2000)]
+        assert await stream_samples(redis_url, producer) == [(f"b/{i}", i) for i in range(2000)]
 
 
 async def test_a_cancelled_push_leaves_the_sample_pushable_and_queued_at_most_once(redis_url, namespace) -> None:
@@ -249,13 +235,13 @@ async def test_a_cancelled_push_leaves_the_sample_pushable_and_queued_at_most_on
     async with RolloutProducer(redis_url, config) as p:
         await p.open_batch("c", 400, 8)
         for i in range(0, 400, 4):
-            tasks = [asyncio.ensure_future(p.push(traj_push_results("c", j))) for j in range(i, i + 4)]
+            tasks = [asyncio.ensure_future(p.push(traj("c", j))) for j in range(i, i + 4)]
             for _ in range(i % 7):
                 await asyncio.sleep(0)
             for t in tasks[::2]:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        await p.push_many([traj_push_results("c", i) for i in range(0, 400, 2)])  # the cancelled ones, pushed again
+        await p.push_many([traj("c", i) for i in range(0, 400, 2)])  # the cancelled ones, pushed again
         got = await queued(redis_url, p.keys)
         assert sorted(i for _, _, i in got) == list(range(400))
 
@@ -269,7 +255,7 @@ def test_coalesced_pushes_share_round_trips(redis_url, namespace):
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, max_backlog=0)) as producer:
             await producer.open_batch("co", 300, 4)  # a script call of its own: counted from here on
             before = int((await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
-            await asyncio.gather(*(producer.push(traj("co", i, True)) for i in range(300)))
+            await asyncio.gather(*(producer.push(graded("co", i, True)) for i in range(300)))
             assert len(await queued(redis_url, producer.keys)) == 300
         after = int((await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
         await client.aclose()
@@ -287,12 +273,12 @@ async def test_producer_recreates_its_stream_and_group_after_redis_lost_its_stat
         config = ProducerConfig(namespace=namespace, backlog_poll_s=0.0)
         async with RolloutProducer(server.url, config) as producer:
             await producer.open_batch("lost", 4, 4)
-            await producer.push(traj("lost", 0, True))
+            await producer.push(graded("lost", 0, True))
             server.kill()
             with pytest.raises(BrokerError):
-                await producer.push(traj("lost", 1, True))
+                await producer.push(graded("lost", 1, True))
             server.start()
-            await producer.push(traj("lost", 1, True))
+            await producer.push(graded("lost", 1, True))
             client = connect(server.url)
             try:
                 (group,) = await client.xinfo_groups(producer.keys.stream())

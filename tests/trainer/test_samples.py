@@ -14,17 +14,12 @@ import contextlib
 import gc
 import math
 import time
+from typing import Any
 
 import pytest
 from helpers import Timed, done_results, no_waiters, queued, running_worker, wait_until
 
-from stream_reward import (
-    ProducerConfig,
-    RewardAggregator,
-    RolloutProducer,
-    ScoreResult,
-    Trajectory,
-)
+from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, Trajectory
 from stream_reward.errors import (
     BrokerError,
     CodecError,
@@ -37,14 +32,14 @@ from stream_reward.scoring.scorer import Scored
 from stream_reward.trainer import listener as listener_mod
 from stream_reward.wire.connection import connect
 
+pytestmark = pytest.mark.anyio
+
 # Cancels at every point
 
 
-pytestmark = pytest.mark.anyio
-
-
-def traj(batch: str, i: int, *, uid: str = "", response: str = "r") -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid)
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 class Ident:
@@ -385,16 +380,10 @@ async def test_a_score_whose_pending_verdict_the_runner_cancels_still_ends(redis
         assert not leaked, leaked
 
 
-def traj_push_results(
-    batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None
-) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
-
-
 async def test_cancelled_score_calls_leave_no_waiter_and_no_timeout(redis_url, namespace) -> None:
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
         await p.open_batch("cs", 300, 8)
-        tasks = [asyncio.ensure_future(p.score(traj_push_results("cs", i), timeout_s=600)) for i in range(300)]
+        tasks = [asyncio.ensure_future(p.score(traj("cs", i), timeout_s=600)) for i in range(300)]
         for k, t in enumerate(tasks):
             if k % 3 == 0:
                 t.cancel()
@@ -420,7 +409,7 @@ async def test_cancelled_score_calls_release_their_uids_and_queue_each_sample_at
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
         await p.open_batch("k", 200, 8)
         for i in range(0, 200, 4):
-            tasks = [asyncio.ensure_future(p.score(traj_push_results("k", j), timeout_s=600)) for j in range(i, i + 4)]
+            tasks = [asyncio.ensure_future(p.score(traj("k", j), timeout_s=600)) for j in range(i, i + 4)]
             for _ in range(i % 5):
                 await asyncio.sleep(0)
             for t in tasks:
@@ -430,7 +419,7 @@ async def test_cancelled_score_calls_release_their_uids_and_queue_each_sample_at
         landed = {i for _, _, i in await queued(redis_url, p.keys)}
         for i in range(200):
             try:
-                await p.push(traj_push_results("k", i))
+                await p.push(traj("k", i))
             except ConfigError:  # still reserved: only a sample whose push landed before the cancel
                 assert i in landed, f"sample {i} was never queued but its uid stayed reserved"
         got = await queued(redis_url, p.keys)
@@ -588,10 +577,10 @@ async def test_a_refused_score_raises_the_conflict_not_a_timeout_and_frees_nothi
     claim a refused sample is queued), and the uid of the sample already queued stays taken."""
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
         await p.open_batch("r", 4, 8)
-        await p.push(traj_push_results("r", 0, uid="x"))
+        await p.push(traj("r", 0, uid="x"))
         for timeout_s in (None, 0.0, 600.0):
             with pytest.raises(PushConflictError, match="already pushed under another uid"):
-                await p.score(traj_push_results("r", 0, uid=f"y{timeout_s}"), timeout_s=timeout_s)
+                await p.score(traj("r", 0, uid=f"y{timeout_s}"), timeout_s=timeout_s)
         # A push slower than the timeout: the refusal still wins (the timeout starts once queued).
         flush = p._flush
 
@@ -601,20 +590,20 @@ async def test_a_refused_score_raises_the_conflict_not_a_timeout_and_frees_nothi
 
         p._coalescer, p._flush = None, slow  # type: ignore[method-assign]  # made again at the next push
         with pytest.raises(PushConflictError, match="already pushed under another uid"):
-            await p.score(traj_push_results("r", 0, uid="slow"), timeout_s=0.01)
+            await p.score(traj("r", 0, uid="slow"), timeout_s=0.01)
         p._coalescer, p._flush = None, flush  # type: ignore[method-assign]
         # Many at once, coalesced with good ones: each refused call raises, each good one times out queued.
         got = await asyncio.gather(
-            *(p.score(traj_push_results("r", 0, uid=f"z{k}"), timeout_s=0.05) for k in range(20)),
-            p.score(traj_push_results("r", 1), timeout_s=0.05),
+            *(p.score(traj("r", 0, uid=f"z{k}"), timeout_s=0.05) for k in range(20)),
+            p.score(traj("r", 1), timeout_s=0.05),
             return_exceptions=True,
         )
         assert all(isinstance(g, PushConflictError) for g in got[:20]), got[:20]
         assert isinstance(got[20], ResultTimeoutError)
         with pytest.raises(ConfigError, match="pushed twice"):  # x is still this producer's
-            await p.push(traj_push_results("r", 2, uid="x"))
+            await p.push(traj("r", 2, uid="x"))
         # A refused uid is free again: pushed right, it is queued.
-        await p.push(traj_push_results("r", 3, uid="y0.0"))
+        await p.push(traj("r", 3, uid="y0.0"))
         assert sorted(i for _, _, i in await queued(redis_url, p.keys)) == [0, 1, 3]
         listener = p._listener
         assert listener is not None and sum(len(d) for d in listener._due.values()) == 0
@@ -631,17 +620,13 @@ async def test_a_broker_error_in_the_push_fails_score_and_the_sample_can_be_scor
 
         p._flush = broken  # type: ignore[method-assign]  # the coalescer is made at the first push
         with pytest.raises(BrokerError, match="injected"):
-            await p.score(traj_push_results("e", 0), timeout_s=600)
+            await p.score(traj("e", 0), timeout_s=600)
         assert await queued(redis_url, p.keys) == []
         p._coalescer = None
         p._flush = flush  # type: ignore[method-assign]
         with pytest.raises(ResultTimeoutError):  # pushed this time (no worker): queued, not yet scored
-            await p.score(traj_push_results("e", 0), timeout_s=0.05)
+            await p.score(traj("e", 0), timeout_s=0.05)
         assert [i for _, _, i in await queued(redis_url, p.keys)] == [0]
-
-
-def traj_score_call(batch: str, i: int, *, response: str = "r", **kw) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 def worker_score_call(url: str, ns: str, **cfg):
@@ -666,9 +651,8 @@ def clean(listener) -> None:
 BAD = {  # a sample (index 1 of batch "e") that cannot be encoded, and what it raises
     "too_large": ({"response": "x" * 10_000}, PayloadTooLargeError),
     "not_msgpackable": ({"extra_info": {"o": object()}}, CodecError),
-    # Suspicious in the diff: _entry reserves the uid, then reads traj_score_call.response_length (len of
-    # response_ids). Ids given as a one-shot iterable pass pack_ids (array() takes any
-    # iterable) and fail at len(): after the reservation, outside any cleanup.
+    # Ids given as a one-shot iterable pass pack_ids (array() takes any iterable) and fail
+    # at len() when _entry reads traj.response_length: it must raise before it reserves the uid.
     "ids_without_len": ({"response_ids": iter([1, 2, 3])}, TypeError),
 }
 
@@ -678,18 +662,18 @@ BAD = {  # a sample (index 1 of batch "e") that cannot be encoded, and what it r
 async def test_a_sample_that_fails_to_encode_reserves_nothing_and_counts_nothing(
     redis_url, namespace, kind, path
 ) -> None:
-    """Attacks _entry (encode before reserve) in score() and in push_many's _submit: a
+    """_entry (encode before reserve) in score() and in push_many's _submit: a
     clear error, then the same uids can be pushed/scored, the backlog estimate is what it
     was, nothing of the call is queued and no waiter is left."""
     cfg = ProducerConfig(namespace=namespace, max_message_bytes=4096, backlog_poll_s=1000)
     async with RolloutProducer(redis_url, cfg) as p:
         await p.open_batch("e", 20, 8)
-        await p.push(traj_score_call("e", 19))
+        await p.push(traj("e", 19))
         if p._backlog_reading is not None:
             await p._backlog_reading  # no other reading for 1000 s: the estimate holds still
         before = p._backlog
         fields, error = BAD[kind]
-        good = [traj_score_call("e", i) for i in range(3)]
+        good = [traj("e", i) for i in range(3)]
         bad = Trajectory("e", 1, "test/exact", **{"response": "r1", "ground_truth": "1", **fields})
         assert bad.uid == good[1].uid
         with pytest.raises(error):
@@ -899,11 +883,11 @@ async def test_duplicates_of_a_fresh_producer_in_one_flush_with_fresh_ones(redis
 
 @pytest.mark.parametrize("how", ["kept_by_result", "landed_before_push"])
 async def test_score_of_a_uid_whose_result_is_known_returns_it_at_once(redis_url, namespace, how) -> None:
-    """Attacks watch()'s landed path and the DUPLICATE reread: a second producer's score() of
+    """watch()'s landed path and the DUPLICATE reread: a second producer's score() of
     a sample already scored gets that result with no worker_score_call running, promptly, through a
     single or a multi-sample flush, and leaves no waiter or timeout behind."""
     cfg = ProducerConfig(namespace=namespace, partitions=2)
-    samples = [traj_score_call("k", i, group=f"g{i % 3}") for i in range(12)]
+    samples = [traj("k", i, group=f"g{i % 3}") for i in range(12)]
     async with RolloutProducer(redis_url, cfg) as p1, RewardAggregator(redis_url, namespace=namespace) as agg:
         await p1.open_batch("k", 20, 8)
         async with worker_score_call(redis_url, namespace, partitions=2):

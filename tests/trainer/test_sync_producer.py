@@ -8,14 +8,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
-from stream_reward import (
-    ProducerConfig,
-    SyncRolloutProducer,
-    Trajectory,
-)
+from stream_reward import ProducerConfig, SyncRolloutProducer, Trajectory
 from stream_reward.errors import BrokerError, PushConflictError, ResultTimeoutError
 
 pytestmark = pytest.mark.anyio
@@ -24,7 +21,7 @@ pytestmark = pytest.mark.anyio
 SCORER = "python:tests/data/scorers.py:exact"
 
 
-def traj(batch: str, i: int, right: bool) -> Trajectory:
+def graded(batch: str, i: int, right: bool) -> Trajectory:
     gt = str(1000 + i)
     return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
 
@@ -36,15 +33,16 @@ def test_sync_producer_score_from_many_threads(redis_url, namespace, spawn_worke
     with SyncRolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
         producer.open_batch("th", 40, 4)
         with ThreadPoolExecutor(16) as pool:
-            results = list(pool.map(lambda i: producer.score(traj("th", i, i % 2 == 0), timeout_s=60), range(40)))
+            results = list(pool.map(lambda i: producer.score(graded("th", i, i % 2 == 0), timeout_s=60), range(40)))
         closing = time.monotonic()
-    # Closing ends the listener's blocking read at once; it used to wait out its 30 s idle drop.
+    # Closing ends the listener's blocking read at once, not after its 30 s idle drop.
     assert time.monotonic() - closing < 5
     assert [r.score for r in results] == [1.0 if i % 2 == 0 else 0.0 for i in range(40)]
 
 
-def traj_verdict(batch: str, i: int, *, uid: str = "", response: str = "r") -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid)
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 def test_sync_score_refusal_failure_timeouts_and_close_from_threads(redis_url, namespace) -> None:
@@ -52,17 +50,17 @@ def test_sync_score_refusal_failure_timeouts_and_close_from_threads(redis_url, n
     sp = SyncRolloutProducer(redis_url, cfg)
     try:
         sp.open_batch("q", 100, 8)
-        sp.push(traj_verdict("q", 0, uid="taken"))
+        sp.push(traj("q", 0, uid="taken"))
         start = time.monotonic()
         with pytest.raises(PushConflictError):
-            sp.score(traj_verdict("q", 0, uid="mine"))  # no timeout, no worker: must raise at once
+            sp.score(traj("q", 0, uid="mine"))  # no timeout, no worker: must raise at once
         assert time.monotonic() - start < 2
         start = time.monotonic()
         with pytest.raises(ResultTimeoutError):
-            sp.score(traj_verdict("q", 1), timeout_s=0.2)
+            sp.score(traj("q", 1), timeout_s=0.2)
         assert 0.2 <= time.monotonic() - start < 2
         with pytest.raises(ResultTimeoutError):
-            sp.score(traj_verdict("q", 2), timeout_s=0)
+            sp.score(traj("q", 2), timeout_s=0)
 
         async def broken(entries: list) -> list[int]:
             await asyncio.sleep(0.05)
@@ -77,18 +75,18 @@ def test_sync_score_refusal_failure_timeouts_and_close_from_threads(redis_url, n
         sp._thread.loop.call_soon_threadsafe(swap, broken)
         time.sleep(0.05)
         with pytest.raises(BrokerError, match="sync injected"):
-            sp.score(traj_verdict("q", 3), timeout_s=0)
+            sp.score(traj("q", 3), timeout_s=0)
         sp._thread.loop.call_soon_threadsafe(swap, real)
         time.sleep(0.05)
         with pytest.raises(ResultTimeoutError):
-            sp.score(traj_verdict("q", 3), timeout_s=0.05)  # its uid was released by the failure
+            sp.score(traj("q", 3), timeout_s=0.05)  # its uid was released by the failure
 
         # close() while threads wait in score() with no timeout: each ends.
         outcomes: list[object] = []
 
         def one(i: int) -> None:
             try:
-                outcomes.append(sp.score(traj_verdict("q", i)))
+                outcomes.append(sp.score(traj("q", i)))
             except BaseException as exc:  # noqa: BLE001
                 outcomes.append(exc)
 

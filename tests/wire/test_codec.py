@@ -15,11 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_reward.errors import (
-    CodecError,
-    PayloadTooLargeError,
-    SchemaVersionError,
-)
+from stream_reward.errors import CodecError, PayloadTooLargeError, SchemaVersionError
 from stream_reward.wire.codec import (
     _TRAJECTORY_FIELDS,
     PROTOCOL_VERSION,
@@ -34,6 +30,8 @@ from stream_reward.wire.codec import (
     unpack_ids,
 )
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, trajectory_from_json
+
+pytestmark = pytest.mark.anyio
 
 
 def full_trajectory() -> Trajectory:
@@ -189,9 +187,9 @@ def test_arbitrary_records_decode_or_raise_codec_error(obj):
     assert isinstance(traj.batch_id, str) and isinstance(traj.data_source, str)
 
 
-# The decoder before its one-expression check (issue 16, 6th pass), kept as the reference:
+# A plain field-by-field decoder, kept as the reference for the one-expression check:
 # the fast check must accept exactly what it accepted, and name the same fault.
-_REFERENCE_FIELDS = _TRAJECTORY_FIELDS  # the field types the old decoder checked
+_REFERENCE_FIELDS = _TRAJECTORY_FIELDS  # the field types the reference decoder checks
 
 
 def _reference_decode(obj: dict) -> Trajectory:
@@ -296,9 +294,6 @@ def test_the_fast_check_accepts_and_names_exactly_what_the_reference_decoder_doe
     except CodecError as exc:
         got = (type(exc), str(exc))
     assert got == want
-
-
-pytestmark = pytest.mark.anyio
 
 
 def test_every_record_carries_the_one_protocol_version() -> None:

@@ -33,10 +33,9 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.lane import Lane
 from stream_reward.wire.packed import pack_command
 
-# Against a real server
-
-
 pytestmark = pytest.mark.anyio
+
+# Against a real server
 
 
 async def lane_client_id(lane: Lane) -> int:

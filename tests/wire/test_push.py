@@ -9,24 +9,24 @@ chunks, come out right.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from helpers import queued, samples_of
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
-from stream_reward.errors import (
-    PushConflictError,
-)
+from stream_reward.errors import PushConflictError
 from stream_reward.wire.connection import connect
 
 pytestmark = pytest.mark.anyio
 
 
-def traj(batch: str, i: int, *, uid: str = "", response: str = "r") -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid)
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
-async def queued_push_paths(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
+async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
     """(uid, index) of every sample in the producer's stream, in order."""
     client = connect(redis_url)
     try:
@@ -48,7 +48,7 @@ async def test_a_call_with_something_already_there_takes_the_slow_path_and_queue
             call = [traj("b", 0), traj("b", 1), traj("b", 2, uid="someone-else"), *(traj("b", i) for i in range(5, 10))]
             with pytest.raises(PushConflictError, match="index 2"):
                 await other.push_many(call)
-        assert await queued_push_paths(redis_url, producer) == [(f"b/{i}", i) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)]
+        assert await stream_samples(redis_url, producer) == [(f"b/{i}", i) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)]
 
 
 async def test_the_same_index_twice_in_one_call_is_refused_once(redis_url, namespace) -> None:
@@ -57,13 +57,7 @@ async def test_the_same_index_twice_in_one_call_is_refused_once(redis_url, names
         # Fresh in Redis, but index 3 twice in the call: the client sends it down the slow path.
         with pytest.raises(PushConflictError, match="index 3"):
             await producer.push_many([traj("b", 3), traj("b", 4), traj("b", 3, uid="custom-3")])
-        assert await queued_push_paths(redis_url, producer) == [("b/3", 3), ("b/4", 4)]
-
-
-def traj_push_results(
-    batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None
-) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
+        assert await stream_samples(redis_url, producer) == [("b/3", 3), ("b/4", 4)]
 
 
 async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
@@ -76,7 +70,7 @@ async def test_a_retried_push_of_a_large_index_under_its_default_uid_is_a_no_op(
     """The fast path writes claim fields formatted by Python (``i100000000000000``), the
     slow path looks them up formatted by Lua's tostring (``i1e+14``): a retry misses the claim."""
     index = 10**14
-    t = traj_push_results("b", index)
+    t = traj("b", index)
     config = ProducerConfig(namespace=namespace)
     async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
         await a.open_batch("b", 4, 8)
@@ -87,7 +81,7 @@ async def test_a_retried_push_of_a_large_index_under_its_default_uid_is_a_no_op(
 
 async def test_a_retried_push_of_a_large_index_under_a_custom_uid_is_a_no_op(redis_url, namespace) -> None:
     index = 10**14
-    t = traj_push_results("b", index, uid="custom")
+    t = traj("b", index, uid="custom")
     config = ProducerConfig(namespace=namespace)
     async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
         await a.open_batch("b", 4, 8)
@@ -99,7 +93,7 @@ async def test_a_retried_push_of_a_large_index_under_a_custom_uid_is_a_no_op(red
 async def test_odd_uids_are_queued_once_retries_are_no_ops_and_conflicts_refused(redis_url, namespace) -> None:
     """Spaces, unicode, a very long uid, a uid that is only digits, one with the claim separator."""
     uids = ["a b  c", "ünï cødé ✓", "x" * 20_000, "12", " ", "1 2", "b/1x", "b/01", "u12", "i3", "\r\n$3\r\n", "\x00z"]
-    samples = [traj_push_results("b", i, uid=u) for i, u in enumerate(uids)]
+    samples = [traj("b", i, uid=u) for i, u in enumerate(uids)]
     config = ProducerConfig(namespace=namespace)
     async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
         await a.open_batch("b", 20, 8)
@@ -108,9 +102,9 @@ async def test_odd_uids_are_queued_once_retries_are_no_ops_and_conflicts_refused
         # Each uid at another index, each index under another uid: every one refused.
         for i, u in enumerate(uids):
             with pytest.raises(PushConflictError, match="another index"):
-                await push_fresh(redis_url, namespace, traj_push_results("b", 100 + i, uid=u))
+                await push_fresh(redis_url, namespace, traj("b", 100 + i, uid=u))
             with pytest.raises(PushConflictError, match="another uid"):
-                await push_fresh(redis_url, namespace, traj_push_results("b", i, uid=u + "'"))
+                await push_fresh(redis_url, namespace, traj("b", i, uid=u + "'"))
         assert await queued(redis_url, a.keys) == [("b", u, i) for i, u in enumerate(uids)]
 
 
@@ -121,17 +115,15 @@ async def test_several_batches_over_many_chunks_with_repeats_and_conflicts_acros
     async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
         for name in ("x", "y", "z"):
             await a.open_batch(name, 400, 8)
-        first = [
-            traj_push_results(name, i, uid=(f"{name}-{i}" if i % 3 else "")) for i in range(0, 400, 2) for name in "xyz"
-        ]
-        first += [traj_push_results("x", i) for i in range(401, 501)]  # past the batch size: still queued once
+        first = [traj(name, i, uid=(f"{name}-{i}" if i % 3 else "")) for i in range(0, 400, 2) for name in "xyz"]
+        first += [traj("x", i) for i in range(401, 501)]  # past the batch size: still queued once
         assert await a.push_many(first) == len(first)
         # duplicates (batches y and z, in another order and chunking), conflicts in later chunks, fresh
         second = [t for t in first[::-1] if t.batch_id != "x"]
-        second.insert(150, traj_push_results("y", 4, uid="y-other"))  # index taken by "y-4"
-        second.insert(300, traj_push_results("z", 399, uid="y-1"))  # fresh: uids are per batch
-        second.append(traj_push_results("x", 7, uid="x-2"))  # uid elsewhere ("x-2" is at index 2), in the last chunk
-        second += [traj_push_results(name, i) for i in range(1, 60, 2) for name in "xyz"]  # fresh
+        second.insert(150, traj("y", 4, uid="y-other"))  # index taken by "y-4"
+        second.insert(300, traj("z", 399, uid="y-1"))  # fresh: uids are per batch
+        second.append(traj("x", 7, uid="x-2"))  # uid elsewhere ("x-2" is at index 2), in the last chunk
+        second += [traj(name, i) for i in range(1, 60, 2) for name in "xyz"]  # fresh
         with pytest.raises(PushConflictError):
             await b.push_many(second)
         want = [(t.batch_id, t.uid, t.index) for t in first]
@@ -144,9 +136,9 @@ async def test_two_producers_racing_on_the_same_indices_queue_each_sample_once(r
     config = ProducerConfig(namespace=namespace, partitions=2)
     async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
         await a.open_batch("r", 600, 8)
-        same = [traj_push_results("r", i, group=f"g{i // 4}") for i in range(300)]
-        theirs = [traj_push_results("r", i, uid=f"b{i}", group=f"g{i // 4}") for i in range(300, 600)]
-        mine = [traj_push_results("r", i, uid=f"a{i}", group=f"g{i // 4}") for i in range(300, 600)]
+        same = [traj("r", i, group=f"g{i // 4}") for i in range(300)]
+        theirs = [traj("r", i, uid=f"b{i}", group=f"g{i // 4}") for i in range(300, 600)]
+        mine = [traj("r", i, uid=f"a{i}", group=f"g{i // 4}") for i in range(300, 600)]
 
         async def one_by_one(p: RolloutProducer, samples: list[Trajectory]) -> list[object]:
             return await asyncio.gather(*(p.push(t) for t in samples), return_exceptions=True)
