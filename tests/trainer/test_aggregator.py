@@ -644,7 +644,13 @@ def test_a_batch_made_without_init_has_no_results_attribute_rather_than_a_key_er
     assert not hasattr(bare, "results")
 
 
-# What a collected batch leaves on the heap
+# What a collected batch leaves on the heap. A trainer holds a batch's rewards through its
+# step, and the aggregator holds the results while the batch fills: an object the garbage
+# collector tracks per sample, alive that long, reaches the oldest generation and counts
+# toward its next full collection, which walks the whole heap of a process with torch (and
+# a model) loaded (measured in ``bench throughput``: 3 full collections of ~0.12 s per
+# 100,000 samples). The results are kept as tuples of atoms, which the collector stops
+# tracking after one pass, and made ScoreResults on first use.
 
 
 N = 3000

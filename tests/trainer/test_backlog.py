@@ -7,7 +7,7 @@ reading, a count it cannot read) it errs high, never low; so a push that fits is
 refused with ``on_backlog="raise"``, and concurrent pushers never pass ``max_backlog``
 together. A reading is held in flight by wrapping the producer's read, a push by
 wrapping its send; no worker runs unless a test says so, so the backlog is exactly what
-was pushed less what the group was delivered.
+was pushed less what the group was delivered; the truth is read by a second producer.
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ def _config(namespace: str, **kw: Any) -> ProducerConfig:
     return ProducerConfig(**base)
 
 
+# A push counted before a reading started lands after its HMGET, and its reply comes
+# after the reading completed: in between the estimate misses it (errs LOW), and a push
+# that does not fit goes through.
 async def test_reply_of_a_push_counted_before_a_reading_and_landing_after_it_arrives_after_the_reading(
     redis_url, namespace
 ):
@@ -141,6 +144,9 @@ async def test_reply_of_a_push_counted_before_a_reading_and_landing_after_it_arr
     assert not problems, problems
 
 
+# The mirror: a push counted after a reading started lands before its HMGET, and its
+# reply comes after the reading completed: in between it is counted twice, and a push
+# that fits is refused.
 async def test_reply_of_a_push_counted_during_a_reading_and_landing_before_it_arrives_after_the_reading(
     redis_url, namespace
 ):
@@ -173,6 +179,8 @@ async def test_reply_of_a_push_counted_during_a_reading_and_landing_before_it_ar
     assert not problems, problems
 
 
+# A reply lost and the push resent (the lane's retry): the resend's verdicts are
+# DUPLICATE: the first send ran, so they count as the fresh ones would.
 async def test_lost_reply_of_a_push_counted_before_a_reading_that_landed_after_it(redis_url, namespace):
     problems: list[str] = []
     async with CutProxy(redis_url[len("unix://") :]) as proxy:
@@ -222,6 +230,8 @@ async def test_lost_reply_of_a_push_counted_during_a_reading_that_landed_before_
     assert not problems, problems
 
 
+# The slow path during a reading: samples refused (another producer holds their
+# index with other content) in a call whose reply comes while the reading is in flight.
 @pytest.mark.parametrize("lands", ["before_count", "after_count"])
 async def test_refused_samples_of_a_push_whose_reply_comes_during_a_reading(redis_url, namespace, lands):
     problems: list[str] = []
@@ -258,6 +268,9 @@ async def test_refused_samples_of_a_push_whose_reply_comes_during_a_reading(redi
     assert not problems, problems
 
 
+# The pushed-count hash deleted by hand: the reading cannot read the stream's count
+# (falls back to the lag), so no reply can be placed against it. A push counted before the
+# reading and landing after it must still be counted (err high, never low).
 @pytest.mark.parametrize("spe", [1, 16])
 async def test_pushed_hash_deleted_then_a_push_counted_before_a_reading_lands_after_it(redis_url, namespace, spe):
     problems: list[str] = []
@@ -288,6 +301,10 @@ async def test_pushed_hash_deleted_then_a_push_counted_before_a_reading_lands_af
     assert not problems, problems
 
 
+# The count runs backwards: every entry delivered, acked and trimmed (as workers
+# XTRIM), and the pushed hash lost while a reading is in flight after its HMGET. The
+# next push's script restarts the count at 0, so its reply's count is below the
+# reading's: it must not be taken for a call the reading counted.
 async def test_pushed_count_restarting_after_the_hash_is_lost_on_an_empty_stream(redis_url, namespace):
     problems: list[str] = []
     keys = Keys(namespace)
@@ -322,6 +339,8 @@ async def test_pushed_count_restarting_after_the_hash_is_lost_on_an_empty_stream
     assert not problems, problems
 
 
+# Controls: several partitions in one flush, both sides
+# of a reading; samples_per_entry > 1; another producer pushing on both sides.
 @pytest.mark.parametrize("spe", [1, 4])
 @pytest.mark.parametrize("lands", ["before_count", "after_count"])
 async def test_a_flush_over_three_partitions_across_a_reading(redis_url, namespace, spe, lands):
@@ -362,6 +381,8 @@ async def test_a_flush_over_three_partitions_across_a_reading(redis_url, namespa
     assert not problems, problems
 
 
+# A reading that fails after the server answered, while replies came in; the next
+# reading must still be exact.
 async def test_a_failed_reading_with_replies_in_flight_then_an_exact_one(redis_url, namespace):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
@@ -406,6 +427,7 @@ async def test_a_failed_reading_with_replies_in_flight_then_an_exact_one(redis_u
     assert not problems, problems
 
 
+# SCRIPT FLUSH while a reading is in flight: NOSCRIPT, reload, resend after the count.
 async def test_script_flush_while_a_reading_is_in_flight(own_url, namespace):
     problems: list[str] = []
     admin = connect(own_url)
@@ -437,6 +459,9 @@ async def test_script_flush_while_a_reading_is_in_flight(own_url, namespace):
     assert not problems, problems
 
 
+# Stress: backlog_poll_s=0 (a reading after every push), several flushes in flight,
+#  random delays on sends, replies and readings; three partitions. Once every push
+#  and reading has settled, the estimate is exact.
 @pytest.mark.parametrize("spe", [1, 3])
 async def test_back_to_back_readings_with_random_delays_settle_exact(redis_url, namespace, spe):
     rng = random.Random(7 + spe)
@@ -487,6 +512,7 @@ async def test_back_to_back_readings_with_random_delays_settle_exact(redis_url, 
         assert producer._backlog == real, f"estimate {producer._backlog} != backlog {real}"
 
 
+# score() cancelled while a reading is in flight, before its flush: nothing queued.
 async def test_a_score_cancelled_before_its_flush_during_a_reading(redis_url, namespace):
     problems: list[str] = []
     cfg = _config(namespace, coalesce_delay_s=0.2)
@@ -512,6 +538,9 @@ async def test_a_score_cancelled_before_its_flush_during_a_reading(redis_url, na
     assert not problems, problems
 
 
+# No simulated delays: many concurrent pushers, a reading after every push, until
+#  max_backlog refuses them; the group then takes everything, and again. The backlog
+#  may never pass max_backlog (refusals are allowed: other tests look at those).
 async def test_concurrent_pushers_with_back_to_back_readings_never_pass_max_backlog(redis_url, namespace):
     limit = 300
     cfg = ProducerConfig(
@@ -553,6 +582,10 @@ async def test_concurrent_pushers_with_back_to_back_readings_never_pass_max_back
     assert worst <= limit, f"backlog reached {worst} > max_backlog {limit} ({refusals} refusals)"
 
 
+# No simulated delays either: one large push in flight (its reply comes late: the
+#  server takes time to read and run it) while new one-sample pushes arrive and each
+#  starts a reading (backlog_poll_s=0). A reading started after the large push was
+#  counted can end before its reply is in; pushes checked in between must still see it.
 @pytest.mark.parametrize("round_", range(3))
 async def test_small_pushes_arriving_while_a_large_push_is_in_flight(redis_url, namespace, round_):
     limit = 300
@@ -613,6 +646,10 @@ async def _read_again(producer: RolloutProducer) -> int:
     return producer._backlog
 
 
+# A flush whose samples landed but whose replies were lost on every lane attempt: the
+# flush fails (BrokerError). They are in the stream: an estimate that took them out
+# would be LOW until the next reading, and on_backlog="raise" would let a push past the
+# limit. They stay counted.
 @pytest.mark.parametrize("lane", [True, False])
 async def test_a_failed_flush_whose_samples_landed_leaves_the_estimate_low(redis_url, namespace, lane):
     """With the lane: every one of its attempts runs and loses its reply. Without a lane
@@ -664,6 +701,8 @@ async def test_a_failed_flush_retried_as_a_whole_settles_exact(redis_url, namesp
             assert await _read_again(producer) == real
 
 
+# The coalescer between _take and the _send task starting: the batch is only in
+# Coalescer._taken. A reading that ends right then must count it (unsent), once.
 @pytest.mark.parametrize("lands", ["after_reading", "before_count_of_next"])
 async def test_a_reading_ending_between_take_and_send(redis_url, namespace, lands):
     problems: list[str] = []
@@ -764,6 +803,7 @@ async def test_the_runner_cancelled_between_take_and_send(redis_url, namespace):
     assert not problems, problems
 
 
+# aclose() while flushes are in flight and a reading too.
 async def test_aclose_with_flushes_in_flight_and_a_reading(redis_url, namespace):
     problems: list[str] = []
     producer = RolloutProducer(redis_url, _config(namespace, on_backlog="wait", coalesce_in_flight=2))
@@ -806,6 +846,8 @@ async def test_aclose_with_flushes_in_flight_and_a_reading(redis_url, namespace)
     assert not problems, problems
 
 
+# A reading that starts and ends while _call_push is inside its NOSCRIPT reload
+# (script_load held), and one inside the lane's reconnect backoff after a lost reply.
 @pytest.mark.parametrize("other_pushes", [0, 3])
 async def test_a_reading_inside_the_noscript_reload(own_url, namespace, other_pushes):
     problems: list[str] = []
@@ -895,6 +937,9 @@ async def test_a_reading_inside_the_lane_backoff_after_a_lost_reply(redis_url, n
     assert not problems, problems
 
 
+# Large pushes: several XADD_MANY_CHUNK calls for one partition in one flush, a reading's
+# count between the first call and the rest (as when the server interleaves the reading
+# with the flush's calls).
 @pytest.mark.parametrize("reading_ends", ["in_flight", "after_reply"])
 async def test_a_chunked_push_split_by_a_reading(redis_url, namespace, reading_ends):
     problems: list[str] = []
@@ -940,6 +985,7 @@ async def test_a_chunked_push_split_by_a_reading(redis_url, namespace, reading_e
     assert not problems, problems
 
 
+# push_many of duplicates of samples another producer queued.
 @pytest.mark.parametrize("when", ["before_reading", "after_count_during_reading", "before_count_all_dups"])
 async def test_duplicates_of_another_producers_samples(redis_url, namespace, when):
     problems: list[str] = []
@@ -989,6 +1035,8 @@ async def test_duplicates_of_another_producers_samples(redis_url, namespace, whe
     assert not problems, problems
 
 
+# The cluster path: one EVALSHA per partition, concurrently. One partition's call held
+# (after it landed, or before it is sent) while a reading ends; or failing after it ran.
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     with LocalCluster(masters=3) as local:
@@ -1067,6 +1115,10 @@ async def test_cluster_one_partition_call_across_a_reading(cluster, namespace, m
     assert not problems, problems
 
 
+# Concurrency stress: many pushers, flushes in parallel (coalesce_in_flight 4), a
+# reading on every push, random delays before and after each flush's round trip, a
+# drain taking entries meanwhile; with the lane, and with a client the lane refuses
+# (single_connection_client: pushes go as redis-py pipelines, replies out of order).
 @pytest.mark.parametrize("lane", [True, False])
 @pytest.mark.parametrize("seed", [1, 2])
 async def test_concurrent_pushers_random_delays_settle_exact(redis_url, namespace, lane, seed):
@@ -1155,6 +1207,7 @@ async def test_concurrent_pushers_random_delays_settle_exact(redis_url, namespac
     assert not problems, problems
 
 
+# SyncRolloutProducer from several threads (one loop): exact once done.
 def test_sync_producer_from_threads_settles_exact(redis_url, namespace):
     cfg = _config(namespace, max_backlog=400, backlog_poll_s=0.0)
     sp = SyncRolloutProducer(redis_url, cfg)
@@ -1183,6 +1236,9 @@ def test_sync_producer_from_threads_settles_exact(redis_url, namespace):
         sp.close()
 
 
+# on_backlog="wait" under many concurrent pushers with a slow worker draining: the
+# backlog never passes max_backlog (one producer: no other producers' slack), and
+# nothing deadlocks.
 async def test_wait_mode_many_pushers_slow_worker_never_pass_limit(redis_url, namespace):
     limit = 30
     cfg = _config(
@@ -1223,6 +1279,8 @@ async def test_wait_mode_many_pushers_slow_worker_never_pass_limit(redis_url, na
     assert est >= real
 
 
+# score() with timeouts (no worker: every one times out, its sample stays queued),
+# some during a held reading.
 async def test_score_timeouts_across_a_reading_settle_exact(redis_url, namespace):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
@@ -1251,6 +1309,10 @@ async def test_score_timeouts_across_a_reading_settle_exact(redis_url, namespace
     assert not problems, problems
 
 
+# A partition's very first push answers "count restarted" (the hash did not exist yet:
+# push.py's rebuilt), so a reading that ends while it is in flight cannot place it.
+# The very first push of a run starts a reading in the background, so this is the
+# common start of every producer on a fresh namespace.
 async def test_first_push_to_a_partition_across_a_reading(redis_url, namespace):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace, partitions=3, max_backlog=60)) as producer:
@@ -1286,6 +1348,9 @@ async def test_first_push_to_a_partition_across_a_reading(redis_url, namespace):
     assert not problems, problems
 
 
+# A push given up while its flush is in flight (asyncio.wait_for timing out), then
+# pushed again by its caller: the first flush lands FRESH, the retry DUPLICATE, and
+# both stay counted (no reading between).
 async def test_a_push_timed_out_in_flight_then_retried(redis_url, namespace):
     problems: list[str] = []
     async with RolloutProducer(redis_url, _config(namespace)) as producer:
@@ -1323,6 +1388,14 @@ async def test_a_push_timed_out_in_flight_then_retried(redis_url, namespace):
     assert not problems, problems
 
 
+# A flight marked by a reading (the reading ended while it was on its way), and the
+# stream's count restarted after that reading by ANOTHER call (the pushed hash lost,
+# every entry delivered, acked and trimmed as workers XTRIM): that call answers
+# "restarted" (negative), but the marked flight's own call then answers a positive count
+# on the new base, below the reading's, and _place takes it for a call the reading had
+# counted. The restarting call is another producer's, or one of this producer's own
+# flights. A known limit (docs/operations.md: the count's hash deleted by hand or
+# evicted): the estimate is low until the next reading, which is exact again.
 @pytest.mark.parametrize("restarter", ["another_producer", "own_other_flight"])
 async def test_a_marked_flight_after_the_count_restarted_on_an_empty_stream(redis_url, namespace, restarter):
     problems: list[str] = []

@@ -7,8 +7,9 @@ server kills or a peer that breaks the protocol fails the calls in flight and th
 call reconnects; cancels and ``close()`` during the first connect leave one connection
 (none after close) and no unclosed transport; it honours a password, a database, TCP and
 a client name as redis-py sends them, and leaves to redis-py the clients it cannot speak
-for. Its users' promises under the same faults are in tests/trainer/test_flush.py and
-test_listener.py.
+for. A real server where one can do it; a loopback server that answers garbage stands in
+for a broken peer (the one thing a real server will not do). Its users' promises under
+the same faults are in tests/trainer/test_flush.py and test_listener.py.
 """
 
 from __future__ import annotations
