@@ -73,6 +73,16 @@ def samples(batch: str, responses: list[str], truth: str = "a", **kw: Any) -> li
     ]
 
 
+async def land_result(redis_url: str, namespace: str, result: ScoreResult) -> None:
+    """Write a result as a worker would, past the push-time checks."""
+    client = connect(redis_url)
+    try:
+        ledger = LedgerWriter(client, Keys(namespace), "scorers", result_ttl_s=600)
+        await ledger.write(0, [LedgerItem("", result.batch_id, result.uid, encode_result(result))])
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.parametrize("on_failure", ["fallback", "drop", "mask"])
 async def test_collect_after_the_deadline_returns_the_stored_results(
     redis_url: str, namespace: str, on_failure: str
@@ -97,16 +107,6 @@ async def test_collect_after_the_deadline_returns_the_stored_results(
     else:
         assert by_index[2][0] == "failed"
         assert rewards.results[-1].reason == "never_pushed"
-
-
-async def land_result(redis_url: str, namespace: str, result: ScoreResult) -> None:
-    """Write a result as a worker would, past the push-time checks."""
-    client = connect(redis_url)
-    try:
-        ledger = LedgerWriter(client, Keys(namespace), "scorers", result_ttl_s=600)
-        await ledger.write(0, [LedgerItem("", result.batch_id, result.uid, encode_result(result))])
-    finally:
-        await client.aclose()
 
 
 async def test_two_uids_on_one_index_never_end_collect_early(redis_url: str, namespace: str) -> None:

@@ -38,8 +38,6 @@ from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
-# The failure policy, pure and through the pipeline
-
 
 RESPONSE_LEN = 8
 
@@ -104,21 +102,6 @@ def row_of(rewards, index: int) -> list[float]:
     return rewards.rm_scores[rewards.indices.index(index)].tolist()
 
 
-async def test_mask_zeroes_and_invalidates_failed_samples(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="mask"), timeout_s=20)
-    assert rewards.indices == [0, 1, 2, 3, 4, 5]
-    assert rewards.status == ["ok", "failed", "ok", "ok", "failed", "ok"]
-    assert rewards.scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
-    assert rewards.valid.tolist() == [True, False, True, True, False, True]
-    assert row_of(rewards, 1) == [0.0] * RESPONSE_LEN
-    assert row_of(rewards, 0)[2] == 1.0 and sum(row_of(rewards, 0)) == 1.0  # last valid token = length - 1
-    failed = [r for r in rewards.results if r.status == "failed"]
-    assert {(r.reason, r.attempts) for r in failed} == {("http_503", 6)}
-    assert all("gave up" in (e or "") for e, s in zip(rewards.errors, rewards.status) if s == "failed")
-    # reward_extra_info keeps one entry per sample, failed ones filled explicitly
-    assert rewards.reward_extra_info["acc"] == [True, None, True, False, None, True]
-
-
 def pure_batch(policy: BatchPolicy, responses: list[str] = RESPONSES, lengths: list[int] = LENGTHS):
     """What the pipeline's results for ``responses`` are, laid out by ``build_rewards`` alone."""
     results = []
@@ -134,102 +117,6 @@ def pure_batch(policy: BatchPolicy, responses: list[str] = RESPONSES, lengths: l
             results.append(ScoreResult(f"u{i}", "pure", i, float(ok), extra={"acc": ok}, valid_response_length=length))
     meta = BatchMeta(size=len(results), response_len=RESPONSE_LEN, policy=policy, created=0.0, deadline=0.0)
     return build_rewards("pure", meta, results)
-
-
-def test_mask_is_the_same_without_the_pipeline() -> None:
-    rewards = pure_batch(BatchPolicy(on_failure="mask"))
-    assert rewards.status == ["ok", "failed", "ok", "ok", "failed", "ok"]
-    assert rewards.scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
-    assert rewards.valid.tolist() == [True, False, True, True, False, True]
-    assert rewards.reward_extra_info["acc"] == [True, None, True, False, None, True]
-
-
-def test_fallback_scores_failed_samples_at_their_last_token() -> None:
-    rewards = pure_batch(BatchPolicy(on_failure="fallback", fallback_score=-0.5))
-    assert rewards.status.count("failed") == 2
-    assert rewards.scores == [1.0, -0.5, 1.0, 0.0, -0.5, 1.0]
-    assert rewards.valid.tolist() == [True] * 6
-    assert row_of(rewards, 1)[LENGTHS[1] - 1] == -0.5 and sum(row_of(rewards, 1)) == -0.5
-    assert row_of(rewards, 4)[LENGTHS[4] - 1] == -0.5
-
-
-def test_drop_removes_failed_rows() -> None:
-    rewards = pure_batch(BatchPolicy(on_failure="drop"))
-    assert rewards.indices == [0, 2, 3, 5]
-    assert tuple(rewards.rm_scores.shape) == (4, RESPONSE_LEN)
-    assert rewards.status == ["ok"] * 4
-    assert rewards.scores == [1.0, 1.0, 0.0, 1.0]
-    assert all(len(column) == 4 for column in rewards.reward_extra_info.values())
-    assert row_of(rewards, 3) == [0.0] * RESPONSE_LEN
-
-
-def test_zero_length_response_never_writes_to_the_last_column() -> None:
-    rewards = pure_batch(BatchPolicy(on_failure="fallback", fallback_score=-1.0), ["a", "fail"], [0, 0])
-    assert rewards.rm_scores.abs().sum().item() == 0.0
-    assert rewards.valid.tolist() == [False, False]
-
-
-async def test_deadline_resolves_unfinished_samples_as_failed(redis_url: str, namespace: str) -> None:
-    began = time.monotonic()
-    rewards = await run_batch(
-        redis_url,
-        namespace,
-        BatchPolicy(on_failure="mask", deadline_s=1.0),
-        responses=["a", "hang", "b", "fail"],
-        lengths=[1, 2, 3, 4],
-    )
-    elapsed = time.monotonic() - began
-    assert 0.9 <= elapsed < 10  # collect returned at the deadline, not when the verifier answered
-    assert rewards.status == ["ok", "failed", "ok", "failed"]
-    assert [r.reason for r in rewards.results] == [None, "deadline", None, "http_503"]
-    assert rewards.valid.tolist() == [True, False, True, False]
-    assert rewards.scores == [1.0, 0.0, 1.0, 0.0]
-
-
-async def test_deadline_with_drop(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(
-        redis_url,
-        namespace,
-        BatchPolicy(on_failure="drop", deadline_s=0.8),
-        responses=["hang", "a", "hang"],
-        lengths=[1, 2, 3],
-    )
-    assert rewards.indices == [1]
-    assert tuple(rewards.rm_scores.shape) == (1, RESPONSE_LEN)
-
-
-async def test_deadline_fallback_lands_on_the_last_valid_token(redis_url: str, namespace: str) -> None:
-    rewards = await run_batch(
-        redis_url,
-        namespace,
-        BatchPolicy(on_failure="fallback", fallback_score=-1.0, deadline_s=0.8),
-        responses=["a", "hang"],
-        lengths=[1, 2],
-    )
-    assert rewards.scores == [1.0, -1.0]
-    assert row_of(rewards, 1)[1] == -1.0
-
-
-async def test_collect_timeout_raises_or_resolves(redis_url: str, namespace: str) -> None:
-    with pytest.raises(CollectTimeoutError):
-        await run_batch(
-            redis_url, namespace, BatchPolicy(on_failure="mask"), responses=["a", "hang"], lengths=[1, 1], timeout_s=0.5
-        )
-    rewards = await run_batch(
-        redis_url,
-        namespace,
-        BatchPolicy(on_failure="mask"),
-        responses=["a", "hang"],
-        lengths=[1, 1],
-        timeout_s=0.5,
-        on_timeout="resolve",
-    )
-    assert rewards.status == ["ok", "failed"]
-    assert rewards.results[1].reason == "timeout"
-    assert rewards.valid.tolist() == [True, False]
-
-
-# Collected records, aligned
 
 
 SIZE = 10
@@ -364,6 +251,183 @@ def check_aligned(rewards: BatchRewards, batch: str, policy: str) -> None:
             assert rewards.reward_extra_info[key][row] == extra.get(key), (i, key)
 
 
+def meta(policy: str = "mask", size: int = 4) -> BatchMeta:
+    policy_ = BatchPolicy(on_failure=policy, fallback_score=-1.0)
+    return BatchMeta(size=size, response_len=RESP, policy=policy_, created=0.0, deadline=0.0)
+
+
+def sample_results() -> list[ScoreResult]:
+    shared = {"deep": [1, {"x": 2}]}
+    return [
+        ScoreResult("b/0", "b", 0, 0.25, "ok", {"acc": True, "shared": shared}, valid_response_length=2),
+        ScoreResult("b/1", "b", 1, 0.0, "failed", {"acc": False}, "scorer_error", "boom", valid_response_length=3),
+        ScoreResult("b/2", "b", 2, 1.0, "ok", {"shared": shared}, valid_response_length=None),
+        ScoreResult("b/3", "b", 3, 0.0, "failed", {}, "never_pushed", "never"),
+    ]
+
+
+def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:
+    return encode_result(ScoreResult(uid or f"{batch}/{i}", batch, i, score))
+
+
+def garbage_row(batch: str, i: int, **over: object) -> bytes:
+    row = [3, f"{batch}/{i}", batch, i, 1.0, "ok", 1, 0.0, None, None, None, None, None, None]
+    for k, v in over.items():
+        row[{"score": 4, "extra": 8, "attempts": 6}[k]] = v
+    return msgpack.packb(row, use_bin_type=True)
+
+
+N = 3000
+
+
+def result(batch: str, i: int) -> ScoreResult:
+    extra = {"acc": i % 2 == 0, "pred": str(i)} if i % 3 else {}
+    status = "failed" if i % 7 == 0 else "ok"
+    return ScoreResult(
+        f"{batch}/{i}",
+        batch,
+        i,
+        float(i % 5),
+        status,
+        extra,
+        "scorer_error" if status == "failed" else None,
+        "boom" if status == "failed" else None,
+        1 + i % 2,
+        i % 11,
+        "openai/gsm8k",
+        f"g{i // 8}",
+        1_700_000_000.5 + i,
+    )
+
+
+async def store(redis_url: str, namespace: str, producer: RolloutProducer, batch: str) -> list[ScoreResult]:
+    await producer.open_batch(batch, N, 16)
+    results = [result(batch, i) for i in range(N)]
+    client = connect(redis_url)
+    try:
+        ledger = LedgerWriter(client, Keys(namespace), "scorers", result_ttl_s=60)
+        for lo in range(0, N, 500):
+            items = [LedgerItem("", batch, r.uid, encode_result(r)) for r in results[lo : lo + 500]]
+            assert await ledger.write(0, items) == len(items)
+    finally:
+        await client.aclose()
+    return results
+
+
+# The failure policy, pure and through the pipeline
+
+
+async def test_mask_zeroes_and_invalidates_failed_samples(redis_url: str, namespace: str) -> None:
+    rewards = await run_batch(redis_url, namespace, BatchPolicy(on_failure="mask"), timeout_s=20)
+    assert rewards.indices == [0, 1, 2, 3, 4, 5]
+    assert rewards.status == ["ok", "failed", "ok", "ok", "failed", "ok"]
+    assert rewards.scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert rewards.valid.tolist() == [True, False, True, True, False, True]
+    assert row_of(rewards, 1) == [0.0] * RESPONSE_LEN
+    assert row_of(rewards, 0)[2] == 1.0 and sum(row_of(rewards, 0)) == 1.0  # last valid token = length - 1
+    failed = [r for r in rewards.results if r.status == "failed"]
+    assert {(r.reason, r.attempts) for r in failed} == {("http_503", 6)}
+    assert all("gave up" in (e or "") for e, s in zip(rewards.errors, rewards.status) if s == "failed")
+    # reward_extra_info keeps one entry per sample, failed ones filled explicitly
+    assert rewards.reward_extra_info["acc"] == [True, None, True, False, None, True]
+
+
+def test_mask_is_the_same_without_the_pipeline() -> None:
+    rewards = pure_batch(BatchPolicy(on_failure="mask"))
+    assert rewards.status == ["ok", "failed", "ok", "ok", "failed", "ok"]
+    assert rewards.scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert rewards.valid.tolist() == [True, False, True, True, False, True]
+    assert rewards.reward_extra_info["acc"] == [True, None, True, False, None, True]
+
+
+def test_fallback_scores_failed_samples_at_their_last_token() -> None:
+    rewards = pure_batch(BatchPolicy(on_failure="fallback", fallback_score=-0.5))
+    assert rewards.status.count("failed") == 2
+    assert rewards.scores == [1.0, -0.5, 1.0, 0.0, -0.5, 1.0]
+    assert rewards.valid.tolist() == [True] * 6
+    assert row_of(rewards, 1)[LENGTHS[1] - 1] == -0.5 and sum(row_of(rewards, 1)) == -0.5
+    assert row_of(rewards, 4)[LENGTHS[4] - 1] == -0.5
+
+
+def test_drop_removes_failed_rows() -> None:
+    rewards = pure_batch(BatchPolicy(on_failure="drop"))
+    assert rewards.indices == [0, 2, 3, 5]
+    assert tuple(rewards.rm_scores.shape) == (4, RESPONSE_LEN)
+    assert rewards.status == ["ok"] * 4
+    assert rewards.scores == [1.0, 1.0, 0.0, 1.0]
+    assert all(len(column) == 4 for column in rewards.reward_extra_info.values())
+    assert row_of(rewards, 3) == [0.0] * RESPONSE_LEN
+
+
+def test_zero_length_response_never_writes_to_the_last_column() -> None:
+    rewards = pure_batch(BatchPolicy(on_failure="fallback", fallback_score=-1.0), ["a", "fail"], [0, 0])
+    assert rewards.rm_scores.abs().sum().item() == 0.0
+    assert rewards.valid.tolist() == [False, False]
+
+
+async def test_deadline_resolves_unfinished_samples_as_failed(redis_url: str, namespace: str) -> None:
+    began = time.monotonic()
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="mask", deadline_s=1.0),
+        responses=["a", "hang", "b", "fail"],
+        lengths=[1, 2, 3, 4],
+    )
+    elapsed = time.monotonic() - began
+    assert 0.9 <= elapsed < 10  # collect returned at the deadline, not when the verifier answered
+    assert rewards.status == ["ok", "failed", "ok", "failed"]
+    assert [r.reason for r in rewards.results] == [None, "deadline", None, "http_503"]
+    assert rewards.valid.tolist() == [True, False, True, False]
+    assert rewards.scores == [1.0, 0.0, 1.0, 0.0]
+
+
+async def test_deadline_with_drop(redis_url: str, namespace: str) -> None:
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="drop", deadline_s=0.8),
+        responses=["hang", "a", "hang"],
+        lengths=[1, 2, 3],
+    )
+    assert rewards.indices == [1]
+    assert tuple(rewards.rm_scores.shape) == (1, RESPONSE_LEN)
+
+
+async def test_deadline_fallback_lands_on_the_last_valid_token(redis_url: str, namespace: str) -> None:
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="fallback", fallback_score=-1.0, deadline_s=0.8),
+        responses=["a", "hang"],
+        lengths=[1, 2],
+    )
+    assert rewards.scores == [1.0, -1.0]
+    assert row_of(rewards, 1)[1] == -1.0
+
+
+async def test_collect_timeout_raises_or_resolves(redis_url: str, namespace: str) -> None:
+    with pytest.raises(CollectTimeoutError):
+        await run_batch(
+            redis_url, namespace, BatchPolicy(on_failure="mask"), responses=["a", "hang"], lengths=[1, 1], timeout_s=0.5
+        )
+    rewards = await run_batch(
+        redis_url,
+        namespace,
+        BatchPolicy(on_failure="mask"),
+        responses=["a", "hang"],
+        lengths=[1, 1],
+        timeout_s=0.5,
+        on_timeout="resolve",
+    )
+    assert rewards.status == ["ok", "failed"]
+    assert rewards.results[1].reason == "timeout"
+    assert rewards.valid.tolist() == [True, False]
+
+
+# Collected records, aligned
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_collect_keeps_every_per_sample_field_aligned_under_each_policy(redis_url, namespace, policy) -> None:
     async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
@@ -424,21 +488,6 @@ async def test_per_sample_result_of_foreign_and_garbled_records_fails_that_sampl
     assert (intruder.uid, intruder.index, intruder.score) == ("intruder", 7, -5.0)
 
 
-def meta(policy: str = "mask", size: int = 4) -> BatchMeta:
-    policy_ = BatchPolicy(on_failure=policy, fallback_score=-1.0)
-    return BatchMeta(size=size, response_len=RESP, policy=policy_, created=0.0, deadline=0.0)
-
-
-def sample_results() -> list[ScoreResult]:
-    shared = {"deep": [1, {"x": 2}]}
-    return [
-        ScoreResult("b/0", "b", 0, 0.25, "ok", {"acc": True, "shared": shared}, valid_response_length=2),
-        ScoreResult("b/1", "b", 1, 0.0, "failed", {"acc": False}, "scorer_error", "boom", valid_response_length=3),
-        ScoreResult("b/2", "b", 2, 1.0, "ok", {"shared": shared}, valid_response_length=None),
-        ScoreResult("b/3", "b", 3, 0.0, "failed", {}, "never_pushed", "never"),
-    ]
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_build_rewards_under_drop_mask_fallback_keeps_rows_aligned(policy) -> None:
     results = sample_results()
@@ -484,17 +533,6 @@ def test_results_extra_edits_do_not_leak_between_samples_or_into_the_columns() -
     assert rewards.results[0].extra["acc"] is True
     assert rewards.results is rewards.results and rewards.results[1].extra["new"] == "x"  # kept, not remade
     assert before["acc"] == [True, False, None, None]
-
-
-def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:
-    return encode_result(ScoreResult(uid or f"{batch}/{i}", batch, i, score))
-
-
-def garbage_row(batch: str, i: int, **over: object) -> bytes:
-    row = [3, f"{batch}/{i}", batch, i, 1.0, "ok", 1, 0.0, None, None, None, None, None, None]
-    for k, v in over.items():
-        row[{"score": 4, "extra": 8, "attempts": 6}[k]] = v
-    return msgpack.packb(row, use_bin_type=True)
 
 
 async def test_collect_survives_a_record_whose_score_is_not_a_number(redis_url, namespace) -> None:
@@ -651,45 +689,6 @@ def test_a_batch_made_without_init_has_no_results_attribute_rather_than_a_key_er
 # a model) loaded (measured in ``bench throughput``: 3 full collections of ~0.12 s per
 # 100,000 samples). The results are kept as tuples of atoms, which the collector stops
 # tracking after one pass, and made ScoreResults on first use.
-
-
-N = 3000
-
-
-def result(batch: str, i: int) -> ScoreResult:
-    extra = {"acc": i % 2 == 0, "pred": str(i)} if i % 3 else {}
-    status = "failed" if i % 7 == 0 else "ok"
-    return ScoreResult(
-        f"{batch}/{i}",
-        batch,
-        i,
-        float(i % 5),
-        status,
-        extra,
-        "scorer_error" if status == "failed" else None,
-        "boom" if status == "failed" else None,
-        1 + i % 2,
-        i % 11,
-        "openai/gsm8k",
-        f"g{i // 8}",
-        1_700_000_000.5 + i,
-    )
-
-
-async def store(redis_url: str, namespace: str, producer: RolloutProducer, batch: str) -> list[ScoreResult]:
-    await producer.open_batch(batch, N, 16)
-    results = [result(batch, i) for i in range(N)]
-    client = connect(redis_url)
-    try:
-        ledger = LedgerWriter(client, Keys(namespace), "scorers", result_ttl_s=60)
-        for lo in range(0, N, 500):
-            items = [LedgerItem("", batch, r.uid, encode_result(r)) for r in results[lo : lo + 500]]
-            assert await ledger.write(0, items) == len(items)
-    finally:
-        await client.aclose()
-    return results
-
-
 async def test_a_collected_batch_holds_no_tracked_object_per_sample_until_its_results_are_asked_for(
     redis_url, namespace
 ) -> None:

@@ -49,6 +49,107 @@ from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
+
+LIMIT = 20
+
+
+async def _fresh_reading(producer: RolloutProducer) -> None:
+    await producer._start_backlog_reading()
+
+
+def _config(namespace: str, **kw: Any) -> ProducerConfig:
+    base: dict[str, Any] = dict(namespace=namespace, max_backlog=LIMIT, on_backlog="raise", backlog_poll_s=60.0)
+    base.update(kw)
+    return ProducerConfig(**base)
+
+
+async def lag_of(admin: Any, keys: Keys, group: str) -> int:
+    """The group's lag in entries, read in one command (XINFO GROUPS): with
+    samples_per_entry=1, the samples undelivered, at one instant (a two-step read while a
+    worker consumes would count entries delivered in between)."""
+    total = 0
+    for stream in keys.streams():
+        for g in await admin.xinfo_groups(stream):
+            if g["name"] in (group, group.encode()):
+                assert g["lag"] is not None
+                total += int(g["lag"])
+    return total
+
+
+async def _settled(producer: RolloutProducer) -> tuple[int, int]:
+    """(estimate, backlog()) once everything of the producer is in."""
+    if producer._coalescer is not None:
+        await producer._coalescer.aclose()
+    if producer._backlog_reading is not None and not producer._backlog_reading.done():
+        await asyncio.gather(producer._backlog_reading, return_exceptions=True)
+    return producer._backlog, await producer.backlog()
+
+
+async def _read_again(producer: RolloutProducer) -> int:
+    """The estimate after one more reading, which nothing of the producer's is on its way past."""
+    await producer._start_backlog_reading()
+    return producer._backlog
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(masters=3) as local:
+        yield local
+
+
+def graded(batch: str, i: int, right: bool) -> Trajectory:
+    gt = str(1000 + i)
+    return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
+
+
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
+
+
+def expected(t: Trajectory) -> float:
+    return t.index + len(t.response) / 1000
+
+
+def worker(url: str, ns: str, **cfg):
+    """An in-process worker scoring by identity (helpers.Timed: index + len(response)/1000)."""
+    return running_worker(url, ns, Timed(), **cfg)
+
+
+def waiters(listener) -> dict:
+    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
+    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
+
+
+def due(listener) -> int:
+    return sum(len(d) for d in listener._due.values())
+
+
+def clean(listener) -> None:
+    assert due(listener) == 0, listener._due
+    assert waiters(listener) == {}, waiters(listener)
+
+
+async def outcome(aw) -> object:
+    try:
+        return await aw
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+
+
+async def settle(aws, timeout_s: float = 10) -> list:
+    """Each awaitable's result or exception (all of them within ``timeout_s``)."""
+    return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), timeout_s)
+
+
+async def _zero(count) -> bool:
+    return await count == 0
+
+
+def gsm(i: int) -> Trajectory:
+    return Trajectory("m", i, "openai/gsm8k", response=f"#### {i}", ground_truth=str(i))
+
+
 # A push and a reading in flight together
 
 
@@ -88,19 +189,6 @@ async def test_a_push_counted_before_a_reading_that_lands_after_it_is_not_lost_f
             await producer.push_many(backlog_traj("late", i) for i in range(11, 21))
         await producer.push_many(backlog_traj("late", i) for i in range(11, 20))  # 9 fit exactly
         assert await producer.backlog() == limit
-
-
-LIMIT = 20
-
-
-async def _fresh_reading(producer: RolloutProducer) -> None:
-    await producer._start_backlog_reading()
-
-
-def _config(namespace: str, **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = dict(namespace=namespace, max_backlog=LIMIT, on_backlog="raise", backlog_poll_s=60.0)
-    base.update(kw)
-    return ProducerConfig(**base)
 
 
 # A push counted before a reading started lands after its HMGET, and its reply comes
@@ -616,36 +704,6 @@ async def test_small_pushes_arriving_while_a_large_push_is_in_flight(redis_url, 
 
 
 # Failed, cancelled, retried and resent flushes across a reading
-
-
-async def lag_of(admin: Any, keys: Keys, group: str) -> int:
-    """The group's lag in entries, read in one command (XINFO GROUPS): with
-    samples_per_entry=1, the samples undelivered, at one instant (a two-step read while a
-    worker consumes would count entries delivered in between)."""
-    total = 0
-    for stream in keys.streams():
-        for g in await admin.xinfo_groups(stream):
-            if g["name"] in (group, group.encode()):
-                assert g["lag"] is not None
-                total += int(g["lag"])
-    return total
-
-
-async def _settled(producer: RolloutProducer) -> tuple[int, int]:
-    """(estimate, backlog()) once everything of the producer is in."""
-    if producer._coalescer is not None:
-        await producer._coalescer.aclose()
-    if producer._backlog_reading is not None and not producer._backlog_reading.done():
-        await asyncio.gather(producer._backlog_reading, return_exceptions=True)
-    return producer._backlog, await producer.backlog()
-
-
-async def _read_again(producer: RolloutProducer) -> int:
-    """The estimate after one more reading, which nothing of the producer's is on its way past."""
-    await producer._start_backlog_reading()
-    return producer._backlog
-
-
 # A flush whose samples landed but whose replies were lost on every lane attempt: the
 # flush fails (BrokerError). They are in the stream: an estimate that took them out
 # would be LOW until the next reading, and on_backlog="raise" would let a push past the
@@ -1037,12 +1095,6 @@ async def test_duplicates_of_another_producers_samples(redis_url, namespace, whe
 
 # The cluster path: one EVALSHA per partition, concurrently. One partition's call held
 # (after it landed, or before it is sent) while a reading ends; or failing after it ran.
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(masters=3) as local:
-        yield local
-
-
 @pytest.mark.parametrize("mode", ["landed_reply_held", "held_before_send", "fails_after_running"])
 async def test_cluster_one_partition_call_across_a_reading(cluster, namespace, mode):
     problems: list[str] = []
@@ -1508,11 +1560,6 @@ async def test_a_reply_during_a_reading_after_another_call_restarted_the_count(r
 # The estimate on the per-sample path
 
 
-def graded(batch: str, i: int, right: bool) -> Trajectory:
-    gt = str(1000 + i)
-    return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
-
-
 async def test_backpressure_holds_when_redis_reports_no_lag(redis_url, namespace):
     """After an AOF restart (or deletions mid-stream) XINFO GROUPS reports lag nil."""
     from stream_reward.errors import BackpressureError
@@ -1579,11 +1626,6 @@ async def test_pushes_waiting_for_room_share_one_backlog_reading(redis_url, name
     assert stats["cmdstat_xinfo|groups"]["calls"] <= 2  # one reading for all 50, not one each
 
 
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
 async def test_a_stale_estimate_does_not_let_many_concurrent_pushes_past_max_backlog(redis_url, namespace) -> None:
     """Another producer filled the backlog (20 > max_backlog 10). A producer whose estimate is
     stale lets every concurrent push of the loop turn go before its reading returns."""
@@ -1600,45 +1642,6 @@ async def test_a_stale_estimate_does_not_let_many_concurrent_pushes_past_max_bac
         assert all(r is None or isinstance(r, BackpressureError) for r in results)
         # The design lets a stale estimate's push go; it must not let max_backlog be exceeded tenfold.
         assert went <= config.max_backlog, f"{went} pushes went with a backlog of 20 over max_backlog 10"
-
-
-def expected(t: Trajectory) -> float:
-    return t.index + len(t.response) / 1000
-
-
-def worker(url: str, ns: str, **cfg):
-    """An in-process worker scoring by identity (helpers.Timed: index + len(response)/1000)."""
-    return running_worker(url, ns, Timed(), **cfg)
-
-
-def waiters(listener) -> dict:
-    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
-    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
-
-
-def due(listener) -> int:
-    return sum(len(d) for d in listener._due.values())
-
-
-def clean(listener) -> None:
-    assert due(listener) == 0, listener._due
-    assert waiters(listener) == {}, waiters(listener)
-
-
-async def outcome(aw) -> object:
-    try:
-        return await aw
-    except BaseException as exc:  # noqa: BLE001
-        return exc
-
-
-async def settle(aws, timeout_s: float = 10) -> list:
-    """Each awaitable's result or exception (all of them within ``timeout_s``)."""
-    return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), timeout_s)
-
-
-async def _zero(count) -> bool:
-    return await count == 0
 
 
 @pytest.mark.parametrize("mode", ["raise", "wait"])
@@ -1818,10 +1821,6 @@ async def test_a_multi_partition_flush_whose_reply_is_lost_counts_each_sample_on
 
 
 # Samples, not entries
-
-
-def gsm(i: int) -> Trajectory:
-    return Trajectory("m", i, "openai/gsm8k", response=f"#### {i}", ground_truth=str(i))
 
 
 async def test_backlog_counts_samples_not_entries(redis_url, namespace) -> None:

@@ -42,6 +42,11 @@ async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tupl
     return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
 
 
+async def lane_client_id(lane: Lane) -> int:
+    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
+    return int(cid)
+
+
 async def test_a_push_after_the_server_lost_its_scripts_loads_them_again(redis_url, namespace) -> None:
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
         await producer.open_batch("b", 300, 8)
@@ -135,12 +140,6 @@ async def test_script_flush_before_a_slow_path_call_is_recovered(redis_url, name
         assert sorted(i for _, _, i in got) == list(range(600))
 
 
-async def lane_client_id(lane: Lane) -> int:
-    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
-    return int(cid)
-
-
-# ------------------------------------------------------------------ through the producer
 async def test_a_push_whose_connection_the_server_kills_mid_flush_lands_once(own_url, namespace) -> None:
     """The server pauses writes, the producer's lane is killed with its push queued: the push
     is sent again on a new connection (redis-py's retry), and the sample is queued once."""
@@ -226,7 +225,6 @@ async def test_the_producer_pushes_through_redis_py_on_clients_the_lane_refuses(
         await admin.aclose()
 
 
-# ------------------------------------------------------------------ through the producer
 async def test_a_push_whose_reply_is_lost_after_it_ran_lands_once(redis_url, namespace) -> None:
     """The proxy passes the push on and drops the connection instead of the reply: the push
     ran, the producer cannot know. Sent again on a new connection it must count once."""

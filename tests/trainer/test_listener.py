@@ -36,8 +36,6 @@ from stream_reward.wire.packed import pack_command
 
 pytestmark = pytest.mark.anyio
 
-# Waiters and their results
-
 
 SCORER = "python:tests/data/scorers.py:exact"
 
@@ -54,6 +52,106 @@ async def xread_calls(redis_url: str) -> int:
     finally:
         await client.aclose()
     return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
+
+
+def expected(t: Trajectory) -> float:
+    return t.index + len(t.response) / 1000
+
+
+def worker(url: str, ns: str, **cfg):
+    """An in-process worker scoring by identity (helpers.Timed: index + len(response)/1000)."""
+    return running_worker(url, ns, Timed(), **cfg)
+
+
+def waiters(listener) -> dict:
+    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
+    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
+
+
+def waiting_on(listener, uid: str) -> int:
+    return sum(len(fs) for (_, u), fs in waiters(listener).items() if u == uid)
+
+
+def due(listener) -> int:
+    return sum(len(d) for d in listener._due.values())
+
+
+def clean(listener) -> None:
+    assert due(listener) == 0, listener._due
+    assert waiters(listener) == {}, waiters(listener)
+
+
+async def outcome(aw) -> object:
+    try:
+        return await aw
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+
+
+async def settle(aws, timeout_s: float = 10) -> list:
+    """Each awaitable's result or exception (all of them within ``timeout_s``)."""
+    return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), timeout_s)
+
+
+async def _queued(redis_url: str, p: RolloutProducer, t: Trajectory) -> bool:
+    return (t.batch_id, t.uid, t.index) in await queued(redis_url, p.keys)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+class Hold:
+    """Holds the producer's flushes until ``opened``; ``after`` runs once a flush returned,
+    before the coalescer hands out its verdicts."""
+
+    def __init__(self, p: RolloutProducer) -> None:
+        self.real, self.started, self.opened, self.after = p._flush, asyncio.Event(), asyncio.Event(), None
+        p._coalescer, p._flush = None, self.flush  # type: ignore[method-assign]
+
+    async def flush(self, entries: list) -> list[int]:
+        self.started.set()
+        await self.opened.wait()
+        verdicts = await self.real(entries)
+        if self.after is not None:
+            self.after()
+        return verdicts
+
+
+CASES = [
+    ("result", "score_not_taken"),  # score() cancelled before its push is taken into a flush
+    ("result", "score_in_flight"),  # cancelled with its flush in flight (verdict not in)
+    ("result", "score_after_verdict"),
+    ("score", "score_after_verdict"),
+    ("result", "result"),  # the result() call cancelled, score() waits on
+    ("score", "result"),
+    ("score", "one_of_two_results"),
+    ("score", "one_of_two_scores"),  # two producers score the same sample; one is cancelled
+]
+
+
+def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:
+    return encode_result(ScoreResult(uid or f"{batch}/{i}", batch, i, score))
+
+
+def garbage_row(batch: str, i: int, **over: object) -> bytes:
+    row = [3, f"{batch}/{i}", batch, i, 1.0, "ok", 1, 0.0, None, None, None, None, None, None]
+    for k, v in over.items():
+        row[{"score": 4, "extra": 8, "attempts": 6}[k]] = v
+    return msgpack.packb(row, use_bin_type=True)
+
+
+async def lane_client_id(lane: Lane) -> int:
+    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
+    return int(cid)
+
+
+# Waiters and their results
 
 
 async def test_many_concurrent_score_calls_each_get_their_own_result_without_an_xread_each(
@@ -155,87 +253,6 @@ async def test_result_of_a_sample_already_read_for_score_by_the_shared_listener(
         r0 = await agg.result("shared", "shared/0", timeout_s=5)
         assert agg._listener is producer._listener  # one listener per process, loop, server and namespace
     assert (r0.index, r0.score) == (0, 1.0)
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
-def expected(t: Trajectory) -> float:
-    return t.index + len(t.response) / 1000
-
-
-def worker(url: str, ns: str, **cfg):
-    """An in-process worker scoring by identity (helpers.Timed: index + len(response)/1000)."""
-    return running_worker(url, ns, Timed(), **cfg)
-
-
-def waiters(listener) -> dict:
-    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
-    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
-
-
-def waiting_on(listener, uid: str) -> int:
-    return sum(len(fs) for (_, u), fs in waiters(listener).items() if u == uid)
-
-
-def due(listener) -> int:
-    return sum(len(d) for d in listener._due.values())
-
-
-def clean(listener) -> None:
-    assert due(listener) == 0, listener._due
-    assert waiters(listener) == {}, waiters(listener)
-
-
-async def outcome(aw) -> object:
-    try:
-        return await aw
-    except BaseException as exc:  # noqa: BLE001
-        return exc
-
-
-async def settle(aws, timeout_s: float = 10) -> list:
-    """Each awaitable's result or exception (all of them within ``timeout_s``)."""
-    return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), timeout_s)
-
-
-async def _queued(redis_url: str, p: RolloutProducer, t: Trajectory) -> bool:
-    return (t.batch_id, t.uid, t.index) in await queued(redis_url, p.keys)
-
-
-async def _true(value: bool) -> bool:
-    return value
-
-
-class Hold:
-    """Holds the producer's flushes until ``opened``; ``after`` runs once a flush returned,
-    before the coalescer hands out its verdicts."""
-
-    def __init__(self, p: RolloutProducer) -> None:
-        self.real, self.started, self.opened, self.after = p._flush, asyncio.Event(), asyncio.Event(), None
-        p._coalescer, p._flush = None, self.flush  # type: ignore[method-assign]
-
-    async def flush(self, entries: list) -> list[int]:
-        self.started.set()
-        await self.opened.wait()
-        verdicts = await self.real(entries)
-        if self.after is not None:
-            self.after()
-        return verdicts
-
-
-CASES = [
-    ("result", "score_not_taken"),  # score() cancelled before its push is taken into a flush
-    ("result", "score_in_flight"),  # cancelled with its flush in flight (verdict not in)
-    ("result", "score_after_verdict"),
-    ("score", "score_after_verdict"),
-    ("result", "result"),  # the result() call cancelled, score() waits on
-    ("score", "result"),
-    ("score", "one_of_two_results"),
-    ("score", "one_of_two_scores"),  # two producers score the same sample; one is cancelled
-]
 
 
 @pytest.mark.parametrize(("first", "cancel"), CASES)
@@ -368,17 +385,6 @@ async def test_a_waiter_registered_as_another_is_resolved_is_not_dropped_by_its_
         assert ra.score == expected(t)
         assert isinstance(rb, ScoreResult) and rb.score == expected(t), rb
         clean(p._listener)
-
-
-def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:
-    return encode_result(ScoreResult(uid or f"{batch}/{i}", batch, i, score))
-
-
-def garbage_row(batch: str, i: int, **over: object) -> bytes:
-    row = [3, f"{batch}/{i}", batch, i, 1.0, "ok", 1, 0.0, None, None, None, None, None, None]
-    for k, v in over.items():
-        row[{"score": 4, "extra": 8, "attempts": 6}[k]] = v
-    return msgpack.packb(row, use_bin_type=True)
 
 
 async def test_a_garbage_record_for_one_waiter_fails_only_that_waiter(redis_url, namespace) -> None:
@@ -662,11 +668,6 @@ async def test_an_infinite_timeout_is_no_timeout(redis_url, namespace) -> None:
 # Its connection killed, its replies lost
 
 
-async def lane_client_id(lane: Lane) -> int:
-    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
-    return int(cid)
-
-
 async def test_score_gets_its_result_when_the_listeners_connection_is_killed_mid_read(
     redis_url, namespace, spawn_workers
 ) -> None:
@@ -694,7 +695,6 @@ async def test_score_gets_its_result_when_the_listeners_connection_is_killed_mid
         await admin.aclose()
 
 
-# ------------------------------------------------------------------ the listener
 async def test_score_calls_get_their_own_results_while_the_listeners_lane_is_killed_again_and_again(
     own_url, namespace, spawn_workers
 ) -> None:

@@ -29,8 +29,6 @@ from stream_reward.wire.connection import connect
 
 pytestmark = pytest.mark.anyio
 
-# Conflicts and odd uids
-
 
 SCORER = "python:tests/data/scorers.py:exact"
 
@@ -38,6 +36,53 @@ SCORER = "python:tests/data/scorers.py:exact"
 def graded(batch: str, i: int, right: bool) -> Trajectory:
     gt = str(1000 + i)
     return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
+
+
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
+
+
+async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
+    """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.push_many(samples)
+
+
+async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
+    """(uid, index) of every sample in the producer's stream, in order."""
+    client = connect(redis_url)
+    try:
+        entries = await client.xrange(producer.keys.stream(0))
+    finally:
+        await client.aclose()
+    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
+
+
+async def named_connections(admin, name: str) -> int:
+    return sum(1 for c in await admin.client_list() if c.get("name") == name)
+
+
+async def settle_named(admin, name: str, want: int, within_s: float = 3.0) -> int:
+    """The count of connections named ``name`` once it reaches ``want`` (or the last seen)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        n = await named_connections(admin, name)
+        if n == want or loop.time() > deadline:
+            return n
+        await asyncio.sleep(0.05)
+
+
+def no_unclosed_transports() -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+        gc.collect()
+    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+# Conflicts and odd uids
 
 
 async def test_a_conflicting_push_is_refused_at_push_across_producers(redis_url, namespace, spawn_workers):
@@ -99,17 +144,6 @@ async def test_conflicts_between_default_and_custom_uids(redis_url, namespace):
             assert await client.xlen(a.keys.stream()) == 2
         finally:
             await client.aclose()
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
-async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
-    """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
-        await p.push_many(samples)
 
 
 async def test_a_custom_uid_with_a_unicode_digit_is_not_a_crash(redis_url, namespace) -> None:
@@ -186,16 +220,6 @@ async def test_partitions_two_odd_uids_retries_and_mixed_batches_score_each_samp
 
 
 # Bad samples and cancelled pushes
-
-
-async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
-    """(uid, index) of every sample in the producer's stream, in order."""
-    client = connect(redis_url)
-    try:
-        entries = await client.xrange(producer.keys.stream(0))
-    finally:
-        await client.aclose()
-    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
 
 
 async def test_a_push_many_with_a_bad_sample_queues_nothing_and_can_be_pushed_again(redis_url, namespace) -> None:
@@ -323,29 +347,6 @@ async def test_closing_a_producer_with_a_backlog_reading_in_flight_leaves_no_con
             assert [c["id"] for c in await admin.client_list()] == [mine]
         finally:
             await admin.aclose()
-
-
-async def named_connections(admin, name: str) -> int:
-    return sum(1 for c in await admin.client_list() if c.get("name") == name)
-
-
-async def settle_named(admin, name: str, want: int, within_s: float = 3.0) -> int:
-    """The count of connections named ``name`` once it reaches ``want`` (or the last seen)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        n = await named_connections(admin, name)
-        if n == want or loop.time() > deadline:
-            return n
-        await asyncio.sleep(0.05)
-
-
-def no_unclosed_transports() -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gc.collect()
-        gc.collect()
-    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 async def test_closing_the_producer_leaves_no_connection_of_its_lanes(redis_url, namespace, spawn_workers) -> None:

@@ -34,8 +34,6 @@ from stream_reward.wire.connection import connect
 
 pytestmark = pytest.mark.anyio
 
-# Cancels at every point
-
 
 def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
     """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
@@ -148,6 +146,60 @@ POINTS = [
     "as_result_lands",
     "result_before_verdict",
 ]
+
+
+async def _is_queued(redis_url: str, p: RolloutProducer, t: Trajectory) -> bool:
+    return (t.batch_id, t.uid, t.index) in await queued(redis_url, p.keys)
+
+
+def worker_score_call(url: str, ns: str, **cfg):
+    """An in-process worker_score_call scoring by identity (helpers.Timed: index + len(response)/1000)."""
+    return running_worker(url, ns, Timed(), **cfg)
+
+
+def waiters(listener) -> dict:
+    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
+    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
+
+
+def due(listener) -> int:
+    return sum(len(d) for d in listener._due.values())
+
+
+def clean(listener) -> None:
+    assert due(listener) == 0, listener._due
+    assert waiters(listener) == {}, waiters(listener)
+
+
+BAD = {  # a sample (index 1 of batch "e") that cannot be encoded, and what it raises
+    "too_large": ({"response": "x" * 10_000}, PayloadTooLargeError),
+    "not_msgpackable": ({"extra_info": {"o": object()}}, CodecError),
+    # Ids given as a one-shot iterable pass pack_ids (array() takes any iterable) and fail
+    # at len() when _entry reads traj.response_length: it must raise before it reserves the uid.
+    "ids_without_len": ({"response_ids": iter([1, 2, 3])}, TypeError),
+}
+
+
+async def _landed(redis_url: str, p: RolloutProducer, t: Trajectory) -> None:
+    """Until t's result is in its done stream (read directly: the listener must not keep it)."""
+    from stream_reward.wire.connection import connect
+
+    client = connect(redis_url)
+    done = p.keys.done(t.batch_id, p.keys.partition_of(t.uid, t.group), p.config.group)
+
+    async def there() -> bool:
+        return any(r.uid == t.uid for r in await done_results(client, done))
+
+    try:
+        await wait_until(there, 10, 0.02)
+    finally:
+        await client.aclose()
+
+
+SCORER = "python:tests/data/scorers.py:exact"
+
+
+# Cancels at every point
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -324,10 +376,6 @@ async def test_chaos_cancels_failures_refusals_and_results_keep_every_invariant(
             assert p._backlog >= 0
             del tasks, got
     assert heard == [], heard
-
-
-async def _is_queued(redis_url: str, p: RolloutProducer, t: Trajectory) -> bool:
-    return (t.batch_id, t.uid, t.index) in await queued(redis_url, p.keys)
 
 
 async def test_cancels_sprayed_over_many_loop_turns_leave_nothing_behind(redis_url, namespace) -> None:
@@ -629,34 +677,6 @@ async def test_a_broker_error_in_the_push_fails_score_and_the_sample_can_be_scor
         assert [i for _, _, i in await queued(redis_url, p.keys)] == [0]
 
 
-def worker_score_call(url: str, ns: str, **cfg):
-    """An in-process worker_score_call scoring by identity (helpers.Timed: index + len(response)/1000)."""
-    return running_worker(url, ns, Timed(), **cfg)
-
-
-def waiters(listener) -> dict:
-    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
-    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
-
-
-def due(listener) -> int:
-    return sum(len(d) for d in listener._due.values())
-
-
-def clean(listener) -> None:
-    assert due(listener) == 0, listener._due
-    assert waiters(listener) == {}, waiters(listener)
-
-
-BAD = {  # a sample (index 1 of batch "e") that cannot be encoded, and what it raises
-    "too_large": ({"response": "x" * 10_000}, PayloadTooLargeError),
-    "not_msgpackable": ({"extra_info": {"o": object()}}, CodecError),
-    # Ids given as a one-shot iterable pass pack_ids (array() takes any iterable) and fail
-    # at len() when _entry reads traj.response_length: it must raise before it reserves the uid.
-    "ids_without_len": ({"response_ids": iter([1, 2, 3])}, TypeError),
-}
-
-
 @pytest.mark.parametrize("path", ["score", "push_many"])
 @pytest.mark.parametrize("kind", list(BAD))
 async def test_a_sample_that_fails_to_encode_reserves_nothing_and_counts_nothing(
@@ -910,26 +930,7 @@ async def test_score_of_a_uid_whose_result_is_known_returns_it_at_once(redis_url
             clean(p2._listener)
 
 
-async def _landed(redis_url: str, p: RolloutProducer, t: Trajectory) -> None:
-    """Until t's result is in its done stream (read directly: the listener must not keep it)."""
-    from stream_reward.wire.connection import connect
-
-    client = connect(redis_url)
-    done = p.keys.done(t.batch_id, p.keys.partition_of(t.uid, t.group), p.config.group)
-
-    async def there() -> bool:
-        return any(r.uid == t.uid for r in await done_results(client, done))
-
-    try:
-        await wait_until(there, 10, 0.02)
-    finally:
-        await client.aclose()
-
-
 # No garbage left per sample
-
-
-SCORER = "python:tests/data/scorers.py:exact"
 
 
 async def test_finished_score_calls_leave_no_garbage_cycles(redis_url, namespace, spawn_workers) -> None:

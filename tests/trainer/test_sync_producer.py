@@ -26,6 +26,11 @@ def graded(batch: str, i: int, right: bool) -> Trajectory:
     return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
 
 
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
+
+
 def test_sync_producer_score_from_many_threads(redis_url, namespace, spawn_workers):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -38,11 +43,6 @@ def test_sync_producer_score_from_many_threads(redis_url, namespace, spawn_worke
     # Closing ends the listener's blocking read at once, not after its 30 s idle drop.
     assert time.monotonic() - closing < 5
     assert [r.score for r in results] == [1.0 if i % 2 == 0 else 0.0 for i in range(40)]
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 def test_sync_score_refusal_failure_timeouts_and_close_from_threads(redis_url, namespace) -> None:

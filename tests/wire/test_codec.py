@@ -52,6 +52,116 @@ def full_trajectory() -> Trajectory:
     )
 
 
+def _containers(children):
+    return st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
+    _containers,
+    max_leaves=10,
+)
+
+
+# A plain field-by-field decoder, kept as the reference for the one-expression check:
+# the fast check must accept exactly what it accepted, and name the same fault.
+_REFERENCE_FIELDS = _TRAJECTORY_FIELDS  # the field types the reference decoder checks
+
+
+def _reference_decode(obj: dict) -> Trajectory:
+    from stream_reward.errors import BadInputError
+
+    for key, value in obj.items():
+        spec = _REFERENCE_FIELDS.get(key)
+        if spec is not None and value is not None and type(value) not in spec[1]:
+            raise CodecError(
+                f"field {spec[0]!r} must be {' or '.join(t.__name__ for t in spec[1])}, got {type(value).__name__}"
+            )
+    for key in ("i", "u", "b", "ds"):
+        if obj.get(key) is None:
+            raise CodecError(f"missing field {_REFERENCE_FIELDS[key][0]!r}")
+    if type(obj.get("r")) is not str:
+        raise BadInputError(f"field 'response' must be a string, got {type(obj.get('r')).__name__}")
+    if obj["i"] < 0:
+        raise CodecError(f"field 'index' must be >= 0, got {obj['i']}")
+    vl = obj.get("vl")
+    if vl is not None and vl < 0:
+        raise CodecError(f"field 'valid_response_length' must be >= 0, got {vl}")
+    ids, rm = obj.get("ids"), obj.get("rm")
+    return Trajectory(
+        batch_id=obj["b"],
+        index=obj["i"],
+        data_source=obj["ds"],
+        response=obj["r"],
+        ground_truth=obj.get("gt"),
+        uid=obj["u"],
+        prompt=obj.get("p"),
+        response_ids=unpack_ids(ids) if ids is not None else None,
+        valid_response_length=vl,
+        max_response_length=obj.get("ml"),
+        extra_info=obj.get("x") or {},
+        group=obj.get("g"),
+        rm_score=float(rm) if rm is not None else None,
+    )
+
+
+_field_values = {
+    "u": st.none() | st.text(max_size=6) | st.integers(-2, 2) | st.booleans(),
+    "b": st.none() | st.text(max_size=6) | st.integers(-2, 2),
+    "i": st.none() | st.integers(-3, 3) | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=2),
+    "ds": st.none() | st.text(max_size=6) | st.integers(0, 2),
+    "r": st.none() | st.text(max_size=6) | st.integers(0, 2) | st.binary(max_size=4),
+    "gt": json_values,
+    "p": st.none() | st.text(max_size=6) | st.integers(0, 2),
+    "ids": st.none()
+    | st.binary(max_size=8).map(lambda b: b[: len(b) // 4 * 4])
+    | st.lists(st.integers(0, 9), max_size=3),
+    "vl": st.none() | st.integers(-3, 3) | st.booleans() | st.floats(allow_nan=False),
+    "ml": st.none() | st.integers(-3, 3) | st.booleans() | st.text(max_size=2),
+    "x": st.none()
+    | st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2)
+    | st.lists(st.integers(-5, 5), max_size=2),
+    "g": st.none() | st.text(max_size=4) | st.integers(0, 3),
+    "rm": st.none() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.booleans() | st.text(max_size=2),
+}
+
+
+_valid_values = {
+    "u": st.text(max_size=6),
+    "b": st.text(max_size=6),
+    "i": st.integers(0, 3),
+    "ds": st.text(max_size=6),
+    "r": st.text(max_size=6),
+    "gt": json_values,
+    "p": st.none() | st.text(max_size=6),
+    "ids": st.none() | st.binary(max_size=8).map(lambda b: b[: len(b) // 4 * 4]),
+    "vl": st.none() | st.integers(0, 3),
+    "ml": st.none() | st.integers(-3, 3),
+    "x": st.none() | st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2),
+    "g": st.none() | st.text(max_size=4),
+    "rm": st.none() | st.integers(-3, 3) | st.floats(allow_nan=False),
+}
+
+
+@st.composite
+def _payloads(draw: st.DrawFn) -> dict:
+    """A valid payload, then up to two fields given any value of the wide strategies
+    (None: dropped) and the keys in any order: mostly near the line between a sample
+    and a precise error."""
+    obj = {"v": SCHEMA_VERSION, **{k: draw(v) for k, v in _valid_values.items()}}
+    for key in draw(st.lists(st.sampled_from(sorted(_field_values)), max_size=2, unique=True)):
+        value = draw(_field_values[key])
+        if value is None and draw(st.booleans()):
+            del obj[key]
+        else:
+            obj[key] = value
+    return dict(draw(st.permutations(list(obj.items()))))
+
+
+def ok(batch: str, i: int, score: float, vl: int | None, extra: dict | None = None, uid: str = "") -> ScoreResult:
+    return ScoreResult(uid or f"{batch}/{i}", batch, i, score, "ok", extra or {}, valid_response_length=vl)
+
+
 def test_round_trip_keeps_every_field():
     traj = full_trajectory()
     assert decode_trajectory(encode_trajectory(traj)) == traj
@@ -161,17 +271,6 @@ def test_arbitrary_bytes_decode_or_raise_codec_error(data):
     assert isinstance(traj, Trajectory)
 
 
-def _containers(children):
-    return st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20),
-    _containers,
-    max_leaves=10,
-)
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     st.dictionaries(
@@ -185,101 +284,6 @@ def test_arbitrary_records_decode_or_raise_codec_error(obj):
         return
     assert isinstance(traj.index, int) and traj.index >= 0
     assert isinstance(traj.batch_id, str) and isinstance(traj.data_source, str)
-
-
-# A plain field-by-field decoder, kept as the reference for the one-expression check:
-# the fast check must accept exactly what it accepted, and name the same fault.
-_REFERENCE_FIELDS = _TRAJECTORY_FIELDS  # the field types the reference decoder checks
-
-
-def _reference_decode(obj: dict) -> Trajectory:
-    from stream_reward.errors import BadInputError
-
-    for key, value in obj.items():
-        spec = _REFERENCE_FIELDS.get(key)
-        if spec is not None and value is not None and type(value) not in spec[1]:
-            raise CodecError(
-                f"field {spec[0]!r} must be {' or '.join(t.__name__ for t in spec[1])}, got {type(value).__name__}"
-            )
-    for key in ("i", "u", "b", "ds"):
-        if obj.get(key) is None:
-            raise CodecError(f"missing field {_REFERENCE_FIELDS[key][0]!r}")
-    if type(obj.get("r")) is not str:
-        raise BadInputError(f"field 'response' must be a string, got {type(obj.get('r')).__name__}")
-    if obj["i"] < 0:
-        raise CodecError(f"field 'index' must be >= 0, got {obj['i']}")
-    vl = obj.get("vl")
-    if vl is not None and vl < 0:
-        raise CodecError(f"field 'valid_response_length' must be >= 0, got {vl}")
-    ids, rm = obj.get("ids"), obj.get("rm")
-    return Trajectory(
-        batch_id=obj["b"],
-        index=obj["i"],
-        data_source=obj["ds"],
-        response=obj["r"],
-        ground_truth=obj.get("gt"),
-        uid=obj["u"],
-        prompt=obj.get("p"),
-        response_ids=unpack_ids(ids) if ids is not None else None,
-        valid_response_length=vl,
-        max_response_length=obj.get("ml"),
-        extra_info=obj.get("x") or {},
-        group=obj.get("g"),
-        rm_score=float(rm) if rm is not None else None,
-    )
-
-
-_field_values = {
-    "u": st.none() | st.text(max_size=6) | st.integers(-2, 2) | st.booleans(),
-    "b": st.none() | st.text(max_size=6) | st.integers(-2, 2),
-    "i": st.none() | st.integers(-3, 3) | st.booleans() | st.floats(allow_nan=False) | st.text(max_size=2),
-    "ds": st.none() | st.text(max_size=6) | st.integers(0, 2),
-    "r": st.none() | st.text(max_size=6) | st.integers(0, 2) | st.binary(max_size=4),
-    "gt": json_values,
-    "p": st.none() | st.text(max_size=6) | st.integers(0, 2),
-    "ids": st.none()
-    | st.binary(max_size=8).map(lambda b: b[: len(b) // 4 * 4])
-    | st.lists(st.integers(0, 9), max_size=3),
-    "vl": st.none() | st.integers(-3, 3) | st.booleans() | st.floats(allow_nan=False),
-    "ml": st.none() | st.integers(-3, 3) | st.booleans() | st.text(max_size=2),
-    "x": st.none()
-    | st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2)
-    | st.lists(st.integers(-5, 5), max_size=2),
-    "g": st.none() | st.text(max_size=4) | st.integers(0, 3),
-    "rm": st.none() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.booleans() | st.text(max_size=2),
-}
-
-
-_valid_values = {
-    "u": st.text(max_size=6),
-    "b": st.text(max_size=6),
-    "i": st.integers(0, 3),
-    "ds": st.text(max_size=6),
-    "r": st.text(max_size=6),
-    "gt": json_values,
-    "p": st.none() | st.text(max_size=6),
-    "ids": st.none() | st.binary(max_size=8).map(lambda b: b[: len(b) // 4 * 4]),
-    "vl": st.none() | st.integers(0, 3),
-    "ml": st.none() | st.integers(-3, 3),
-    "x": st.none() | st.dictionaries(st.text(max_size=3), st.integers(-5, 5), max_size=2),
-    "g": st.none() | st.text(max_size=4),
-    "rm": st.none() | st.integers(-3, 3) | st.floats(allow_nan=False),
-}
-
-
-@st.composite
-def _payloads(draw: st.DrawFn) -> dict:
-    """A valid payload, then up to two fields given any value of the wide strategies
-    (None: dropped) and the keys in any order: mostly near the line between a sample
-    and a precise error."""
-    obj = {"v": SCHEMA_VERSION, **{k: draw(v) for k, v in _valid_values.items()}}
-    for key in draw(st.lists(st.sampled_from(sorted(_field_values)), max_size=2, unique=True)):
-        value = draw(_field_values[key])
-        if value is None and draw(st.booleans()):
-            del obj[key]
-        else:
-            obj[key] = value
-    return dict(draw(st.permutations(list(obj.items()))))
 
 
 @settings(max_examples=1500, deadline=None)
@@ -304,10 +308,6 @@ def test_every_record_carries_the_one_protocol_version() -> None:
     assert msgpack.unpackb(encode_result(ScoreResult("u", "b", 0, 1.0)))[0] == PROTOCOL_VERSION
     assert PROTOCOL_VERSION >= 2  # bumped when results became positional arrays
     assert codec.SCHEMA_VERSION == PROTOCOL_VERSION
-
-
-def ok(batch: str, i: int, score: float, vl: int | None, extra: dict | None = None, uid: str = "") -> ScoreResult:
-    return ScoreResult(uid or f"{batch}/{i}", batch, i, score, "ok", extra or {}, valid_response_length=vl)
 
 
 def test_codec_rows_round_trip_and_fail_their_own_sample() -> None:

@@ -36,12 +36,36 @@ from stream_reward.wire.packed import pack_command
 
 pytestmark = pytest.mark.anyio
 
-# Against a real server
-
 
 async def lane_client_id(lane: Lane) -> int:
     (cid,) = await lane.call([pack_command("CLIENT", "ID")])
     return int(cid)
+
+
+async def named_connections(admin, name: str) -> int:
+    return sum(1 for c in await admin.client_list() if c.get("name") == name)
+
+
+async def settle_named(admin, name: str, want: int, within_s: float = 3.0) -> int:
+    """The count of connections named ``name`` once it reaches ``want`` (or the last seen)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        n = await named_connections(admin, name)
+        if n == want or loop.time() > deadline:
+            return n
+        await asyncio.sleep(0.05)
+
+
+def no_unclosed_transports() -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+        gc.collect()
+    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+# Against a real server
 
 
 async def test_concurrent_calls_each_get_their_own_replies(redis_url) -> None:
@@ -218,30 +242,6 @@ async def test_a_peer_that_breaks_the_protocol_fails_the_call_and_the_next_call_
 # Adversarial callers, connects and peers
 
 
-async def named_connections(admin, name: str) -> int:
-    return sum(1 for c in await admin.client_list() if c.get("name") == name)
-
-
-async def settle_named(admin, name: str, want: int, within_s: float = 3.0) -> int:
-    """The count of connections named ``name`` once it reaches ``want`` (or the last seen)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        n = await named_connections(admin, name)
-        if n == want or loop.time() > deadline:
-            return n
-        await asyncio.sleep(0.05)
-
-
-def no_unclosed_transports() -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gc.collect()
-        gc.collect()
-    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
-
-
-# ------------------------------------------------------------------ the lane alone
 async def test_a_storm_of_callers_with_random_cancels_errors_and_multi_mb_replies(redis_url, namespace) -> None:
     """400 callers start before the lane is connected; a quarter are cancelled at random
     moments (before their write, while connecting, mid-reply of a multi-MB value). Every
@@ -515,7 +515,6 @@ async def test_a_peer_closing_mid_reply_fails_the_call_and_a_split_reply_is_asse
         await server.wait_closed()
 
 
-# ------------------------------------------------------------------ what for_client refuses
 async def test_for_client_refuses_a_credential_provider_and_foreign_connection_classes(redis_url) -> None:
     from redis.asyncio.connection import Connection, ConnectionPool
 

@@ -36,6 +36,12 @@ async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tupl
     return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
 
 
+async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
+    """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.push_many(samples)
+
+
 async def test_a_call_with_something_already_there_takes_the_slow_path_and_queues_only_the_fresh(
     redis_url, namespace
 ) -> None:
@@ -58,12 +64,6 @@ async def test_the_same_index_twice_in_one_call_is_refused_once(redis_url, names
         with pytest.raises(PushConflictError, match="index 3"):
             await producer.push_many([traj("b", 3), traj("b", 4), traj("b", 3, uid="custom-3")])
         assert await stream_samples(redis_url, producer) == [("b/3", 3), ("b/4", 4)]
-
-
-async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
-    """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
-        await p.push_many(samples)
 
 
 async def test_a_retried_push_of_a_large_index_under_its_default_uid_is_a_no_op(redis_url, namespace) -> None:
