@@ -1,5 +1,6 @@
-"""Entries that hold several samples (wire/entries.py): a garbled sample fails alone, and an
-entry whose headers are lost is split by its payloads.
+"""Entries that hold several samples (wire/entries.py), as a worker reads them: a garbled
+sample fails alone, and what a dead letter keeps is that sample's own entry; an entry whose
+headers are lost is split by its payloads.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ async def test_a_garbled_sample_in_an_entry_of_three_fails_alone(redis_url, name
 @pytest.mark.parametrize("header", [b"\xc1garbled", None])
 async def test_an_entry_of_three_whose_headers_are_lost_is_split_by_its_payloads(redis_url, namespace, header) -> None:
     """The headers of an entry of three are garbled (or missing) but its payloads are whole:
-    each sample's payload names its batch, index and uid. It was read as one sample, failed
-    to decode (three payloads back to back) and was dead-lettered whole, with no result for
-    any of the three: the batch waited for its deadline."""
+    each sample's payload names its batch, index and uid, so each is scored. Read as one
+    sample it would fail to decode (three payloads back to back) and be dead-lettered whole,
+    with no result for any of the three: the batch would wait for its deadline."""
     fields = {"d": b"".join(encode_trajectory(gsm(i)) for i in range(3))}
     if header is not None:
         fields["h"] = header
