@@ -34,6 +34,7 @@ from helpers import (
 )
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+from trainer_support import clean, expected, graded, outcome, settle, traj, worker
 
 import stream_reward.trainer.flush as flush_module
 from stream_reward import ProducerConfig, RolloutProducer, SyncRolloutProducer, Trajectory
@@ -95,51 +96,6 @@ async def _read_again(producer: RolloutProducer) -> int:
 def cluster() -> Iterator[LocalCluster]:
     with LocalCluster(masters=3) as local:
         yield local
-
-
-def graded(batch: str, i: int, right: bool) -> Trajectory:
-    gt = str(1000 + i)
-    return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
-def expected(t: Trajectory) -> float:
-    return t.index + len(t.response) / 1000
-
-
-def worker(url: str, ns: str, **cfg):
-    """An in-process worker scoring by identity (helpers.Timed: index + len(response)/1000)."""
-    return running_worker(url, ns, Timed(), **cfg)
-
-
-def waiters(listener) -> dict:
-    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
-    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
-
-
-def due(listener) -> int:
-    return sum(len(d) for d in listener._due.values())
-
-
-def clean(listener) -> None:
-    assert due(listener) == 0, listener._due
-    assert waiters(listener) == {}, waiters(listener)
-
-
-async def outcome(aw) -> object:
-    try:
-        return await aw
-    except BaseException as exc:  # noqa: BLE001
-        return exc
-
-
-async def settle(aws, timeout_s: float = 10) -> list:
-    """Each awaitable's result or exception (all of them within ``timeout_s``)."""
-    return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), timeout_s)
 
 
 async def _zero(count) -> bool:

@@ -10,41 +10,20 @@ again, found as a duplicate), a server answering LOADING, a server that lost its
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
-from helpers import CutProxy, queued, samples_of
+from helpers import CutProxy, queued
 from redis.asyncio import Redis
+from trainer_support import lane_client_id, stream_samples, traj
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
 from stream_reward.errors import BrokerError, PushConflictError
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
-from stream_reward.wire.lane import Lane
 from stream_reward.wire.packed import pack_command
 
 pytestmark = pytest.mark.anyio
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
-async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
-    """(uid, index) of every sample in the producer's stream, in order."""
-    client = connect(redis_url)
-    try:
-        entries = await client.xrange(producer.keys.stream(0))
-    finally:
-        await client.aclose()
-    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
-
-
-async def lane_client_id(lane: Lane) -> int:
-    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
-    return int(cid)
 
 
 async def test_a_push_after_the_server_lost_its_scripts_loads_them_again(redis_url, namespace) -> None:

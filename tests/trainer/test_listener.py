@@ -18,31 +18,24 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any
 
 import msgpack
 import pytest
-from helpers import CutProxy, Timed, queued, running_worker, wait_until
+from helpers import CutProxy, queued, wait_until
 from redis.exceptions import ResponseError
+from trainer_support import clean, due, expected, graded, lane_client_id, outcome, settle, traj, waiters, worker
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, Trajectory
 from stream_reward.errors import ResultTimeoutError
 from stream_reward.trainer import listener as listener_mod
 from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
-from stream_reward.wire.lane import Lane
 from stream_reward.wire.ledger import DONE_FIELD, LedgerItem, LedgerWriter
-from stream_reward.wire.packed import pack_command
 
 pytestmark = pytest.mark.anyio
 
 
 SCORER = "python:tests/data/scorers.py:exact"
-
-
-def graded(batch: str, i: int, right: bool) -> Trajectory:
-    gt = str(1000 + i)
-    return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
 
 
 async def xread_calls(redis_url: str) -> int:
@@ -54,48 +47,8 @@ async def xread_calls(redis_url: str) -> int:
     return int(stats.get("cmdstat_xread", {}).get("calls", 0))
 
 
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
-def expected(t: Trajectory) -> float:
-    return t.index + len(t.response) / 1000
-
-
-def worker(url: str, ns: str, **cfg):
-    """An in-process worker scoring by identity (helpers.Timed: index + len(response)/1000)."""
-    return running_worker(url, ns, Timed(), **cfg)
-
-
-def waiters(listener) -> dict:
-    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
-    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
-
-
 def waiting_on(listener, uid: str) -> int:
     return sum(len(fs) for (_, u), fs in waiters(listener).items() if u == uid)
-
-
-def due(listener) -> int:
-    return sum(len(d) for d in listener._due.values())
-
-
-def clean(listener) -> None:
-    assert due(listener) == 0, listener._due
-    assert waiters(listener) == {}, waiters(listener)
-
-
-async def outcome(aw) -> object:
-    try:
-        return await aw
-    except BaseException as exc:  # noqa: BLE001
-        return exc
-
-
-async def settle(aws, timeout_s: float = 10) -> list:
-    """Each awaitable's result or exception (all of them within ``timeout_s``)."""
-    return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), timeout_s)
 
 
 async def _queued(redis_url: str, p: RolloutProducer, t: Trajectory) -> bool:
@@ -144,11 +97,6 @@ def garbage_row(batch: str, i: int, **over: object) -> bytes:
     for k, v in over.items():
         row[{"score": 4, "extra": 8, "attempts": 6}[k]] = v
     return msgpack.packb(row, use_bin_type=True)
-
-
-async def lane_client_id(lane: Lane) -> int:
-    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
-    return int(cid)
 
 
 # Waiters and their results

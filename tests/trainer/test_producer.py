@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import warnings
-from typing import Any
 
 import pytest
-from helpers import queued, samples_of
+from helpers import queued
+from trainer_support import graded, stream_samples, traj
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.errors import BrokerError, PayloadTooLargeError, PushConflictError
@@ -33,30 +33,10 @@ pytestmark = pytest.mark.anyio
 SCORER = "python:tests/data/scorers.py:exact"
 
 
-def graded(batch: str, i: int, right: bool) -> Trajectory:
-    gt = str(1000 + i)
-    return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
 async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
     """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
         await p.push_many(samples)
-
-
-async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
-    """(uid, index) of every sample in the producer's stream, in order."""
-    client = connect(redis_url)
-    try:
-        entries = await client.xrange(producer.keys.stream(0))
-    finally:
-        await client.aclose()
-    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
 
 
 async def named_connections(admin, name: str) -> int:

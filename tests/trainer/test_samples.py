@@ -14,10 +14,10 @@ import contextlib
 import gc
 import math
 import time
-from typing import Any
 
 import pytest
 from helpers import Timed, done_results, no_waiters, queued, running_worker, wait_until
+from trainer_support import clean, expected, outcome, traj
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, Trajectory
 from stream_reward.errors import (
@@ -35,11 +35,6 @@ from stream_reward.wire.connection import connect
 pytestmark = pytest.mark.anyio
 
 
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
 class Ident:
     """Scores a sample by its identity (index + len(response)/1000): a wrong result shows."""
 
@@ -50,10 +45,6 @@ class Ident:
         if self.delay:
             await asyncio.sleep(self.delay)
         return Scored(t.index + len(t.response) / 1000)
-
-
-def expected(t: Trajectory) -> float:
-    return t.index + len(t.response) / 1000
 
 
 def worker(redis_url: str, namespace: str, delay: float = 0.0, **cfg):
@@ -113,13 +104,6 @@ class Gate:
         self.p._coalescer, self.p._flush = None, self.real  # type: ignore[method-assign]
 
 
-async def outcome(aw) -> object:
-    try:
-        return await aw
-    except BaseException as exc:  # noqa: BLE001
-        return exc
-
-
 async def uid_invariant(redis_url: str, p: RolloutProducer, t: Trajectory) -> str:
     """After a cancelled score(t): its uid is reserved only if t is queued; a free uid can be
     scored again (the worker must be running) and returns t's result. Returns which case."""
@@ -155,20 +139,6 @@ async def _is_queued(redis_url: str, p: RolloutProducer, t: Trajectory) -> bool:
 def worker_score_call(url: str, ns: str, **cfg):
     """An in-process worker_score_call scoring by identity (helpers.Timed: index + len(response)/1000)."""
     return running_worker(url, ns, Timed(), **cfg)
-
-
-def waiters(listener) -> dict:
-    streams = [(name, f) for r in listener._readers.values() for name, f in r.streams.items()]
-    return {(name, u): list(fs) for name, f in streams for u, fs in f.waiters.items()}
-
-
-def due(listener) -> int:
-    return sum(len(d) for d in listener._due.values())
-
-
-def clean(listener) -> None:
-    assert due(listener) == 0, listener._due
-    assert waiters(listener) == {}, waiters(listener)
 
 
 BAD = {  # a sample (index 1 of batch "e") that cannot be encoded, and what it raises

@@ -8,27 +8,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
 
 import pytest
+from trainer_support import graded, traj
 
-from stream_reward import ProducerConfig, SyncRolloutProducer, Trajectory
+from stream_reward import ProducerConfig, SyncRolloutProducer
 from stream_reward.errors import BrokerError, PushConflictError, ResultTimeoutError
 
 pytestmark = pytest.mark.anyio
 
 
 SCORER = "python:tests/data/scorers.py:exact"
-
-
-def graded(batch: str, i: int, right: bool) -> Trajectory:
-    gt = str(1000 + i)
-    return Trajectory(batch, i, "test/exact", response=gt if right else gt + "0", ground_truth=gt, group=f"g{i // 4}")
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 def test_sync_producer_score_from_many_threads(redis_url, namespace, spawn_workers):
