@@ -127,7 +127,7 @@ async def test_conflicts_between_default_and_custom_uids(redis_url, namespace):
 
 
 async def test_a_custom_uid_with_a_unicode_digit_is_not_a_crash(redis_url, namespace) -> None:
-    """``"b/²".isdigit()`` is True but ``int("²")`` raises: _default_index in producer.py."""
+    """``"b/²".isdigit()`` is True but ``int("²")`` raises: _default_index in samples.py."""
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
         await p.open_batch("b", 4, 8)
         await p.push(traj("b", 1, uid="b/²"))  # observed: raw ValueError
