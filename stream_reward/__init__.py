@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from stream_reward.errors import StreamRewardError
     from stream_reward.scoring.scorer import Scored
     from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
-    from stream_reward.trainer.producer import RolloutProducer, SyncRolloutProducer
+    from stream_reward.trainer.producer import RolloutProducer
+    from stream_reward.trainer.sync_producer import SyncRolloutProducer
     from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = [
@@ -41,7 +42,7 @@ _HOMES = {
     "Trajectory": "stream_reward.wire.trajectory",
     "ScoreResult": "stream_reward.wire.trajectory",
     "RolloutProducer": "stream_reward.trainer.producer",
-    "SyncRolloutProducer": "stream_reward.trainer.producer",
+    "SyncRolloutProducer": "stream_reward.trainer.sync_producer",
     "RewardAggregator": "stream_reward.trainer.aggregator",
     "BatchRewards": "stream_reward.trainer.aggregator",
     "BatchPolicy": "stream_reward.config",

@@ -1,7 +1,7 @@
 """The batch meta record: what ``open_batch`` declares and everyone else reads.
 
 Written once by the producer (a hash under ``Keys.batch_meta``, created atomically
-with the batch, see ``trainer/producer.py``), stamped ``collected`` by the first
+with the batch, see ``trainer/batches.py``), stamped ``collected`` by the first
 collect, and read by the aggregator, the result listener's callers and ``status``.
 This module is the one place that knows its fields.
 """

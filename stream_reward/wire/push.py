@@ -29,7 +29,7 @@ slow path, sample by sample, from a msgpack list of the rows, and queues each
 fresh sample as an entry of its own (cut out of its prepared entry); the answer
 is the list of verdicts, then that number. The number is the stream's count of
 samples queued, once the call's are: it places the call before or after a
-backlog reading of the same count (trainer/producer.py: _place). Below 0 (-1 less
+backlog reading of the same count (trainer/backlog.py: _place). Below 0 (-1 less
 the count) when the call found the count missing and started it again: a count
 on a new base, which cannot be compared with a reading's.
 
@@ -134,7 +134,7 @@ end
 local sizes = plan[3]
 -- Each entry is stamped 'n' with the samples queued on its stream before it: the samples
 -- a group has not been delivered are then the pushed count less the first undelivered
--- entry's stamp (trainer/producer.py: backlog). As a decimal string, like indices.
+-- entry's stamp (trainer/backlog.py). As a decimal string, like indices.
 local queued = queued_before()
 
 -- The fast path: nothing of the call is in its batches yet.

@@ -1,20 +1,15 @@
-"""Attacks on the coalescer's delay (fde2fb1): it waits up to ``max_delay_s`` for more
-submissions only while they come faster than the delay. What must still hold:
+"""The coalescer (trainer/coalescer.py) gathers concurrent submissions into one flush.
 
-1. nothing is lost or sent twice, and every caller gets exactly its own verdicts (in
-   order), whatever the interleaving of submissions, cancellations, failing or slow
-   flushes, ``max_entries`` boundaries and ``max_in_flight``;
-2. the delay is bounded: no submission waits more than ``max_delay_s`` beyond when it
-   could be sent, even under a steady stream that never goes quiet;
-3. a lone submission after a quiet spell (and the first ever) is not delayed;
-4. the runner ends and restarts consistently, submissions made from a verdict callback
-   or a done-callback are sent, ``aclose()`` waits for everything, and cancelling the
-   runner (the producer closing) ends every caller without hanging;
-5. ``_count`` returns to 0 and ``_pending`` is empty afterwards.
-
-A pure protocol test: the flush is a recording coroutine, not Redis. Timing checks use
-delays of 0.3-0.4 s and a slack of 0.2 s (this VM is slow and noisy); the randomized
-interleavings use fixed seeds and a short delay (they check correctness, not time).
+It promises: nothing is lost or sent twice, and every caller gets exactly its own
+verdicts, in order, whatever the interleaving of submissions, cancels, failing or slow
+flushes, ``max_entries`` and ``max_in_flight``; it waits up to ``max_delay_s`` for more
+only while submissions come faster than the delay, so a push after a quiet spell is
+never held back; closing it or cancelling its runner ends every caller; a ``Verdict``
+handed over by callback ends every wait however it ends. The flush here is a recording
+coroutine, not Redis: the pushes that go through Redis are in test_producer.py and
+test_samples.py. Timing checks use delays of 0.3-0.4 s and a slack of 0.2 s (a loaded
+machine is slow and noisy); the randomized interleavings use fixed seeds and a short
+delay (they check correctness, not time).
 """
 
 from __future__ import annotations
@@ -27,11 +22,38 @@ from typing import Any
 
 import pytest
 
+from stream_reward import ProducerConfig
 from stream_reward.trainer.coalescer import Coalescer, Verdict
 
 pytestmark = pytest.mark.anyio
 
-DELAY_S = 0.4
+
+DELAY_S = 0.4  # long against this VM's loop turns (under 10 ms even with the suite running)
+
+
+class Recorder:
+    """A flush that records what it got and when, and answers each entry with itself."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.sent_at: list[float] = []
+
+    async def __call__(self, entries: list[int]) -> list[int]:
+        self.batches.append(list(entries))
+        self.sent_at.append(time.monotonic())
+        await asyncio.sleep(0)
+        return list(entries)
+
+
+async def just_flushed(**options: Any) -> tuple[Recorder, Coalescer[int, int]]:
+    """A coalescer (delay DELAY_S) whose first push, [0], has just been flushed: the
+    pushes a test makes next come less than the delay after it."""
+    flush = Recorder()
+    coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S, **options)
+    assert await coalescer.submit([0]) == [0]
+    return flush, coalescer
+
+
 SLACK_S = 0.2  # scheduling slack on this VM (loop turns are under 10 ms, GC and neighbours not)
 
 
@@ -95,6 +117,23 @@ class Flush:
         return peak
 
 
+def assert_drained(coalescer: Coalescer[Any, Any]) -> None:
+    assert coalescer._count == 0, f"_count leaked: {coalescer._count} with nothing pending"
+    assert not coalescer._pending, f"_pending not empty: {list(coalescer._pending)}"
+    assert coalescer._runner is None or coalescer._runner.done()
+    assert not coalescer._flushes
+
+
+def _could_send_at(flush: Flush, at: float, max_in_flight: int) -> float:
+    """The first moment at or after ``at`` with fewer than max_in_flight flushes in flight."""
+    t = at
+    while True:
+        busy = [e for s, e in zip(flush.started, flush.ended) if s <= t and (e is None or e > t)]
+        if len(busy) < max_in_flight:
+            return t
+        t = min(e if e is not None else float("inf") for e in busy)
+
+
 def record_order(coalescer: Coalescer[Any, Any]) -> list[list[Any]]:
     """Record the entries lists in the order they reach submit_nowait (submit() goes
     through it too: the instance attribute shadows the method)."""
@@ -109,13 +148,6 @@ def record_order(coalescer: Coalescer[Any, Any]) -> list[list[Any]]:
     return order
 
 
-def assert_drained(coalescer: Coalescer[Any, Any]) -> None:
-    assert coalescer._count == 0, f"_count leaked: {coalescer._count} with nothing pending"
-    assert not coalescer._pending, f"_pending not empty: {list(coalescer._pending)}"
-    assert coalescer._runner is None or coalescer._runner.done()
-    assert not coalescer._flushes
-
-
 def in_pending(coalescer: Coalescer[Any, Any], entries: list[Any]) -> bool:
     return any(e is entries for e, _ in coalescer._pending)
 
@@ -128,10 +160,6 @@ async def settle(coalescer: Coalescer[Any, Any], timeout: float = 5.0) -> None:
         if not coalescer._pending and (runner is None or runner.done()) and not coalescer._flushes:
             return
         await asyncio.sleep(0.01)
-
-
-# ======================================================================================
-# 1. Nothing lost, nothing sent twice, every caller its own verdicts: random interleavings
 
 
 @dataclass(eq=False)
@@ -284,6 +312,311 @@ async def random_scenario(
     assert_drained(co)
 
 
+async def _until(cond: Any) -> None:
+    while not cond():
+        await asyncio.sleep(0.005)
+
+
+class Resubmit(Verdict[Any]):
+    """A Verdict whose settling submits again (``left`` more times), from the flush's task."""
+
+    def __init__(
+        self, co: Coalescer[Any, Any], tag: str, left: int, log: list[Resubmit], on_cancel: bool = False
+    ) -> None:
+        super().__init__(lambda _: None, None)
+        self.co, self.tag, self.left, self.log, self.on_cancel = co, tag, left, log, on_cancel
+        log.append(self)
+
+    def _settled(self) -> None:
+        if self.left > 0 and (self._state == 1 or self.on_cancel):
+            nxt = Resubmit(self.co, f"{self.tag}+", self.left - 1, self.log, self.on_cancel)
+            self.co.submit_nowait([nxt.tag], nxt)
+
+
+async def _runner_cancel_setup(moment: str) -> tuple[Coalescer[str, Any], Flush, dict[str, Any]]:
+    """Callers of every kind in every state, then the runner cancelled: ``moment`` is
+    "delay" (the runner waits out the delay) or "gated" (it waits for a flush slot)."""
+    flush = Flush(hold=lambda n: 3.0 if n == 0 else 0.0)
+    co: Coalescer[str, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=1, max_entries=100)
+    calls: list[int] = []
+    slots: dict[str, Any] = {}
+    slots["t-inflight"] = asyncio.ensure_future(co.submit(["t-inflight"]))
+    await asyncio.sleep(0)
+    slots["v-inflight"] = co.submit_nowait(["v-inflight"], Verdict(lambda c: c.append(1), calls))
+    await asyncio.wait_for(_until(lambda: bool(flush.batches)), 3)  # flush 0 holds 3 s
+    await asyncio.sleep(0.05)
+    slots["t-wait"] = asyncio.ensure_future(co.submit(["t-wait"]))
+    slots["f-wait"] = co.submit_nowait(["f-wait"])
+    slots["v-wait"] = co.submit_nowait(["v-wait"], Verdict(lambda c: c.append(1), calls))
+    await asyncio.sleep(0.1 if moment == "delay" else DELAY_S + 0.2)
+    slots["f-late"] = co.submit_nowait(["f-late"])
+    await asyncio.sleep(0)
+    slots["calls"] = calls
+    assert co._runner is not None and not co._runner.done()
+    co._runner.cancel()
+    return co, flush, slots
+
+
+# The delay: who waits, and for how long
+
+
+async def test_a_lone_push_is_sent_at_once_not_after_the_delay() -> None:
+    flush = Recorder()
+    coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S)
+    t0 = time.monotonic()
+    assert await coalescer.submit([1]) == [1]
+    assert time.monotonic() - t0 < DELAY_S / 4
+    # Quiet again once a delay has passed since the last push: the next one is not held either.
+    await asyncio.sleep(DELAY_S * 1.1)
+    t1 = time.monotonic()
+    assert await coalescer.submit([2]) == [2]
+    assert time.monotonic() - t1 < DELAY_S / 4
+    assert flush.batches == [[1], [2]]
+
+
+async def test_pushes_that_come_within_the_delay_of_the_one_before_wait_and_go_together() -> None:
+    flush, coalescer = await just_flushed()  # [0] went at once: nothing came before it
+    # Three more, each from a later loop turn than the one before and within the delay of
+    # it: pushes are coming faster than the delay, so they wait and share one flush.
+    calls = []
+    for i in (1, 2, 3):
+        calls.append(asyncio.ensure_future(coalescer.submit([i])))
+        await asyncio.sleep(0.01)
+    assert await asyncio.gather(*calls) == [[1], [2], [3]]
+    assert flush.batches == [[0], [1, 2, 3]]
+    # Held for the delay at most (not the delay again for each one that joined).
+    assert flush.sent_at[1] - flush.sent_at[0] < DELAY_S * 1.5
+
+
+async def test_without_a_delay_the_same_pushes_go_one_flush_each() -> None:
+    """The control for the test above: what the delay changes."""
+    flush = Recorder()
+    coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=0.0)
+    await coalescer.submit([0])
+    calls = []
+    for i in (1, 2, 3):
+        calls.append(asyncio.ensure_future(coalescer.submit([i])))
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*calls)
+    assert flush.batches == [[0], [1], [2], [3]]
+
+
+async def test_a_full_group_does_not_wait_out_the_delay() -> None:
+    flush, coalescer = await just_flushed(max_entries=4)
+    t0 = time.monotonic()
+    first = asyncio.ensure_future(coalescer.submit([1]))
+    await asyncio.sleep(0.01)  # the runner is waiting for more now
+    rest = [asyncio.ensure_future(coalescer.submit([i])) for i in (2, 3, 4)]
+    assert await asyncio.gather(first, *rest) == [[1], [2], [3], [4]]
+    assert time.monotonic() - t0 < DELAY_S / 2
+    assert flush.batches == [[0], [1, 2, 3, 4]]
+
+
+async def test_a_push_cancelled_while_it_waits_out_the_delay_is_not_sent() -> None:
+    flush, coalescer = await just_flushed()
+    gone = asyncio.ensure_future(coalescer.submit([1]))
+    await asyncio.sleep(0.01)
+    kept = asyncio.ensure_future(coalescer.submit([2]))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    assert await kept == [2]
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert flush.batches == [[0], [2]]
+    await coalescer.aclose()
+
+
+async def test_closing_while_pushes_wait_out_the_delay_cancels_them() -> None:
+    """The producer's close cancels the runner: whoever waits hears it, nothing hangs."""
+    flush, coalescer = await just_flushed()
+    waiting = asyncio.ensure_future(coalescer.submit([1]))
+    await asyncio.sleep(0.01)
+    assert coalescer._runner is not None
+    coalescer._runner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting, 5)
+    assert flush.batches == [[0]]
+
+
+def test_the_producer_default_delay_is_one_millisecond() -> None:
+    """The default the measurements in benchmarks/README.md chose."""
+    assert ProducerConfig().coalesce_delay_s == 0.001
+
+
+async def test_a_submission_larger_than_max_entries_goes_alone_whole_and_at_once() -> None:
+    flush = Flush()
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
+    await co.submit([0])
+    small = asyncio.ensure_future(co.submit([1, 2]))
+    await asyncio.sleep(0.05)  # small is waiting out the delay
+    t0 = time.monotonic()
+    big = asyncio.ensure_future(co.submit(list(range(10, 19))))  # 9 > max_entries 4
+    await asyncio.sleep(0.05)
+    after = asyncio.ensure_future(co.submit([20]))
+    assert await asyncio.wait_for(small, 3) == [("ok", 1), ("ok", 2)]
+    assert await asyncio.wait_for(big, 3) == [("ok", e) for e in range(10, 19)]
+    assert flush.sent_at(10) - t0 < SLACK_S, "a full group waited out the delay"
+    assert await asyncio.wait_for(after, 3) == [("ok", 20)]
+    assert flush.batches[:3] == [[0], [1, 2], list(range(10, 19))]
+    assert flush.batches[3] == [20]
+    await co.aclose()
+    assert_drained(co)
+
+
+async def test_exactly_max_entries_in_one_submission_goes_at_once_even_when_pushes_come_fast() -> None:
+    flush = Flush()
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
+    await co.submit([0])
+    t0 = time.monotonic()
+    assert await co.submit([1, 2, 3, 4]) == [("ok", e) for e in (1, 2, 3, 4)]  # 1 ms after the one before
+    assert time.monotonic() - t0 < SLACK_S
+    # Next: one entry within the delay of the full group still waits, and gathers what comes.
+    first = asyncio.ensure_future(co.submit([5]))
+    await asyncio.sleep(0.1)
+    second = asyncio.ensure_future(co.submit([6]))
+    assert await asyncio.gather(first, second) == [[("ok", 5)], [("ok", 6)]]
+    assert flush.batches == [[0], [1, 2, 3, 4], [5, 6]]
+    await co.aclose()
+    assert_drained(co)
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+async def test_the_count_crossing_max_entries_during_the_wait_ends_it(max_in_flight: int) -> None:
+    flush = Flush()
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=5, max_in_flight=max_in_flight)
+    await co.submit([0])
+    a = asyncio.ensure_future(co.submit([1, 2, 3]))
+    await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    b = asyncio.ensure_future(co.submit([4, 5, 6]))  # 6 pending > 5
+    assert await asyncio.wait_for(asyncio.gather(a, b), 3) == [
+        [("ok", e) for e in (1, 2, 3)],
+        [("ok", e) for e in (4, 5, 6)],
+    ]
+    assert flush.sent_at(4) - t0 < SLACK_S, "the rest after a full group waited out the delay"
+    assert flush.batches == [[0], [1, 2, 3], [4, 5, 6]]
+    await co.aclose()
+    assert_drained(co)
+
+
+async def test_a_steady_stream_faster_than_the_delay_does_not_starve_anyone() -> None:
+    """Submissions every delay/4 for 2.4 s: each goes within the delay (+ slack) of its
+    submission, the stream is still gathered (fewer flushes than submissions)."""
+    flush = Flush()
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=1000)
+    calls = []
+    submitted_at = []
+    for i in range(24):
+        submitted_at.append(time.monotonic())
+        calls.append(asyncio.ensure_future(co.submit([i])))
+        await asyncio.sleep(DELAY_S / 4)
+        if i == 7:
+            # The first of the stream (submitted at 0.1 s, after the lone first one) must be out by 0.8 s.
+            assert 1 in [e for b in flush.batches for e in b], f"starved: batches {flush.batches}"
+    assert await asyncio.wait_for(asyncio.gather(*calls), 5) == [[("ok", i)] for i in range(24)]
+    late = [(i, round(flush.sent_at(i) - submitted_at[i], 3)) for i in range(24)]
+    assert all(d <= DELAY_S + SLACK_S for _, d in late), f"held beyond the delay: {late}"
+    assert late[0][1] < SLACK_S, "the first ever submission was delayed"
+    assert len(flush.batches) < 24 / 2, f"the stream was not gathered: {flush.batches}"
+    await co.aclose()
+    assert_drained(co)
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+async def test_with_slow_flushes_nobody_waits_the_delay_beyond_a_free_flush_slot(max_in_flight: int) -> None:
+    flush = Flush(hold=lambda n: 0.3)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=0.3, max_entries=1000, max_in_flight=max_in_flight)
+    rng = random.Random(5)
+    calls = []
+    submitted_at = []
+    for i in range(15):
+        submitted_at.append(time.monotonic())
+        calls.append(asyncio.ensure_future(co.submit([i])))
+        await asyncio.sleep(rng.choice([0.0, 0.02, 0.07, 0.15, 0.4]))
+    assert await asyncio.wait_for(asyncio.gather(*calls), 20) == [[("ok", i)] for i in range(15)]
+    late = []
+    for i in range(15):
+        free = _could_send_at(flush, submitted_at[i], max_in_flight)
+        sent = flush.sent_at(i)
+        if sent - free > 0.3 + SLACK_S:
+            late.append((i, round(sent - submitted_at[i], 3), round(sent - free, 3)))
+    assert not late, f"(entry, after submit, after a free slot) held beyond the delay: {late}"
+    assert flush.max_concurrency() <= max_in_flight
+    await co.aclose()
+    assert_drained(co)
+
+
+async def test_the_first_ever_submission_is_not_delayed() -> None:
+    flush = Flush()
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
+    t0 = time.monotonic()
+    assert await co.submit([1]) == [("ok", 1)]
+    assert time.monotonic() - t0 < SLACK_S
+    v_calls: list[int] = []
+    co2: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
+    t0 = time.monotonic()
+    v = co2.submit_nowait([2], Verdict(lambda c: c.append(1), v_calls))
+    await asyncio.wait_for(v.wait(), 3)
+    assert time.monotonic() - t0 < SLACK_S and v.result() == [("ok", 2)] and v_calls == [1]
+
+
+async def test_a_lone_submission_after_a_quiet_spell_is_not_delayed_whatever_came_before() -> None:
+    flush = Flush()
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=2)
+    # After a stream that made the runner wait.
+    calls = [asyncio.ensure_future(co.submit([0]))]
+    for i in (1, 2, 3):
+        await asyncio.sleep(0.05)
+        calls.append(asyncio.ensure_future(co.submit([i])))
+    await asyncio.gather(*calls)
+    await asyncio.sleep(DELAY_S * 1.3)
+    t0 = time.monotonic()
+    assert await co.submit([4]) == [("ok", 4)]
+    assert time.monotonic() - t0 < SLACK_S, "a lone push after a stream and a quiet spell was delayed"
+    # After one that was cancelled while it waited.
+    await asyncio.sleep(0.05)
+    gone = co.submit_nowait([5])
+    await asyncio.sleep(0.05)
+    gone.cancel()
+    await asyncio.sleep(DELAY_S * 1.3)
+    t0 = time.monotonic()
+    assert await co.submit([6]) == [("ok", 6)]
+    assert time.monotonic() - t0 < SLACK_S, "a lone push after a cancelled one and a quiet spell was delayed"
+    await co.aclose()
+    assert [e for b in flush.batches for e in b] == [0, 1, 2, 3, 4, 6]
+    assert_drained(co)
+
+
+async def test_a_lone_submission_while_a_slow_flush_is_in_flight_on_a_free_slot_is_not_delayed() -> None:
+    flush = Flush(hold=lambda n: 1.0 if n == 0 else 0.0)
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=2)
+    slow = asyncio.ensure_future(co.submit([0]))
+    await asyncio.sleep(DELAY_S * 1.3)
+    t0 = time.monotonic()
+    assert await co.submit([1]) == [("ok", 1)]
+    assert time.monotonic() - t0 < SLACK_S
+    assert await slow == [("ok", 0)]
+    await co.aclose()
+    assert_drained(co)
+
+
+async def test_a_burst_in_one_loop_turn_after_a_quiet_spell_is_not_delayed() -> None:
+    flush = Flush()
+    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
+    await co.submit([0])
+    await asyncio.sleep(DELAY_S * 1.3)
+    t0 = time.monotonic()
+    futs = [co.submit_nowait([i]) for i in (1, 2, 3)]  # one loop turn, the first after a quiet spell
+    await asyncio.wait_for(asyncio.gather(*futs), 3)
+    took = time.monotonic() - t0
+    await co.aclose()
+    assert flush.batches == [[0], [1, 2, 3]]
+    assert took < SLACK_S, f"a burst after a quiet spell waited {took:.3f} s (delay {DELAY_S} s)"
+
+
+# Every submission sent once, every caller answered with its own verdicts
+
+
 @pytest.mark.parametrize("max_in_flight", [1, 2])
 async def test_random_interleavings_lose_nothing_send_nothing_twice_and_answer_each_caller(max_in_flight: int) -> None:
     coverage: dict[str, int] = {
@@ -358,11 +691,6 @@ async def test_cancelled_before_during_and_after_the_wait_of_every_kind() -> Non
     assert_drained(co)
 
 
-async def _until(cond: Any) -> None:
-    while not cond():
-        await asyncio.sleep(0.005)
-
-
 async def test_a_failed_flush_fails_only_its_own_callers_and_the_next_goes_on() -> None:
     flush = Flush(fail=lambda n: n == 1)
     co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=0.2, max_entries=4)
@@ -381,203 +709,6 @@ async def test_a_failed_flush_fails_only_its_own_callers_and_the_next_goes_on() 
     assert await co.submit([5]) == [("ok", 5)]
     await co.aclose()
     assert_drained(co)
-
-
-# ======================================================================================
-# max_entries boundaries (with timing: a full group must not wait out the delay)
-
-
-async def test_a_submission_larger_than_max_entries_goes_alone_whole_and_at_once() -> None:
-    flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
-    await co.submit([0])
-    small = asyncio.ensure_future(co.submit([1, 2]))
-    await asyncio.sleep(0.05)  # small is waiting out the delay
-    t0 = time.monotonic()
-    big = asyncio.ensure_future(co.submit(list(range(10, 19))))  # 9 > max_entries 4
-    await asyncio.sleep(0.05)
-    after = asyncio.ensure_future(co.submit([20]))
-    assert await asyncio.wait_for(small, 3) == [("ok", 1), ("ok", 2)]
-    assert await asyncio.wait_for(big, 3) == [("ok", e) for e in range(10, 19)]
-    assert flush.sent_at(10) - t0 < SLACK_S, "a full group waited out the delay"
-    assert await asyncio.wait_for(after, 3) == [("ok", 20)]
-    assert flush.batches[:3] == [[0], [1, 2], list(range(10, 19))]
-    assert flush.batches[3] == [20]
-    await co.aclose()
-    assert_drained(co)
-
-
-async def test_exactly_max_entries_in_one_submission_goes_at_once_even_when_pushes_come_fast() -> None:
-    flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
-    await co.submit([0])
-    t0 = time.monotonic()
-    assert await co.submit([1, 2, 3, 4]) == [("ok", e) for e in (1, 2, 3, 4)]  # 1 ms after the one before
-    assert time.monotonic() - t0 < SLACK_S
-    # Next: one entry within the delay of the full group still waits, and gathers what comes.
-    first = asyncio.ensure_future(co.submit([5]))
-    await asyncio.sleep(0.1)
-    second = asyncio.ensure_future(co.submit([6]))
-    assert await asyncio.gather(first, second) == [[("ok", 5)], [("ok", 6)]]
-    assert flush.batches == [[0], [1, 2, 3, 4], [5, 6]]
-    await co.aclose()
-    assert_drained(co)
-
-
-@pytest.mark.parametrize("max_in_flight", [1, 2])
-async def test_the_count_crossing_max_entries_during_the_wait_ends_it(max_in_flight: int) -> None:
-    flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=5, max_in_flight=max_in_flight)
-    await co.submit([0])
-    a = asyncio.ensure_future(co.submit([1, 2, 3]))
-    await asyncio.sleep(0.1)
-    t0 = time.monotonic()
-    b = asyncio.ensure_future(co.submit([4, 5, 6]))  # 6 pending > 5
-    assert await asyncio.wait_for(asyncio.gather(a, b), 3) == [
-        [("ok", e) for e in (1, 2, 3)],
-        [("ok", e) for e in (4, 5, 6)],
-    ]
-    assert flush.sent_at(4) - t0 < SLACK_S, "the rest after a full group waited out the delay"
-    assert flush.batches == [[0], [1, 2, 3], [4, 5, 6]]
-    await co.aclose()
-    assert_drained(co)
-
-
-# ======================================================================================
-# 2. Bounded delay
-
-
-def _could_send_at(flush: Flush, at: float, max_in_flight: int) -> float:
-    """The first moment at or after ``at`` with fewer than max_in_flight flushes in flight."""
-    t = at
-    while True:
-        busy = [e for s, e in zip(flush.started, flush.ended) if s <= t and (e is None or e > t)]
-        if len(busy) < max_in_flight:
-            return t
-        t = min(e if e is not None else float("inf") for e in busy)
-
-
-async def test_a_steady_stream_faster_than_the_delay_does_not_starve_anyone() -> None:
-    """Submissions every delay/4 for 2.4 s: each goes within the delay (+ slack) of its
-    submission, the stream is still gathered (fewer flushes than submissions)."""
-    flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=1000)
-    calls = []
-    submitted_at = []
-    for i in range(24):
-        submitted_at.append(time.monotonic())
-        calls.append(asyncio.ensure_future(co.submit([i])))
-        await asyncio.sleep(DELAY_S / 4)
-        if i == 7:
-            # The first of the stream (submitted at 0.1 s, after the lone first one) must be out by 0.8 s.
-            assert 1 in [e for b in flush.batches for e in b], f"starved: batches {flush.batches}"
-    assert await asyncio.wait_for(asyncio.gather(*calls), 5) == [[("ok", i)] for i in range(24)]
-    late = [(i, round(flush.sent_at(i) - submitted_at[i], 3)) for i in range(24)]
-    assert all(d <= DELAY_S + SLACK_S for _, d in late), f"held beyond the delay: {late}"
-    assert late[0][1] < SLACK_S, "the first ever submission was delayed"
-    assert len(flush.batches) < 24 / 2, f"the stream was not gathered: {flush.batches}"
-    await co.aclose()
-    assert_drained(co)
-
-
-@pytest.mark.parametrize("max_in_flight", [1, 2])
-async def test_with_slow_flushes_nobody_waits_the_delay_beyond_a_free_flush_slot(max_in_flight: int) -> None:
-    flush = Flush(hold=lambda n: 0.3)
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=0.3, max_entries=1000, max_in_flight=max_in_flight)
-    rng = random.Random(5)
-    calls = []
-    submitted_at = []
-    for i in range(15):
-        submitted_at.append(time.monotonic())
-        calls.append(asyncio.ensure_future(co.submit([i])))
-        await asyncio.sleep(rng.choice([0.0, 0.02, 0.07, 0.15, 0.4]))
-    assert await asyncio.wait_for(asyncio.gather(*calls), 20) == [[("ok", i)] for i in range(15)]
-    late = []
-    for i in range(15):
-        free = _could_send_at(flush, submitted_at[i], max_in_flight)
-        sent = flush.sent_at(i)
-        if sent - free > 0.3 + SLACK_S:
-            late.append((i, round(sent - submitted_at[i], 3), round(sent - free, 3)))
-    assert not late, f"(entry, after submit, after a free slot) held beyond the delay: {late}"
-    assert flush.max_concurrency() <= max_in_flight
-    await co.aclose()
-    assert_drained(co)
-
-
-# ======================================================================================
-# 3. Not delayed: the first ever, and a lone one after a quiet spell
-
-
-async def test_the_first_ever_submission_is_not_delayed() -> None:
-    flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
-    t0 = time.monotonic()
-    assert await co.submit([1]) == [("ok", 1)]
-    assert time.monotonic() - t0 < SLACK_S
-    v_calls: list[int] = []
-    co2: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
-    t0 = time.monotonic()
-    v = co2.submit_nowait([2], Verdict(lambda c: c.append(1), v_calls))
-    await asyncio.wait_for(v.wait(), 3)
-    assert time.monotonic() - t0 < SLACK_S and v.result() == [("ok", 2)] and v_calls == [1]
-
-
-async def test_a_lone_submission_after_a_quiet_spell_is_not_delayed_whatever_came_before() -> None:
-    flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=2)
-    # After a stream that made the runner wait.
-    calls = [asyncio.ensure_future(co.submit([0]))]
-    for i in (1, 2, 3):
-        await asyncio.sleep(0.05)
-        calls.append(asyncio.ensure_future(co.submit([i])))
-    await asyncio.gather(*calls)
-    await asyncio.sleep(DELAY_S * 1.3)
-    t0 = time.monotonic()
-    assert await co.submit([4]) == [("ok", 4)]
-    assert time.monotonic() - t0 < SLACK_S, "a lone push after a stream and a quiet spell was delayed"
-    # After one that was cancelled while it waited.
-    await asyncio.sleep(0.05)
-    gone = co.submit_nowait([5])
-    await asyncio.sleep(0.05)
-    gone.cancel()
-    await asyncio.sleep(DELAY_S * 1.3)
-    t0 = time.monotonic()
-    assert await co.submit([6]) == [("ok", 6)]
-    assert time.monotonic() - t0 < SLACK_S, "a lone push after a cancelled one and a quiet spell was delayed"
-    await co.aclose()
-    assert [e for b in flush.batches for e in b] == [0, 1, 2, 3, 4, 6]
-    assert_drained(co)
-
-
-async def test_a_lone_submission_while_a_slow_flush_is_in_flight_on_a_free_slot_is_not_delayed() -> None:
-    flush = Flush(hold=lambda n: 1.0 if n == 0 else 0.0)
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=2)
-    slow = asyncio.ensure_future(co.submit([0]))
-    await asyncio.sleep(DELAY_S * 1.3)
-    t0 = time.monotonic()
-    assert await co.submit([1]) == [("ok", 1)]
-    assert time.monotonic() - t0 < SLACK_S
-    assert await slow == [("ok", 0)]
-    await co.aclose()
-    assert_drained(co)
-
-
-async def test_a_burst_in_one_loop_turn_after_a_quiet_spell_is_not_delayed() -> None:
-    flush = Flush()
-    co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
-    await co.submit([0])
-    await asyncio.sleep(DELAY_S * 1.3)
-    t0 = time.monotonic()
-    futs = [co.submit_nowait([i]) for i in (1, 2, 3)]  # one loop turn, the first after a quiet spell
-    await asyncio.wait_for(asyncio.gather(*futs), 3)
-    took = time.monotonic() - t0
-    await co.aclose()
-    assert flush.batches == [[0], [1, 2, 3]]
-    assert took < SLACK_S, f"a burst after a quiet spell waited {took:.3f} s (delay {DELAY_S} s)"
-
-
-# ======================================================================================
-# 4. Runner lifecycle, resubmission from callbacks, aclose, cancelling the runner
 
 
 async def test_the_runner_ends_and_restarts_with_a_fresh_consistent_state() -> None:
@@ -604,22 +735,6 @@ async def test_the_runner_ends_and_restarts_with_a_fresh_consistent_state() -> N
     assert sorted(e for b in flush.batches for e in b) == list(range(n))
     # Each round: the lone one alone, the others together (the full rounds in max_entries chunks).
     assert flush.batches == [[0], [1, 2, 3], [4], [5], [6], [7, 8, 9], [10], [11]]
-
-
-class Resubmit(Verdict[Any]):
-    """A Verdict whose settling submits again (``left`` more times), from the flush's task."""
-
-    def __init__(
-        self, co: Coalescer[Any, Any], tag: str, left: int, log: list[Resubmit], on_cancel: bool = False
-    ) -> None:
-        super().__init__(lambda _: None, None)
-        self.co, self.tag, self.left, self.log, self.on_cancel = co, tag, left, log, on_cancel
-        log.append(self)
-
-    def _settled(self) -> None:
-        if self.left > 0 and (self._state == 1 or self.on_cancel):
-            nxt = Resubmit(self.co, f"{self.tag}+", self.left - 1, self.log, self.on_cancel)
-            self.co.submit_nowait([nxt.tag], nxt)
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 2])
@@ -694,28 +809,7 @@ async def test_submissions_from_a_done_callback_are_all_sent_once() -> None:
     assert_drained(co)
 
 
-async def _runner_cancel_setup(moment: str) -> tuple[Coalescer[str, Any], Flush, dict[str, Any]]:
-    """Callers of every kind in every state, then the runner cancelled: ``moment`` is
-    "delay" (the runner waits out the delay) or "gated" (it waits for a flush slot)."""
-    flush = Flush(hold=lambda n: 3.0 if n == 0 else 0.0)
-    co: Coalescer[str, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=1, max_entries=100)
-    calls: list[int] = []
-    slots: dict[str, Any] = {}
-    slots["t-inflight"] = asyncio.ensure_future(co.submit(["t-inflight"]))
-    await asyncio.sleep(0)
-    slots["v-inflight"] = co.submit_nowait(["v-inflight"], Verdict(lambda c: c.append(1), calls))
-    await asyncio.wait_for(_until(lambda: bool(flush.batches)), 3)  # flush 0 holds 3 s
-    await asyncio.sleep(0.05)
-    slots["t-wait"] = asyncio.ensure_future(co.submit(["t-wait"]))
-    slots["f-wait"] = co.submit_nowait(["f-wait"])
-    slots["v-wait"] = co.submit_nowait(["v-wait"], Verdict(lambda c: c.append(1), calls))
-    await asyncio.sleep(0.1 if moment == "delay" else DELAY_S + 0.2)
-    slots["f-late"] = co.submit_nowait(["f-late"])
-    await asyncio.sleep(0)
-    slots["calls"] = calls
-    assert co._runner is not None and not co._runner.done()
-    co._runner.cancel()
-    return co, flush, slots
+# Cancelling the runner
 
 
 @pytest.mark.parametrize("moment", ["delay", "gated"])
@@ -812,3 +906,66 @@ async def test_cancelling_the_runner_in_the_turn_a_group_fills_still_cancels_its
     assert runner.cancelled(), f"the runner's cancel was swallowed: it flushed {flush.batches[1:]} instead"
     assert a.cancelled() and b.cancelled()
     assert flush.batches == [[0]]
+
+
+# Verdicts handed over by callback
+
+
+async def test_a_failing_verdict_callback_does_not_keep_the_flush_from_the_others() -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[BaseException] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["exception"]))
+    try:
+
+        async def flush(batch: list[int]) -> list[int]:
+            await asyncio.sleep(0)
+            return [10 * e for e in batch]
+
+        got: list[tuple[int, list[int]]] = []
+
+        def then(k: int) -> None:
+            if k == 1:
+                raise RuntimeError("a bug in one callback")
+            got.append((k, verdicts[k].result()))
+
+        co: Coalescer[int, int] = Coalescer(flush, max_entries=100)
+        verdicts = [Verdict(then, k) for k in range(3)]
+        for k, v in enumerate(verdicts):
+            co.submit_nowait([k], v)
+        plain = co.submit_nowait([7])  # a future in the same flush
+        assert await asyncio.wait_for(plain, 5) == [70]
+        await co.aclose()
+    finally:
+        loop.set_exception_handler(None)
+    assert got == [(0, [0]), (2, [20])]
+    assert [str(e) for e in reported] == ["a bug in one callback"]
+    assert all(v.done() for v in verdicts)
+
+
+async def test_a_wait_ends_however_the_verdict_ends_and_a_cancelled_waiter_does_not_break_the_next() -> None:
+    calls: list[str] = []
+    for end in ("result", "exception", "cancel"):
+        v: Verdict[list[int]] = Verdict(calls.append, end)
+        first = asyncio.ensure_future(v.wait())
+        await asyncio.sleep(0)
+        first.cancel()  # a caller that gave up waiting
+        await asyncio.gather(first, return_exceptions=True)
+        second = asyncio.ensure_future(v.wait())
+        await asyncio.sleep(0)
+        assert not second.done()
+        if end == "result":
+            v.set_result([1])
+            assert v.result() == [1] and v.exception() is None
+        elif end == "exception":
+            v.set_exception(ValueError("refused"))
+            assert isinstance(v.exception(), ValueError)
+            with pytest.raises(ValueError):
+                v.result()
+        else:
+            assert v.cancel() and v.cancelled() and not v.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                v.result()
+        await asyncio.wait_for(second, 2)  # never raises for the verdict itself
+        with pytest.raises(asyncio.InvalidStateError):
+            v.set_result([2])  # set once
+    assert calls == ["result", "exception", "cancel"]  # each callback once

@@ -1,8 +1,16 @@
-"""Adversarial tests of the lane (wire/lane.py) and of its two users, the producer's pushes
-and the listener's result reads: replies matched to the right caller under random cancels,
-error and multi-MB replies; cancels and close() during the first connect (one connection on
-the server afterwards, none after close, no unclosed transport); server restarts, CLIENT KILL
-and a proxy that loses a reply after the command ran; the clients the lane must refuse."""
+"""The lane (wire/lane.py): a pipelined connection of its own for the hot round trips.
+
+It promises: replies reach the right caller under concurrency, random cancels, error
+replies (in their place, raised as redis-py raises them) and multi-MB replies; a caller
+that gives up, mid-call or mid-reply, leaves the connection in step; a connection the
+server kills or a peer that breaks the protocol fails the calls in flight and the next
+call reconnects; cancels and ``close()`` during the first connect leave one connection
+(none after close) and no unclosed transport; it honours a password, a database, TCP and
+a client name as redis-py sends them, and leaves to redis-py the clients it cannot speak
+for. A real server where one can do it; a loopback server that answers garbage stands in
+for a broken peer (the one thing a real server will not do). Its users' promises under
+the same faults are in tests/trainer/test_flush.py and test_listener.py.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +18,28 @@ import asyncio
 import gc
 import os
 import random
+import socket
 import warnings
 
 import pytest
-from helpers import CutProxy, lane_of
+from helpers import lane_of
 from redis.asyncio import Redis
 from redis.credentials import UsernamePasswordCredentialProvider
+from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
-from stream_reward.errors import BackpressureError, BrokerError
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.wire.connection import connect
-from stream_reward.wire.keys import Keys
 from stream_reward.wire.lane import Lane
 from stream_reward.wire.packed import pack_command
 
 pytestmark = pytest.mark.anyio
+
+
+async def lane_client_id(lane: Lane) -> int:
+    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
+    return int(cid)
 
 
 async def named_connections(admin, name: str) -> int:
@@ -53,7 +65,183 @@ def no_unclosed_transports() -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
 
 
-# ------------------------------------------------------------------ the lane alone
+# Against a real server
+
+
+async def test_concurrent_calls_each_get_their_own_replies(redis_url) -> None:
+    client = connect(redis_url)
+    lane = lane_of(client)
+    rng = random.Random(3)
+
+    async def one(k: int) -> None:
+        await asyncio.sleep(rng.random() * 0.01)
+        values = [f"{k}-{j}".encode() * rng.randint(1, 2000) for j in range(rng.randint(1, 4))]
+        assert await lane.call([pack_command("ECHO", v) for v in values]) == values
+
+    try:
+        await asyncio.gather(*(one(k) for k in range(300)))
+    finally:
+        lane.close()
+        await client.aclose()
+
+
+async def test_a_caller_that_gives_up_leaves_the_connection_in_step(redis_url, namespace) -> None:
+    """A blocking call given up: its reply still comes, is read and dropped, and the next
+    caller gets its own reply on the same connection (redis-py must drop such a one)."""
+    client = connect(redis_url)
+    lane = lane_of(client)
+    try:
+        before = await lane_client_id(lane)
+        blocked = asyncio.ensure_future(lane.call([pack_command("BLPOP", f"{namespace}:nothing", "0.3")]))
+        await asyncio.sleep(0.05)
+        blocked.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await blocked
+        assert await lane.call([pack_command("ECHO", "after")]) == [b"after"]
+        assert await lane_client_id(lane) == before, "the connection was replaced"
+    finally:
+        lane.close()
+        await client.aclose()
+
+
+async def test_a_connection_the_server_kills_fails_the_calls_in_flight_and_the_next_call_reconnects(
+    redis_url, namespace
+) -> None:
+    client = connect(redis_url)
+    lane = lane_of(client)
+    try:
+        first = await lane_client_id(lane)
+        blocked = asyncio.ensure_future(lane.call([pack_command("BLPOP", f"{namespace}:nothing", "5")]))
+        await asyncio.sleep(0.05)
+        await client.client_kill_filter(_id=first)
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(blocked, 2)
+        assert await lane.call([pack_command("ECHO", "again")]) == [b"again"]
+        assert await lane_client_id(lane) != first
+    finally:
+        lane.close()
+        await client.aclose()
+
+
+async def test_error_replies_come_back_in_their_place_as_redis_py_raises_them(redis_url, namespace) -> None:
+    client = connect(redis_url)
+    lane = lane_of(client)
+    try:
+        await client.set(f"{namespace}:s", "text")
+        replies = await lane.call(
+            [
+                pack_command("EVALSHA", "0" * 40, 0),
+                pack_command("ECHO", "between"),
+                pack_command("INCR", f"{namespace}:s"),
+            ]
+        )
+        assert isinstance(replies[0], NoScriptError)
+        assert replies[1] == b"between"
+        assert isinstance(replies[2], ResponseError) and "not an integer" in str(replies[2])
+        assert await lane.call([pack_command("ECHO", "still in step")]) == [b"still in step"]
+    finally:
+        lane.close()
+        await client.aclose()
+
+
+async def test_a_password_and_a_database_are_honoured_and_a_wrong_password_is_refused() -> None:
+    with EmbeddedServer(extra_args=["--requirepass", "pw-1"]) as server:
+        client = connect(f"unix://:pw-1@{server.socket_path}?db=3")
+        lane = lane_of(client)
+        other = connect(f"unix://:pw-1@{server.socket_path}?db=0")
+        bad = connect(f"unix://:wrong@{server.socket_path}")
+        bad_lane = lane_of(bad)
+        try:
+            assert await lane.call([pack_command("SET", "k", "in-3")]) == [b"OK"]
+            assert await client.get("k") == b"in-3"
+            assert await other.get("k") is None
+            with pytest.raises(AuthenticationError):
+                await bad_lane.call([pack_command("PING")])
+        finally:
+            lane.close()
+            bad_lane.close()
+            for c in (client, other, bad):
+                await c.aclose()
+
+
+async def test_a_tcp_node_and_a_client_name() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with EmbeddedServer(extra_args=["--port", str(port), "--bind", "127.0.0.1"]):
+        client = connect(f"redis://127.0.0.1:{port}/0?client_name=trainer-lane")
+        lane = lane_of(client)
+        try:
+            assert await lane.call([pack_command("CLIENT", "GETNAME")]) == [b"trainer-lane"]
+        finally:
+            lane.close()
+            await client.aclose()
+
+
+async def test_clients_it_cannot_speak_for_are_left_to_redis_py(redis_url) -> None:
+    cluster = connect("redis+cluster://127.0.0.1:1")
+    tls = connect("rediss://127.0.0.1:1")
+    single = Redis.from_url(redis_url, single_connection_client=True)
+    resp3 = connect(redis_url, protocol=3)
+    try:
+        for client in (cluster, tls, single, resp3):
+            assert Lane.for_client(client) is None, client
+    finally:
+        for client in (tls, single, resp3):
+            await client.aclose()
+
+
+async def test_close_fails_the_calls_in_flight_and_refuses_more(redis_url, namespace) -> None:
+    client = connect(redis_url)
+    lane = lane_of(client)
+    try:
+        await lane.call([pack_command("PING")])
+        blocked = asyncio.ensure_future(lane.call([pack_command("BLPOP", f"{namespace}:nothing", "5")]))
+        await asyncio.sleep(0.05)
+        lane.close()
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(blocked, 2)
+        with pytest.raises(RedisConnectionError):
+            await lane.call([pack_command("PING")])
+    finally:
+        await client.aclose()
+
+
+async def test_a_peer_that_breaks_the_protocol_fails_the_call_and_the_next_call_reconnects() -> None:
+    handlers: list[asyncio.Task] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())
+        garbage = len(handlers) == 1
+        try:
+            while await reader.read(65536):
+                writer.write(b"!not resp\r\n" if garbage else b"+PONG\r\n")
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = connect(f"redis://127.0.0.1:{port}")
+    lane = lane_of(client)
+    try:
+        with pytest.raises(RedisConnectionError, match="protocol"):
+            await asyncio.wait_for(lane.call([pack_command("PING")]), 5)
+        assert await asyncio.wait_for(lane.call([pack_command("PING")]), 5) == [b"PONG"]
+        assert len(handlers) == 2
+    finally:
+        lane.close()
+        await client.aclose()
+        server.close()
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+        await server.wait_closed()
+
+
+# Adversarial callers, connects and peers
+
+
 async def test_a_storm_of_callers_with_random_cancels_errors_and_multi_mb_replies(redis_url, namespace) -> None:
     """400 callers start before the lane is connected; a quarter are cancelled at random
     moments (before their write, while connecting, mid-reply of a multi-MB value). Every
@@ -327,7 +515,6 @@ async def test_a_peer_closing_mid_reply_fails_the_call_and_a_split_reply_is_asse
         await server.wait_closed()
 
 
-# ------------------------------------------------------------------ what for_client refuses
 async def test_for_client_refuses_a_credential_provider_and_foreign_connection_classes(redis_url) -> None:
     from redis.asyncio.connection import Connection, ConnectionPool
 
@@ -347,26 +534,6 @@ async def test_for_client_refuses_a_credential_provider_and_foreign_connection_c
     finally:
         for c in (provider, custom, plain):
             await c.aclose()
-
-
-@pytest.mark.parametrize("kind", ["single", "resp3"])
-async def test_the_producer_pushes_through_redis_py_on_clients_the_lane_refuses(redis_url, namespace, kind) -> None:
-    keys = Keys(namespace)
-    if kind == "single":
-        client = Redis.from_url(redis_url, single_connection_client=True)
-    else:
-        client = connect(redis_url, protocol=3)
-    admin = connect(redis_url)
-    try:
-        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace), client=client) as producer:
-            await producer.open_batch("b", 8, 4)
-            await asyncio.gather(*(producer.push(Trajectory("b", i, "test", response="r")) for i in range(4)))
-            assert await producer.push_many([Trajectory("b", i, "test", response="r") for i in range(4, 8)]) == 4
-            assert producer._lane is None, "a lane was made for a client it must refuse"
-        assert int(await admin.hget(keys.pushed(0), "samples")) == 8
-    finally:
-        await client.aclose()
-        await admin.aclose()
 
 
 async def test_an_empty_password_is_sent_as_redis_py_sends_it(redis_url, namespace) -> None:
@@ -390,259 +557,6 @@ async def test_an_empty_username_is_sent_as_redis_py_sends_it(namespace) -> None
                 await producer.push(Trajectory("e", 0, "test", response="a"))
         finally:
             await client.aclose()
-
-
-# ------------------------------------------------------------------ through the producer
-async def test_a_push_whose_reply_is_lost_after_it_ran_lands_once(redis_url, namespace) -> None:
-    """The proxy passes the push on and drops the connection instead of the reply: the push
-    ran, the producer cannot know. Sent again on a new connection it must count once."""
-    keys = Keys(namespace)
-    admin = connect(redis_url)
-    try:
-        async with CutProxy(redis_url[len("unix://") :]) as proxy:
-            async with RolloutProducer(proxy.url, ProducerConfig(namespace=namespace)) as producer:
-                await producer.open_batch("c", 6, 4)
-                await producer.push(Trajectory("c", 0, "test", response="a"))
-                for i in range(1, 4):
-                    proxy.arm(b"EVALSHA")
-                    await asyncio.wait_for(producer.push(Trajectory("c", i, "test", response="a")), 10)
-                    assert proxy.cuts == i, "the reply was not lost: nothing tested"
-                proxy.arm(b"EVALSHA")
-                n = await asyncio.wait_for(
-                    producer.push_many([Trajectory("c", i, "test", response="a") for i in (4, 5)]), 10
-                )
-                assert n == 2 and proxy.cuts == 4
-        assert int(await admin.hget(keys.pushed(0), "samples")) == 6
-        assert await admin.xlen(keys.stream()) == 5
-    finally:
-        await admin.aclose()
-
-
-async def test_a_score_whose_push_reply_is_lost_gets_its_result(redis_url, namespace, spawn_workers) -> None:
-    spawn_workers(1)
-    keys = Keys(namespace)
-    admin = connect(redis_url)
-    try:
-        async with CutProxy(redis_url[len("unix://") :]) as proxy:
-            async with RolloutProducer(proxy.url, ProducerConfig(namespace=namespace)) as producer:
-                await producer.open_batch("s", 4, 4)
-                for i in range(4):
-                    if i % 2:
-                        proxy.arm(b"EVALSHA")
-                    traj = Trajectory("s", i, "openai/gsm8k", response=f"#### {i}", ground_truth="2")
-                    result = await asyncio.wait_for(producer.score(traj, timeout_s=30), 40)
-                    assert (result.index, result.status, result.score) == (i, "ok", 1.0 if i == 2 else 0.0)
-                assert proxy.cuts == 2
-        assert int(await admin.hget(keys.pushed(0), "samples")) == 4
-    finally:
-        await admin.aclose()
-
-
-async def test_max_backlog_control_without_lost_replies(redis_url, namespace) -> None:
-    """The control of the next test: the same pushes without a lost reply hit max_backlog."""
-    config = ProducerConfig(namespace=namespace, max_backlog=3, on_backlog="raise", backlog_poll_s=60)
-    async with RolloutProducer(redis_url, config) as producer:
-        await producer.open_batch("m", 8, 4)
-        for i in range(3):
-            await producer.push(Trajectory("m", i, "test", response="a"))
-        with pytest.raises(BackpressureError):
-            await producer.push(Trajectory("m", 3, "test", response="a"))
-
-
-async def test_max_backlog_holds_when_push_replies_are_lost(redis_url, namespace) -> None:
-    config = ProducerConfig(namespace=namespace, max_backlog=3, on_backlog="raise", backlog_poll_s=60)
-    async with CutProxy(redis_url[len("unix://") :]) as proxy:
-        async with RolloutProducer(proxy.url, config) as producer:
-            await producer.open_batch("m", 8, 4)
-            for i in range(3):
-                proxy.arm(b"EVALSHA")
-                await producer.push(Trajectory("m", i, "test", response="a"))
-            assert proxy.cuts == 3
-            assert await producer.backlog() == 3
-            with pytest.raises(BackpressureError):
-                await producer.push(Trajectory("m", 3, "test", response="a"))
-
-
-async def test_client_kill_storm_during_concurrent_pushes_counts_each_sample_once(redis_url, namespace) -> None:
-    """CLIENT KILL of the producer's lane every few ms while 300 samples are pushed by 60
-    concurrent callers: every push returns or raises BrokerError; those that raised are
-    pushed again; in the end each sample is counted once."""
-    keys = Keys(namespace)
-    name = f"pkill-{namespace}"
-    admin = connect(redis_url)
-    stop = asyncio.Event()
-    kills = 0
-
-    async def killer() -> None:
-        nonlocal kills
-        while not stop.is_set():
-            for c in await admin.client_list():
-                if c.get("name") == name:
-                    try:
-                        await admin.client_kill_filter(_id=c["id"])
-                        kills += 1
-                    except ResponseError:
-                        pass
-            await asyncio.sleep(random.random() * 0.01)
-
-    try:
-        url = f"{redis_url}?client_name={name}"
-        async with RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer:
-            await producer.open_batch("k", 300, 4)
-            await producer.push(Trajectory("k", 0, "test", response="a"))
-            killing = asyncio.ensure_future(killer())
-            failed: list[int] = []
-
-            async def pusher(lo: int) -> None:
-                for i in range(lo, 300, 60):
-                    if i == 0:
-                        continue
-                    try:
-                        await asyncio.wait_for(producer.push(Trajectory("k", i, "test", response="a")), 20)
-                    except BrokerError:
-                        failed.append(i)
-
-            await asyncio.gather(*(pusher(lo) for lo in range(60)))
-            stop.set()
-            await killing
-            assert kills > 0, "no connection was killed: nothing tested"
-            for i in failed:
-                await producer.push(Trajectory("k", i, "test", response="a"))
-        assert int(await admin.hget(keys.pushed(0), "samples")) == 300
-    finally:
-        stop.set()
-        await admin.aclose()
-
-
-async def test_a_server_restarted_mid_push_loses_nothing_and_counts_once(namespace) -> None:
-    """With AOF (fsync always): a push held by CLIENT PAUSE WRITE when the server is
-    SIGKILLed and restarted either lands (the lane's retry, NOSCRIPT reload) or raises
-    BrokerError and is pushed again; each sample is counted once."""
-    server = EmbeddedServer(appendonly=True, extra_args=["--appendfsync", "always"]).start()
-    keys = Keys(namespace)
-    loop = asyncio.get_running_loop()
-    try:
-        async with RolloutProducer(server.url, ProducerConfig(namespace=namespace)) as producer:
-            await producer.open_batch("r", 10, 4)
-            for i in range(3):
-                await producer.push(Trajectory("r", i, "test", response="a"))
-            for i in range(3, 6):
-                admin = connect(server.url)
-                await admin.execute_command("CLIENT", "PAUSE", 2000, "WRITE")
-                await admin.aclose()
-                pushing = asyncio.ensure_future(producer.push(Trajectory("r", i, "test", response="a")))
-                await asyncio.sleep(0.1)
-                assert not pushing.done()
-                await loop.run_in_executor(None, server.restart)
-                try:
-                    await asyncio.wait_for(pushing, 20)
-                except BrokerError:
-                    await asyncio.wait_for(producer.push(Trajectory("r", i, "test", response="a")), 20)
-            await producer.push(Trajectory("r", 6, "test", response="a"))
-        admin = connect(server.url)
-        try:
-            assert int(await admin.hget(keys.pushed(0), "samples")) == 7
-            assert await admin.xlen(keys.stream()) == 7
-        finally:
-            await admin.aclose()
-    finally:
-        server.stop()
-
-
-async def test_a_push_in_flight_when_the_server_dies_for_good_raises_broker_error(namespace) -> None:
-    server = EmbeddedServer().start()
-    loop = asyncio.get_running_loop()
-    try:
-        async with RolloutProducer(server.url, ProducerConfig(namespace=namespace)) as producer:
-            await producer.open_batch("g", 4, 4)
-            await producer.push(Trajectory("g", 0, "test", response="a"))
-            admin = connect(server.url)
-            await admin.execute_command("CLIENT", "PAUSE", 5000, "WRITE")
-            await admin.aclose()
-            pushing = asyncio.ensure_future(producer.push(Trajectory("g", 1, "test", response="b")))
-            scoring = asyncio.ensure_future(
-                producer.score(Trajectory("g", 2, "openai/gsm8k", response="#### 2", ground_truth="2"), timeout_s=5)
-            )
-            await asyncio.sleep(0.1)
-            await loop.run_in_executor(None, server.kill)
-            with pytest.raises(BrokerError):
-                await asyncio.wait_for(pushing, 15)
-            with pytest.raises(BrokerError):
-                await asyncio.wait_for(scoring, 15)
-            with pytest.raises(BrokerError):
-                await asyncio.wait_for(producer.push(Trajectory("g", 3, "test", response="c")), 15)
-    finally:
-        server.stop()
-
-
-# ------------------------------------------------------------------ the listener
-async def test_score_calls_get_their_own_results_while_the_listeners_lane_is_killed_again_and_again(
-    own_url, namespace, spawn_workers
-) -> None:
-    # Its own server: the killer kills every XREAD client, and on the shared one those
-    # include the tests running beside it.
-    spawn_workers(1, url=own_url)
-    admin = connect(own_url)
-    stop = asyncio.Event()
-    kills = 0
-
-    async def killer() -> None:
-        nonlocal kills
-        while not stop.is_set():
-            for c in await admin.client_list():
-                if c.get("cmd") == "xread":
-                    try:
-                        await admin.client_kill_filter(_id=c["id"])
-                        kills += 1
-                    except ResponseError:
-                        pass
-            await asyncio.sleep(0.005 + random.random() * 0.03)
-
-    try:
-        async with RolloutProducer(own_url, ProducerConfig(namespace=namespace)) as producer:
-            await producer.open_batch("L", 200, 4)
-            warm = await producer.score(Trajectory("L", 0, "openai/gsm8k", response="#### 2", ground_truth="2"))
-            assert warm.status == "ok"
-            killing = asyncio.ensure_future(killer())
-            rng = random.Random(5)
-
-            async def one(i: int):
-                await asyncio.sleep(rng.random() * 2)
-                answer = str(i % 7)
-                traj = Trajectory("L", i, "openai/gsm8k", response=f"#### {answer}", ground_truth=str(i % 3))
-                return i, await producer.score(traj, timeout_s=60)
-
-            results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(1, 200))), 90)
-            stop.set()
-            await killing
-            assert kills >= 5, f"only {kills} kills: nothing tested"
-            for i, result in results:
-                want = 1.0 if str(i % 7) == str(i % 3) else 0.0
-                assert (result.index, result.status, result.score) == (i, "ok", want), (i, result)
-    finally:
-        stop.set()
-        await admin.aclose()
-
-
-async def test_listener_results_survive_lost_xread_replies(redis_url, namespace, spawn_workers) -> None:
-    """The proxy swallows XREAD replies (results in them) after the server sent them: the
-    listener must read them again, from the same cursor, on a new connection."""
-    spawn_workers(1)
-    async with CutProxy(redis_url[len("unix://") :]) as proxy:
-        async with RolloutProducer(proxy.url, ProducerConfig(namespace=namespace)) as producer:
-            await producer.open_batch("X", 20, 4)
-            await producer.score(Trajectory("X", 0, "openai/gsm8k", response="#### 2", ground_truth="2"))
-            proxy.arm(b"XREAD", times=6)
-            trajs = [
-                Trajectory("X", i, "openai/gsm8k", response=f"#### {i % 2}", ground_truth="1") for i in range(1, 20)
-            ]
-            results = await asyncio.wait_for(
-                asyncio.gather(*(producer.score(t, timeout_s=40) for t in trajs)),
-                60,
-            )
-            assert proxy.cuts >= 1, "no XREAD reply was lost: nothing tested"
-            for t, r in zip(trajs, results):
-                assert (r.index, r.status, r.score) == (t.index, "ok", float(t.index % 2))
 
 
 async def test_a_caller_cancelled_mid_reply_of_a_huge_value_leaves_the_next_in_step(redis_url, namespace) -> None:
@@ -679,48 +593,3 @@ async def test_a_caller_cancelled_mid_reply_of_a_huge_value_leaves_the_next_in_s
         lane.close()
         await client.delete(key)
         await client.aclose()
-
-
-async def test_a_multi_partition_flush_whose_reply_is_lost_counts_each_sample_once(redis_url, namespace) -> None:
-    """One flush of several EVALSHA calls (3 partitions, pipelined): the replies are lost
-    after all ran; the retry finds every sample a duplicate and nothing is counted twice."""
-    config = ProducerConfig(namespace=namespace, partitions=3)
-    keys = Keys(namespace, 3)
-    admin = connect(redis_url)
-    try:
-        async with CutProxy(redis_url[len("unix://") :]) as proxy:
-            async with RolloutProducer(proxy.url, config) as producer:
-                await producer.open_batch("p", 60, 4)
-                await producer.push_many([Trajectory("p", i, "test", response="a") for i in range(30)])
-                proxy.arm(b"EVALSHA")
-                n = await asyncio.wait_for(
-                    producer.push_many([Trajectory("p", i, "test", response="a") for i in range(30, 60)]), 10
-                )
-                assert n == 30 and proxy.cuts == 1
-        counts = [int(await admin.hget(keys.pushed(p), "samples") or 0) for p in range(3)]
-        assert sum(counts) == 60 and sum(1 for c in counts if c) >= 2, counts
-    finally:
-        await admin.aclose()
-
-
-async def test_closing_the_producer_leaves_no_connection_of_its_lanes(redis_url, namespace, spawn_workers) -> None:
-    spawn_workers(1)
-    name = f"bye-{namespace}"
-    admin = connect(redis_url)
-    try:
-        async with RolloutProducer(f"{redis_url}?client_name={name}", ProducerConfig(namespace=namespace)) as p:
-            await p.open_batch("z", 4, 4)
-            results = await asyncio.gather(
-                *(
-                    p.score(Trajectory("z", i, "openai/gsm8k", response="#### 2", ground_truth="2"), timeout_s=30)
-                    for i in range(4)
-                )
-            )
-            assert [r.score for r in results] == [1.0] * 4
-            assert p._lane is not None and p._lane._protocol is not None
-            (reader,) = p._listener._readers.values()
-            assert reader.lane is not None and reader.lane._protocol is not None
-        assert await settle_named(admin, name, 0) == 0
-    finally:
-        await admin.aclose()
-    assert no_unclosed_transports() == []

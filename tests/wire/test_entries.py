@@ -1,5 +1,7 @@
-"""Entries that hold several samples (wire/entries.py): a bad sample fails alone, and what a
-dead letter keeps is that sample's own entry."""
+"""Entries that hold several samples (wire/entries.py), as a worker reads them: a garbled
+sample fails alone, and what a dead letter keeps is that sample's own entry; an entry whose
+headers are lost is split by its payloads.
+"""
 
 from __future__ import annotations
 
@@ -65,9 +67,9 @@ async def test_a_garbled_sample_in_an_entry_of_three_fails_alone(redis_url, name
 @pytest.mark.parametrize("header", [b"\xc1garbled", None])
 async def test_an_entry_of_three_whose_headers_are_lost_is_split_by_its_payloads(redis_url, namespace, header) -> None:
     """The headers of an entry of three are garbled (or missing) but its payloads are whole:
-    each sample's payload names its batch, index and uid. It was read as one sample, failed
-    to decode (three payloads back to back) and was dead-lettered whole, with no result for
-    any of the three: the batch waited for its deadline."""
+    each sample's payload names its batch, index and uid, so each is scored. Read as one
+    sample it would fail to decode (three payloads back to back) and be dead-lettered whole,
+    with no result for any of the three: the batch would wait for its deadline."""
     fields = {"d": b"".join(encode_trajectory(gsm(i)) for i in range(3))}
     if header is not None:
         fields["h"] = header
@@ -76,41 +78,3 @@ async def test_an_entry_of_three_whose_headers_are_lost_is_split_by_its_payloads
     assert rewards.scores == [1.0, 1.0, 1.0]
     assert await list_dead_letters(redis_url, namespace=namespace) == []
     assert pending == 0
-
-
-async def test_backlog_counts_samples_not_entries(redis_url, namespace) -> None:
-    """max_backlog bounds samples; backlog() must report what it bounds, whatever the
-    entries hold: 40 samples in entries of 16, and 5 more pushed one at a time."""
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
-        await producer.open_batch("m", 45, 8)
-        await producer.push_many(gsm(i) for i in range(40))
-        for i in range(40, 45):
-            await producer.push(gsm(i))
-        assert await producer.backlog() == 45
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as other:
-        # Another producer knows none of these entries: it counts them by the pushed counts.
-        assert await other.backlog() == 45
-
-
-async def test_a_redriven_dead_letter_is_stamped_and_counted_in_the_backlog(redis_url, namespace) -> None:
-    """A redrive queues the letter again outside a push: the backlog must still count it,
-    exactly, and the letter's old stamp must not stand for the new entry's."""
-    from stream_reward.ops.deadletters import redrive_dead_letters
-
-    keys = Keys(namespace)
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
-        await producer.open_batch("m", 40, 8)
-        await producer.push_many(gsm(i) for i in range(39))
-        # A sample whose payload no worker can read, with a stale stamp: dead-lettered.
-        await producer.client.xadd(keys.stream(), {b"d": b"\xc1", b"h": entry_header("m", 39, "m/39", 1), b"n": b"7"})
-        worker = Worker(redis_url, RuleScorer(), ConsumerConfig(namespace=namespace, block_ms=20))
-        try:
-            await asyncio.wait_for(worker.run(burst=True), 30)
-        finally:
-            await worker.aclose()
-        assert await producer.backlog() == 0
-        assert len(await list_dead_letters(redis_url, namespace=namespace)) == 1
-        assert await redrive_dead_letters(redis_url, namespace=namespace) == 1
-        assert await producer.backlog() == 1
-        (entry_id, fields), *_ = (await producer.client.xrange(keys.stream(), min="-", max="+"))[-1:]
-        assert fields[b"n"] == b"39"  # after the 39 the script pushed (the hand-made entry counted nothing)

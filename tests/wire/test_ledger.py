@@ -1,5 +1,8 @@
-"""One copy of each result (wire/ledger.py): the ledger marks uids, the done stream
-holds the records, one entry per flush; what a reader makes of a broken entry."""
+"""The write-once result store (wire/ledger.py): the ledger marks uids, the done stream holds
+the records, one entry per flush. A result is stored once and a second write of its uid
+changes nothing; a done entry whose bytes are no records fails its samples, not the batch,
+and ``done_rows`` names what stopped it.
+"""
 
 from __future__ import annotations
 

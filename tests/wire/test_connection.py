@@ -1,7 +1,7 @@
-"""connect()'s clients retry a command whose connection was lost under it, as its docstring
-promises ("short commands get a few quick retries inside redis-py"). Until 2026-12-01 they
-were given redis-py's synchronous Retry, whose call_with_retry returns the asyncio client's
-coroutine unawaited and so never retried anything: one reset connection failed the command."""
+"""Connections (wire/connection.py): ``connect()``'s clients retry a command whose
+connection was lost under it (short commands get a few quick retries inside redis-py),
+and a server that stays away still fails the command within the retries.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,155 @@
+"""The push script (wire/push.py): each sample queued exactly once. A call with something
+already there takes the slow path and queues only the fresh samples; an index twice in
+one call is refused once; a retried push is a no-op (large indices, default and custom
+uids, odd uids); a conflict is refused whole; two producers racing on the same indices
+queue each sample once; many batches over many chunks, with repeats and conflicts across
+chunks, come out right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from helpers import queued, samples_of
+
+from stream_reward import ProducerConfig, RolloutProducer, Trajectory
+from stream_reward.errors import PushConflictError
+from stream_reward.wire.connection import connect
+
+pytestmark = pytest.mark.anyio
+
+
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
+
+
+async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
+    """(uid, index) of every sample in the producer's stream, in order."""
+    client = connect(redis_url)
+    try:
+        entries = await client.xrange(producer.keys.stream(0))
+    finally:
+        await client.aclose()
+    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
+
+
+async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
+    """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.push_many(samples)
+
+
+async def test_a_call_with_something_already_there_takes_the_slow_path_and_queues_only_the_fresh(
+    redis_url, namespace
+) -> None:
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        await producer.open_batch("b", 20, 8)
+        await producer.push_many([traj("b", i) for i in range(5)])  # all fresh: the fast path
+        other = RolloutProducer(redis_url, ProducerConfig(namespace=namespace))
+        async with other:
+            # Two already there unchanged (duplicates), one index taken by another uid, five fresh.
+            call = [traj("b", 0), traj("b", 1), traj("b", 2, uid="someone-else"), *(traj("b", i) for i in range(5, 10))]
+            with pytest.raises(PushConflictError, match="index 2"):
+                await other.push_many(call)
+        assert await stream_samples(redis_url, producer) == [(f"b/{i}", i) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)]
+
+
+async def test_the_same_index_twice_in_one_call_is_refused_once(redis_url, namespace) -> None:
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+        await producer.open_batch("b", 10, 8)
+        # Fresh in Redis, but index 3 twice in the call: the client sends it down the slow path.
+        with pytest.raises(PushConflictError, match="index 3"):
+            await producer.push_many([traj("b", 3), traj("b", 4), traj("b", 3, uid="custom-3")])
+        assert await stream_samples(redis_url, producer) == [("b/3", 3), ("b/4", 4)]
+
+
+async def test_a_retried_push_of_a_large_index_under_its_default_uid_is_a_no_op(redis_url, namespace) -> None:
+    """The fast path writes claim fields formatted by Python (``i100000000000000``), the
+    slow path looks them up formatted by Lua's tostring (``i1e+14``): a retry misses the claim."""
+    index = 10**14
+    t = traj("b", index)
+    config = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
+        await a.open_batch("b", 4, 8)
+        await a.push(t)
+        await b.push(t)  # the same sample again (a retry by another producer): a no-op
+        assert await queued(redis_url, a.keys) == [("b", f"b/{index}", index)]
+
+
+async def test_a_retried_push_of_a_large_index_under_a_custom_uid_is_a_no_op(redis_url, namespace) -> None:
+    index = 10**14
+    t = traj("b", index, uid="custom")
+    config = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
+        await a.open_batch("b", 4, 8)
+        await a.push(t)
+        await b.push(t)  # observed: PushConflictError "its uid was already pushed at another index"
+        assert await queued(redis_url, a.keys) == [("b", "custom", index)]
+
+
+async def test_odd_uids_are_queued_once_retries_are_no_ops_and_conflicts_refused(redis_url, namespace) -> None:
+    """Spaces, unicode, a very long uid, a uid that is only digits, one with the claim separator."""
+    uids = ["a b  c", "ünï cødé ✓", "x" * 20_000, "12", " ", "1 2", "b/1x", "b/01", "u12", "i3", "\r\n$3\r\n", "\x00z"]
+    samples = [traj("b", i, uid=u) for i, u in enumerate(uids)]
+    config = ProducerConfig(namespace=namespace)
+    async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
+        await a.open_batch("b", 20, 8)
+        assert await a.push_many(samples) == len(samples)
+        assert await b.push_many(samples) == len(samples)  # all duplicates: no-op
+        # Each uid at another index, each index under another uid: every one refused.
+        for i, u in enumerate(uids):
+            with pytest.raises(PushConflictError, match="another index"):
+                await push_fresh(redis_url, namespace, traj("b", 100 + i, uid=u))
+            with pytest.raises(PushConflictError, match="another uid"):
+                await push_fresh(redis_url, namespace, traj("b", i, uid=u + "'"))
+        assert await queued(redis_url, a.keys) == [("b", u, i) for i, u in enumerate(uids)]
+
+
+async def test_several_batches_over_many_chunks_with_repeats_and_conflicts_across_chunks(redis_url, namespace) -> None:
+    """One push_many of 700 entries over 3 batches (several 256-entry script calls), then a
+    second call mixing duplicates, conflicts in later chunks and fresh samples."""
+    config = ProducerConfig(namespace=namespace, coalesce_max_entries=4096)
+    async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
+        for name in ("x", "y", "z"):
+            await a.open_batch(name, 400, 8)
+        first = [traj(name, i, uid=(f"{name}-{i}" if i % 3 else "")) for i in range(0, 400, 2) for name in "xyz"]
+        first += [traj("x", i) for i in range(401, 501)]  # past the batch size: still queued once
+        assert await a.push_many(first) == len(first)
+        # duplicates (batches y and z, in another order and chunking), conflicts in later chunks, fresh
+        second = [t for t in first[::-1] if t.batch_id != "x"]
+        second.insert(150, traj("y", 4, uid="y-other"))  # index taken by "y-4"
+        second.insert(300, traj("z", 399, uid="y-1"))  # fresh: uids are per batch
+        second.append(traj("x", 7, uid="x-2"))  # uid elsewhere ("x-2" is at index 2), in the last chunk
+        second += [traj(name, i) for i in range(1, 60, 2) for name in "xyz"]  # fresh
+        with pytest.raises(PushConflictError):
+            await b.push_many(second)
+        want = [(t.batch_id, t.uid, t.index) for t in first]
+        want += [("z", "y-1", 399)] + [(n, f"{n}/{i}", i) for i in range(1, 60, 2) for n in "xyz"]
+        got = await queued(redis_url, a.keys)
+        assert sorted(got) == sorted(want) and len(got) == len(set(got))
+
+
+async def test_two_producers_racing_on_the_same_indices_queue_each_sample_once(redis_url, namespace) -> None:
+    config = ProducerConfig(namespace=namespace, partitions=2)
+    async with RolloutProducer(redis_url, config) as a, RolloutProducer(redis_url, config) as b:
+        await a.open_batch("r", 600, 8)
+        same = [traj("r", i, group=f"g{i // 4}") for i in range(300)]
+        theirs = [traj("r", i, uid=f"b{i}", group=f"g{i // 4}") for i in range(300, 600)]
+        mine = [traj("r", i, uid=f"a{i}", group=f"g{i // 4}") for i in range(300, 600)]
+
+        async def one_by_one(p: RolloutProducer, samples: list[Trajectory]) -> list[object]:
+            return await asyncio.gather(*(p.push(t) for t in samples), return_exceptions=True)
+
+        ra, rb, rc, rd = await asyncio.gather(
+            a.push_many(same), b.push_many(same), one_by_one(a, mine), one_by_one(b, theirs)
+        )
+        assert ra == rb == 300
+        for x, y in zip(rc, rd):  # exactly one of each pair wins its index
+            assert (x is None) != (y is None), (x, y)
+            assert isinstance(x or y, PushConflictError)
+        got = await queued(redis_url, a.keys)
+        assert sorted(i for _, _, i in got) == list(range(600))
+        assert len({u for _, u, _ in got}) == 600
