@@ -11,11 +11,13 @@ credential.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 from http_support import FAST_RETRY, Replies, scorer, traj
 
+from stream_reward import Trajectory
 from stream_reward.bench.verifier_server import VerifierServer
 from stream_reward.config import QuotaConfig
 from stream_reward.errors import BadReplyError, ConfigError
@@ -228,3 +230,21 @@ def test_quota_name_never_holds_credentials() -> None:
     assert quota_name("http", ["http://h"], HttpOptions(), "mine") == "mine"
     assert s._headers["Authorization"] == "Bearer sk-very-secret"
     assert s.name.startswith("key-") and "secret" not in s.name
+
+
+async def test_http_success_after_retries_reports_its_attempts() -> None:
+    from stream_reward.bench.verifier_server import VerifierServer
+    from stream_reward.config import ManagerConfig
+    from stream_reward.scoring.http.verifiers import build_http_scorer
+
+    async with VerifierServer(fail_5xx_rate=0.5, seed=3) as srv:
+        config = ManagerConfig(
+            scorer=f"http:{srv.url}", retries=20, reward_kwargs={"backoff_base_s": 0.001, "backoff_max_s": 0.002}
+        )
+        s = build_http_scorer(config.scorer, config)
+        results = await asyncio.gather(
+            *(s.score(Trajectory("b", i, "test", response="1", ground_truth="1")) for i in range(20))
+        )
+        await s.aclose()
+    assert s.stats["retries"] > 0
+    assert sum(r.attempts for r in results) == 20 + s.stats["retries"]
