@@ -312,8 +312,9 @@ def _discard(coro: Any) -> None:
 
 
 def _import_torch_first(feature: str) -> None:
-    """torch's import takes seconds. Before the event loop, a signal interrupts it at
-    once; inside, it could only cancel the command once the import was over."""
+    """torch's import takes seconds, outside the event loop: a signal that comes during it
+    waits for its end (see ``import_torch``) and then stops the command before the loop
+    starts it."""
     from stream_reward.trainer.tensors import import_torch
 
     import_torch(feature)

@@ -41,7 +41,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-NOISE = ("Traceback", "Exception ignored", "never retrieved", "never awaited", "Fatal Python", "was destroyed")
+NOISE = (
+    "terminate called",
+    "Traceback",
+    "Exception ignored",
+    "never retrieved",
+    "never awaited",
+    "Fatal Python",
+    "was destroyed",
+)
 
 # argv: <trigger kind> <trigger arg> <SIGTERM|SIGINT> <proc|group> <cli args...>
 #   import <modules>: the first time one of <modules> (comma-separated) is looked up while the pipeline module is
@@ -49,6 +57,8 @@ NOISE = ("Traceback", "Exception ignored", "never retrieved", "never awaited", "
 #   cli-import <module>: the first time <module> is looked up (the CLI's own import)
 #   loop-start -: as asyncio.run's loop starts, before the command's coroutine runs
 #   loop-close -: as asyncio.run closes its loop, the command's coroutine done
+#   torch-c <function>: at the first Python call torch's C function torch._C.<function> makes
+#                       (torch's import runs it; C++ is on the stack below that Python code)
 LAUNCH = r"""
 import os, signal, sys
 
@@ -58,6 +68,7 @@ SIG = getattr(signal, SIG)
 
 
 def fire():
+    open(os.path.join(os.environ["TMPDIR"], "fired"), "w").close()
     if WHO == "group":
         os.killpg(os.getpgid(0), SIG)
     else:
@@ -80,6 +91,33 @@ class Hook:
 
 
 sys.meta_path.insert(0, Hook())
+
+c_calls = []
+
+
+def profile(frame, event, arg):
+    if event == "c_call":
+        c_calls.append(arg)
+    elif event in ("c_return", "c_exception"):
+        if c_calls:
+            c_calls.pop()
+    elif event == "call" and c_calls and not state["fired"]:
+        caller = c_calls[-1]
+        if getattr(caller, "__module__", None) == "torch._C" and getattr(caller, "__name__", None) == ARG:
+            state["fired"] = True
+            sys.setprofile(None)
+            fire()
+
+
+class TorchImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not state["fired"]:
+            sys.setprofile(profile)  # from torch's import on: its C calls are watched
+        return None
+
+
+if KIND == "torch-c":
+    sys.meta_path.insert(0, TorchImport())
 
 if KIND in ("loop-start", "loop-close"):
     import asyncio.base_events as be
@@ -130,7 +168,9 @@ def run_cli(tmp_path: Path, trigger: list[str], cli_args: list[str], limit_s: fl
     took = time.monotonic() - started
     time.sleep(0.5)  # a private server's temp dir is removed before the exit, not after
     left = sorted(p.name for p in tmpdir.glob("stream-reward-*"))
+    fired = tmpdir.joinpath("fired").exists()
     shutil.rmtree(tmpdir, ignore_errors=True)
+    assert fired, f"the signal was never sent (the trigger {trigger} never came): {err.decode(errors='replace')}"
     return code, round(took, 1), err.decode(errors="replace"), left
 
 
@@ -160,6 +200,25 @@ def test_signal_while_torch_imports_numpys_extension_is_not_a_traceback(tmp_path
     trigger = "numpy.exceptions,numpy.core._exceptions"
     code, took, stderr, left = run_cli(tmp_path, ["import", trigger, sig, who], DEMO)
     assert_clean_exit(code, took, stderr, left, sig, "demo")
+
+
+SCORE_SLOW = ["--scorer", "python:tests/data/failwell_scorers.py:slow", "--processes", "1"]
+
+
+@pytest.mark.parametrize("function", ["_c10d_init", "_multiprocessing_init"])
+@pytest.mark.parametrize(("sig", "who"), [("SIGTERM", "proc"), ("SIGINT", "group")], ids=["sigterm", "ctrl-c"])
+def test_signal_while_torchs_c_extension_calls_python_exits_as_documented(tmp_path, sig, who, function):
+    """torch's import runs C++ functions of its extension (``torch._C._autograd_init``,
+    ...) that call back into Python. A signal whose handler raises in that Python code
+    comes back into C++ as an exception it cannot pass on: ``terminate called after
+    throwing an instance of 'python_error'`` (or pybind11's ``error_already_set``), abort,
+    exit -6, no drain, the private server's temp dir left behind. ``score`` imports torch
+    once its pipeline is up, so the signal lands with a server and a worker to stop."""
+    pytest.importorskip("torch")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"data_source": "test", "response": "ok", "extra_info": {"sleep_s": 60}}\n')
+    code, took, stderr, left = run_cli(tmp_path, ["torch-c", function, sig, who], ["score", str(src), *SCORE_SLOW])
+    assert_clean_exit(code, took, stderr, left, sig, "score")
 
 
 @pytest.mark.parametrize(
