@@ -37,6 +37,7 @@ from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import LOG_FORMATS, configure_logging, progress_bar
 from stream_reward.ops.settings import Settings
 from stream_reward.ops.worker_cli import (
+    DeprecationLines,
     add_deprecated_flag,
     add_worker_arguments,
     resolve_args,
@@ -801,10 +802,17 @@ def _stopped_early(command: str, signum: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # An old flag or environment variable: one line of ours, not Python's warning.
+    with DeprecationLines().catching() as deprecations:
+        return _main(sys.argv[1:] if argv is None else list(argv), deprecations)
+
+
+def _main(argv: list[str], deprecations: DeprecationLines) -> int:
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("STREAM_REWARD_DEBUG", "") not in ("", "0")
     args = parser.parse_args([a for a in argv if a != "--debug"])
+    # `worker` (not --check) becomes the worker program, which says them itself.
+    deprecations.name(f"stream-reward {args.command}", quiet=args.command == "worker" and not args.check)
     if args.command == "worker":
         args.worker_argv = argv[argv.index("worker") + 1 :]
     func: Callable[[argparse.Namespace], int] = args.func
