@@ -46,6 +46,8 @@ from helpers import (
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
 
+pytestmark = pytest.mark.anyio
+
 ROOT = Path(__file__).resolve().parents[2]
 SLOW = "python:tests/data/failwell_scorers.py:slow"
 SCORE_SLOW = ["--scorer", SLOW, "--processes", "1"]
