@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +184,30 @@ def test_old_flags_and_environment_names_are_one_line_each_from_the_programs() -
             f"{prog}: $STREAM_REWARD_MAX_RPM is deprecated; set $STREAM_REWARD_QUOTA_MAX_RPM instead",
         ], (name, proc.stderr)
         assert "Warning" not in proc.stderr, (name, proc.stderr)
+
+
+def test_stream_reward_worker_leaves_its_deprecations_to_the_worker_program_it_becomes(tmp_path: Path) -> None:
+    """``stream-reward worker`` parses the flags, then execs the worker program, which parses
+    them again: the line is said once, by the program that runs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "stream_reward.cli", "worker", "--redis", f"unix://{tmp_path}/nothing.sock"]
+    proc = subprocess.Popen(
+        [*argv, "--max-inflight", "4"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    guard = threading.Timer(60, proc.kill)  # a worker that never says "retrying" ends the read
+    guard.start()
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for raw in proc.stderr:  # up to its first retry of the absent server: past the exec
+            seen.append(raw.decode(errors="replace"))
+            if "retrying" in seen[-1]:
+                break
+    finally:
+        guard.cancel()
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert "retrying" in "".join(seen), seen
+    said = [line.strip() for line in seen if "deprecated" in line]
+    assert said == ["stream-reward worker: --max-inflight is deprecated; use --max-concurrent"], seen
