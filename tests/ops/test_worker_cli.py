@@ -29,7 +29,7 @@ from stream_reward.errors import ConfigError
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.ops.worker_cli import FLAG_KEYS, add_worker_arguments, resolve_args, worker_argv
 
-pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("clean_env")]
+pytestmark = pytest.mark.anyio
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-s3cret"
@@ -43,6 +43,7 @@ def worker_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------- flags
+@pytest.mark.usefixtures("clean_env")
 def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     parser = worker_parser()
     config = tmp_path / "sr.toml"
@@ -80,6 +81,7 @@ def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.M
     assert argv[argv.index("--metrics-port") + 1] == "9101" and "--slot" not in argv
 
 
+@pytest.mark.usefixtures("clean_env")
 def test_unknown_manager_kwarg_is_a_config_error() -> None:
     parser = worker_parser()
     with pytest.raises(ConfigError) as err:
@@ -167,6 +169,12 @@ sys.exit(main(sys.argv[1:]))
     ids=["worker-imports-consumer", "pool-imports-supervisor-before-join"],
 )
 def test_worker_or_pool_stopped_between_its_handlers_exits_0_quietly(redis_url, namespace, sig, module, processes):
+    """After ``stream_reward.worker.main.main`` gave back the signals kept through its imports
+    and before ``run_worker`` installs its loop handlers (argparse, ``resolve_args``,
+    ``asyncio.run``'s set-up, the import of the consumer), a SIGTERM would meet SIG_DFL (a
+    death by signal, -15, nothing drained) and a Ctrl-C asyncio.Runner's handler (a
+    KeyboardInterrupt traceback, -2). Likewise a pool before ``_join_unless_stopped`` puts
+    its handlers in (its import of the supervisor)."""
     rc, took, err, left = run_in_own_session(
         WORKER_LAUNCH,
         [module, sig, "--redis", redis_url, "--namespace", namespace, "--processes", processes],

@@ -134,6 +134,9 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_pool_stopped_while_it_spawns_a_worker_exits_0_and_leaves_no_worker(redis_url, namespace, sig):
+    """The signal comes while the supervisor is inside ``subprocess.Popen`` for a worker (the
+    child forked and exec'ing): the supervisor signals the children it knows, and one still
+    being spawned must be among them, or the pool waits for it forever."""
     rc, took, err, left = run_in_own_session(
         POOL_LAUNCH,
         [sig, "--redis", redis_url, "--namespace", namespace, "--processes", "2", "--drain-timeout-s", "2"],
