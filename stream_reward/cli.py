@@ -37,6 +37,7 @@ from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import LOG_FORMATS, configure_logging, progress_bar
 from stream_reward.ops.settings import Settings
 from stream_reward.ops.worker_cli import (
+    DeprecationLines,
     add_deprecated_flag,
     add_worker_arguments,
     resolve_args,
@@ -312,8 +313,9 @@ def _discard(coro: Any) -> None:
 
 
 def _import_torch_first(feature: str) -> None:
-    """torch's import takes seconds. Before the event loop, a signal interrupts it at
-    once; inside, it could only cancel the command once the import was over."""
+    """torch's import takes seconds, outside the event loop: a signal that comes during it
+    waits for its end (see ``import_torch``) and then stops the command before the loop
+    starts it."""
     from stream_reward.trainer.tensors import import_torch
 
     import_torch(feature)
@@ -800,10 +802,17 @@ def _stopped_early(command: str, signum: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # An old flag or environment variable: one line of ours, not Python's warning.
+    with DeprecationLines().catching() as deprecations:
+        return _main(sys.argv[1:] if argv is None else list(argv), deprecations)
+
+
+def _main(argv: list[str], deprecations: DeprecationLines) -> int:
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("STREAM_REWARD_DEBUG", "") not in ("", "0")
     args = parser.parse_args([a for a in argv if a != "--debug"])
+    # `worker` (not --check) becomes the worker program, which says them itself.
+    deprecations.name(f"stream-reward {args.command}", quiet=args.command == "worker" and not args.check)
     if args.command == "worker":
         args.worker_argv = argv[argv.index("worker") + 1 :]
     func: Callable[[argparse.Namespace], int] = args.func

@@ -3,6 +3,7 @@ namespace per test (instead of FLUSHALL), and factories that close what they ope
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -87,3 +88,15 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("STREAM_REWARD_") and name not in ("STREAM_REWARD_SERVER_BIN", "STREAM_REWARD_TEST_LOG"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """The root logger's handlers and level as they were: ``main([...])`` configures logging."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)

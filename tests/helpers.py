@@ -471,3 +471,183 @@ async def backlog_ready(producer: RolloutProducer, batch: str, size: int = 100) 
     await producer.push(backlog_traj(batch, 0))
     if producer._backlog_reading is not None:
         await producer._backlog_reading
+
+
+# ---------------------------------------------------------------------- programs under test (ops)
+def worker_program_argv(url: str, namespace: str, *args: str) -> list[str]:
+    """``python -m workers`` (the worker program, or a pool with ``--processes``) on ``url``."""
+    import sys
+
+    return [sys.executable, "-m", "workers", "--redis", url, "--namespace", namespace, "--log-level", "WARNING", *args]
+
+
+def sleepy_batch(batch_id: str, n: int, sleep_s: float) -> list[Trajectory]:
+    """Samples that ``tests/data/failwell_scorers.py:slow`` scores after ``sleep_s`` each."""
+    return [
+        Trajectory(batch_id, i, "test", response="ok", valid_response_length=1, extra_info={"sleep_s": sleep_s})
+        for i in range(n)
+    ]
+
+
+def timed_wait(proc: subprocess.Popen[bytes], limit_s: float) -> tuple[int | None, float]:
+    """(exit code or None if still running after limit_s, seconds waited); kills a survivor."""
+    started = time.monotonic()
+    try:
+        code = proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None, time.monotonic() - started
+    return code, time.monotonic() - started
+
+
+def read_err(proc: subprocess.Popen[bytes]) -> str:
+    """What a process with a piped stderr wrote there (it has exited)."""
+    assert proc.stderr is not None
+    with proc.stderr:
+        return proc.stderr.read().decode()
+
+
+def session_processes(sid: int) -> list[tuple[int, str]]:
+    """The live processes of session ``sid``: (pid, command line)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+            rest = stat[stat.rindex(")") + 2 :].split()
+            if int(rest[3]) == sid and rest[0] != "Z":
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+                out.append((int(p.name), cmd))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def run_in_own_session(code: str, args: list[str], limit_s: float, env: dict | None = None) -> tuple:
+    """``python -c code *args`` in a session of its own: (exit code or None on a hang,
+    seconds, stderr, processes of its session left behind); the session is killed after."""
+    import os
+    import signal
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=Path(__file__).resolve().parent.parent,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+        # As from a terminal: a SIGINT ignored by whoever runs the tests (a background job
+        # of a non-interactive shell) would be inherited, and Python keeps it ignored.
+        preexec_fn=_default_sigint,
+    )
+    started = time.monotonic()
+    try:
+        try:
+            _, err = proc.communicate(timeout=limit_s)
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+        took = time.monotonic() - started
+        time.sleep(0.5)
+        left = session_processes(proc.pid)
+    finally:
+        for pid, _ in session_processes(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            _, err = proc.communicate()
+    return rc, round(took, 1), err.decode(errors="replace"), left
+
+
+def run_to_end(proc: subprocess.Popen[bytes], timeout: float = 40) -> tuple[int | None, str]:
+    """Its exit status and stderr; status None for a program still running at ``timeout``
+    (the signal was lost), which is then killed."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = None
+        proc.kill()
+        _, err = proc.communicate()
+    return code, err.decode(errors="replace")
+
+
+def said(stderr: str) -> list[str]:
+    """The lines a program said on stderr, blank ones left out."""
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def stream_reward_cli(
+    *args: str, timeout_s: float = 60, **kwargs: Any
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``python -m stream_reward.cli *args`` run to its end from the repository: (the run, seconds)."""
+    import sys
+
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "stream_reward.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=Path(__file__).resolve().parent.parent,
+        stdin=subprocess.DEVNULL,
+        **kwargs,
+    )
+    return done, time.monotonic() - started
+
+
+def one_line(stderr: str) -> str:
+    """The single line a program said on stderr (no traceback, nothing else)."""
+    lines = said(stderr)
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def worker_heartbeat(name: str, seen: float, **fields: Any) -> bytes:
+    """A worker's heartbeat as it writes it into ``Keys.workers()``, last ``seen`` then."""
+    import msgpack
+
+    beat = {
+        "host": "h1",
+        "pid": 4242,
+        "started": seen - 100,
+        "seen": seen,
+        "group": "scorers",
+        "scorer": "RuleScorer",
+        "scored": 0,
+        "failed": 0,
+        "duplicates": 0,
+        "dead_letters": 0,
+        "reclaimed": 0,
+        "in_flight": 0,
+        **fields,
+    }
+    return bytes(msgpack.packb(beat))
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text exposition -> {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric_value(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))

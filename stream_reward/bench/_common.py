@@ -74,7 +74,9 @@ def add_torch_threads(parser: argparse.ArgumentParser) -> None:
 
 def setup_torch(args: argparse.Namespace) -> None:
     """Import torch (as a trainer would have it loaded) and apply --torch-threads."""
-    import torch
+    from stream_reward.trainer.tensors import import_torch
+
+    torch = import_torch("the benchmarks")
 
     if getattr(args, "torch_threads", 0):
         torch.set_num_threads(args.torch_threads)

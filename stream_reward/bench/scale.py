@@ -261,7 +261,9 @@ def cost_model(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch  # noqa: F401  # a trainer has it loaded; keep its import out of the timed runs
+    from stream_reward.trainer.tensors import import_torch
+
+    import_torch("the benchmarks")  # a trainer has it loaded; keep its import out of the timed runs
 
     kinds = [k.strip() for k in args.redis.split(",") if k.strip()]
     counts = [int(p) for p in args.processes.split(",") if p.strip()]

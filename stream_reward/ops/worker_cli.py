@@ -14,7 +14,8 @@ import argparse
 import json
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from stream_reward.config import ManagerConfig
@@ -25,6 +26,7 @@ from stream_reward.ops.settings import Settings, load_settings, schema
 __all__ = [
     "DeprecatedFlag",
     "add_deprecated_flag",
+    "DeprecationLines",
     "FLAG_KEYS",
     "WORKER_MODULE",
     "worker_command",
@@ -95,6 +97,54 @@ def add_deprecated_flag(parser: argparse.ArgumentParser, old: str, new: str, **k
     """Accept ``old`` as a hidden alias of the already added flag ``new``."""
     dest = next(a.dest for a in parser._actions if new in a.option_strings)
     parser.add_argument(old, dest=dest, action=DeprecatedFlag, new=new, **kwargs)
+
+
+class DeprecationLines:
+    """A program's deprecations as one line of its own each on stderr,
+    ``stream-reward collect: --timeout is deprecated; use --timeout-s``, instead of
+    Python's ``.../worker_cli.py:90: ConfigDeprecationWarning: ...`` and the source line.
+
+    The library warns (``ConfigDeprecationWarning``: a caller catches it, or makes it an
+    error); an entry point runs its command under ``catching()``, where each such warning
+    is said once, whatever the warning filters say. Those that come before the program
+    knows its name (the flags' own, while they parse) wait for ``name()``; a program with
+    ``quiet=True`` leaves them to another that will say them (``stream-reward worker``
+    execs the worker program, which parses the same flags again)."""
+
+    def __init__(self) -> None:
+        self.prog: str | None = None
+        self.quiet = False
+        self._held: list[str] = []
+        self._said: set[str] = set()
+
+    def name(self, prog: str, *, quiet: bool = False) -> None:
+        """From now the lines start with ``prog``; those held until now are said."""
+        self.prog, self.quiet = prog, quiet
+        held, self._held = self._held, []
+        for text in held:
+            self._say(text)
+
+    def _say(self, text: str) -> None:
+        if self.prog is None:
+            self._held.append(text)
+        elif not self.quiet and text not in self._said:
+            self._said.add(text)
+            print(f"{self.prog}: {text}", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def catching(self) -> Iterator[DeprecationLines]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", ConfigDeprecationWarning)
+            others = warnings.showwarning
+
+            def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+                if issubclass(category, ConfigDeprecationWarning):
+                    self._say(str(message))
+                else:
+                    others(message, category, *args, **kwargs)
+
+            warnings.showwarning = show
+            yield self
 
 
 def _default(dotted: str) -> Any:

@@ -24,7 +24,7 @@ from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.ops import early_signals
 from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import configure_logging as _configure_logging
-from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
+from stream_reward.ops.worker_cli import DeprecationLines, add_worker_arguments, resolve_args
 from stream_reward.scoring.registry import build_scorer
 from stream_reward.worker.watchdog import LoopWatchdog
 
@@ -193,8 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(prog="stream-reward worker", description="Run a pool of reward workers.")
     add_worker_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_from_args(args)
+    # An old flag or environment variable: one line of ours, not Python's warning.
+    with DeprecationLines().catching() as deprecations:
+        deprecations.name(parser.prog)
+        args = parser.parse_args(argv)
+        return run_from_args(args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

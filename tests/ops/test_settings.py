@@ -1,37 +1,24 @@
-"""The CLI's configuration, secrets, logging and progress, through ``cli.main([...])``."""
+"""Settings: one value per key from the config file (TOML, YAML or JSON), the environment
+(``STREAM_REWARD_<SECTION>_<KEY>``) and flags, in that order of precedence, each key's source
+known. A bad value fails at start, naming its key (and its variable) and the reason; the old
+names still work with a deprecation warning; a secret (passwords in URLs, keys and tokens in
+kwargs) never shows, not in ``config show`` nor in an error message.
+"""
 
 from __future__ import annotations
 
-import io
 import json
-import logging
-import sys
 from pathlib import Path
 
 import pytest
 
 from stream_reward.cli import main
 from stream_reward.errors import ConfigDeprecationWarning, ConfigError
-from stream_reward.ops.logs import JsonFormatter, configure_logging, progress_bar
 from stream_reward.ops.settings import env_name, load_settings, mask_secrets, schema
 
+pytestmark = pytest.mark.usefixtures("clean_env", "restore_logging")
+
 SECRET = "hunter2-s3cret"
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(clean_env: None) -> None:
-    """Every test here reads settings: none may leak in from the outer environment."""
-
-
-@pytest.fixture(autouse=True)
-def restore_logging() -> object:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-    root.setLevel(level)
 
 
 def show(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -149,59 +136,6 @@ policy:
     assert s.producer_config().partitions == 2
 
 
-def test_worker_flags_resolve_onto_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
-
-    from stream_reward.ops.worker_cli import FLAG_KEYS, add_worker_arguments, resolve_args, worker_argv
-
-    parser = argparse.ArgumentParser()
-    add_worker_arguments(parser)
-    config = write(tmp_path, "sr.toml", "[worker]\nprocesses = 3\nmetrics_port = 9100\n[reward]\ntimeout = 4.0\n")
-    monkeypatch.setenv("STREAM_REWARD_CONNECTION_REDIS", f"redis://:{SECRET}@localhost:6379/0")
-    args = parser.parse_args(
-        [
-            "--config",
-            config,
-            "--concurrency",
-            "8",
-            "--max-concurrent",
-            "4",
-            "--manager-kwargs",
-            '{"max_resp_len": 2048, "batch_size": 16}',
-        ]
-    )
-    settings = resolve_args(args)
-    assert resolve_args(args) is settings  # idempotent
-    assert (args.processes, args.concurrency, args.timeout_s, args.metrics_port) == (3, 8, 4.0, 9100)
-    manager = settings.manager_config()
-    assert (manager.max_concurrent, manager.max_resp_len, manager.batch_size, manager.timeout) == (4, 2048, 16, 4.0)
-    assert settings.consumer_config().concurrency == 8
-    assert set(FLAG_KEYS.values()) <= {f"{sec}.{k}" for sec, keys in settings.values.items() for k in keys}
-
-    argv = worker_argv(args, consumer="host-1-2", slot=2)
-    # A child gets the flags as given (plus its own port and one process), the file, not the environment's password.
-    assert SECRET not in " ".join(argv)
-    assert argv[argv.index("--config") + 1] == config
-    assert argv[argv.index("--processes") + 1] == "1"
-    assert argv[argv.index("--metrics-port") + 1] == "9102"
-    assert argv[argv.index("--consumer") + 1] == "host-1-2"
-    assert "--timeout-s" not in argv  # from the file: the child reads it there
-    argv = worker_argv(args, consumer="worker-a", slot=1)  # a supervisor that passes the slot
-    assert argv[argv.index("--metrics-port") + 1] == "9101" and "--slot" not in argv
-
-
-def test_unknown_manager_kwarg_is_a_config_error() -> None:
-    import argparse
-
-    from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
-
-    parser = argparse.ArgumentParser()
-    add_worker_arguments(parser)
-    with pytest.raises(ConfigError) as err:
-        resolve_args(parser.parse_args(["--manager-kwargs", '{"max_rmp": 5}']))
-    assert err.value.key == "max_rmp"
-
-
 # ---------------------------------------------------------------------- invalid config
 @pytest.mark.parametrize(
     ("text", "key", "reason"),
@@ -252,13 +186,7 @@ def test_invalid_environment_value_names_the_variable(
     assert "consumer.max_deliveries" in err and "STREAM_REWARD_CONSUMER_MAX_DELIVERIES" in err and "integer" in err
 
 
-def test_worker_without_redis_anywhere_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["worker", "--burst"]) == 2
-    assert "connection.redis" in capsys.readouterr().err
-    assert main(["status"]) == 2
-    assert "connection.redis" in capsys.readouterr().err
-
-
+# ---------------------------------------------------------------------- environment names
 def test_env_names_always_carry_their_section() -> None:
     assert env_name("quota.max_rpm") == "STREAM_REWARD_QUOTA_MAX_RPM"
     assert env_name("connection.redis") == "STREAM_REWARD_CONNECTION_REDIS"
@@ -335,103 +263,3 @@ def test_secret_type_errors_do_not_echo_the_value() -> None:
         "nested": [{"token": "***"}],
         "n": 1,
     }
-
-
-# ---------------------------------------------------------------------- logging
-def test_json_log_lines() -> None:
-    stream = io.StringIO()
-    configure_logging("INFO", "json", stream=stream)
-    logging.getLogger("stream_reward.test").info("worker %s joined", "w1", extra={"batch": "b7"})
-    logging.getLogger("stream_reward.test").debug("not shown")
-    lines = stream.getvalue().splitlines()
-    assert len(lines) == 1
-    record = json.loads(lines[0])
-    assert record["msg"] == "worker w1 joined" and record["level"] == "INFO"
-    assert record["logger"] == "stream_reward.test" and record["batch"] == "b7" and "ts" in record
-
-
-def test_json_formatter_includes_exceptions() -> None:
-    try:
-        raise RuntimeError("boom")
-    except RuntimeError:
-        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
-    assert "RuntimeError: boom" in json.loads(JsonFormatter().format(record))["exc"]
-
-
-def test_configure_logging_replaces_its_own_handler() -> None:
-    configure_logging("INFO", "text")
-    configure_logging("WARNING", "json")
-    ours = [h for h in logging.getLogger().handlers if getattr(h, "_stream_reward", False)]
-    assert len(ours) == 1 and isinstance(ours[0].formatter, JsonFormatter)
-
-
-def test_library_modules_do_not_configure_logging() -> None:
-    """Only entry points install handlers; library modules just get their logger."""
-    import stream_reward
-
-    root = Path(stream_reward.__file__).parent
-    offenders = [
-        p.name
-        for p in root.rglob("*.py")
-        if p.name not in ("logs.py", "cli.py") and ("basicConfig(" in p.read_text() or "addHandler(" in p.read_text())
-    ]
-    assert offenders == []
-
-
-# ---------------------------------------------------------------------- progress
-def test_progress_bar_draws_only_on_a_terminal() -> None:
-    from rich.console import Console
-
-    terminal = io.StringIO()
-    with progress_bar("scoring", total=3, console=Console(file=terminal, force_terminal=True, width=80)) as bar:
-        assert bar.drawn
-        bar.advance(2)
-        bar()
-        with progress_bar("nested", total=1) as inner:  # nests on the bar already on screen
-            assert inner.drawn
-            inner.advance()
-    assert "scoring" in terminal.getvalue() and "3/3" in terminal.getvalue()
-
-    piped = io.StringIO()
-    with progress_bar("scoring", total=3, console=Console(file=piped, force_terminal=False)) as bar:
-        assert not bar.drawn
-        bar.advance(3)
-    assert piped.getvalue() == ""
-    with progress_bar("scoring", total=3, enabled=False) as bar:  # --json
-        assert not bar.drawn
-
-
-def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    out = capsys.readouterr().out
-    for command in ("demo", "server", "worker", "produce", "collect", "score", "status", "config", "bench"):
-        assert command in out
-
-
-def test_worker_command_becomes_the_worker_program(redis_url: str, namespace: str) -> None:
-    """`stream-reward worker` execs `python -m workers` in its own process: it scores, and exits 0 in burst mode."""
-    import asyncio
-    import subprocess
-    import sys
-
-    from stream_reward import ProducerConfig, RolloutProducer, Trajectory
-    from stream_reward.trainer.aggregator import RewardAggregator
-
-    async def push() -> None:
-        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
-            await producer.open_batch("exec", 2, 8)
-            for i, answer in enumerate(["#### 4", "#### 5"]):
-                await producer.push(
-                    Trajectory("exec", i, "openai/gsm8k", response=answer, ground_truth="4", valid_response_length=3)
-                )
-
-    async def collect() -> list[float]:
-        async with RewardAggregator(redis_url, namespace=namespace) as agg:
-            return (await agg.collect("exec", timeout_s=30)).scores
-
-    asyncio.run(push())
-    argv = [sys.executable, "-m", "stream_reward.cli", "worker", "--redis", redis_url, "--namespace", namespace]
-    proc = subprocess.run([*argv, "--burst"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert asyncio.run(collect()) == [1.0, 0.0]

@@ -1,7 +1,11 @@
-"""The embedded server: a private child that dies with its owner and leaves nothing behind."""
+"""The embedded server: a private child on a unix socket only (its dir 0700), that dies with
+its owner and leaves nothing behind (the next server reclaims an orphan's dir); ``stream-reward
+server`` prints its URL first and, with ``--dir --appendonly``, keeps its data across restarts.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -10,6 +14,10 @@ import time
 from pathlib import Path
 
 from stream_reward.ops.embedded import EmbeddedServer
+from stream_reward.wire.connection import connect
+
+ROOT = Path(__file__).resolve().parents[2]
+
 
 OWNER = """
 import sys, time
@@ -76,21 +84,36 @@ def test_server_command_prints_its_url_first():
     assert not os.path.exists(url.removeprefix("unix://"))
 
 
-def test_local_workers_die_with_their_owner(redis_url):
-    owner_code = (
-        "import sys, time\n"
-        "from stream_reward.ops.pipeline import spawn_worker\n"
-        f"w = spawn_worker({redis_url!r}, namespace='orphans')\n"
-        "print(w.pid, flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True)
-    worker_pid = int(owner.stdout.readline())
-    assert _alive(worker_pid)
-    owner.send_signal(signal.SIGKILL)
-    owner.wait()
-    owner.stdout.close()
-    deadline = time.monotonic() + 15  # the worker drains (SIGTERM) before it exits
-    while _alive(worker_pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(worker_pid)
+def test_server_dir_keeps_appendonly_data_across_restarts(tmp_path):
+    data = tmp_path / "data"
+
+    def run_server() -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stream_reward.cli", "server", "--appendonly", "--dir", str(data)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        return proc, proc.stdout.readline().strip()
+
+    async def set_then_get(url: str, value: bytes | None) -> bytes | None:
+        client = connect(url)
+        try:
+            if value is not None:
+                await client.set("kept", value)
+            return await client.get("kept")
+        finally:
+            await client.aclose()
+
+    proc, url = run_server()
+    assert asyncio.run(set_then_get(url, b"yes")) == b"yes"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    proc.stdout.close()
+    proc, url = run_server()
+    try:
+        assert asyncio.run(set_then_get(url, None)) == b"yes"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+        proc.stdout.close()
