@@ -22,6 +22,7 @@ from helpers import one_line, read_err, stream_reward_cli, timed_wait, worker_pr
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
 from stream_reward.cli import main
+from stream_reward.cli import main as cli_main
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.trainer.aggregator import RewardAggregator
 
@@ -211,3 +212,17 @@ def test_stream_reward_worker_leaves_its_deprecations_to_the_worker_program_it_b
     assert "retrying" in "".join(seen), seen
     said = [line.strip() for line in seen if "deprecated" in line]
     assert said == ["stream-reward worker: --max-inflight is deprecated; use --max-concurrent"], seen
+
+
+def test_cli_produce_of_an_existing_batch_exits_2_with_a_hint(
+    redis_url: str, namespace: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text(json.dumps({"data_source": "test", "response": "a", "ground_truth": "a"}) + "\n")
+    argv = ["produce", "--redis", redis_url, "--namespace", namespace, "--batch", "step-1", str(rollouts)]
+    assert cli_main(argv) == 0
+    capsys.readouterr()
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already" in err and "step-1" in err and "unique batch id" in err
+    assert "Traceback" not in err
