@@ -27,11 +27,11 @@ traj, Ident = exact_traj, Timed
 
 async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:
     """A dead letter for sample 0 of the stream's first entry, as a worker of ``group``
-    writes it for a sample of an entry of several (stream_reward.worker.consumer: _Member.fields)."""
-    from stream_reward.worker.consumer import _split
+    writes it for a sample of an entry of several (stream_reward.worker.members: Member.fields)."""
+    from stream_reward.worker.members import split
 
     (entry_id, fields), *_ = await client.xrange(keys.stream(), count=1)
-    members = _split(fields)
+    members = split(fields)
     dead = encode_dead_letter(
         reason="poison",
         error="x",

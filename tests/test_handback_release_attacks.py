@@ -27,7 +27,8 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import FIELD_HANDED_BACK
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.push import REQUEUE_SCRIPT
-from stream_reward.worker.consumer import _RELEASED_IDLE_MS, Worker
+from stream_reward.worker.consumer import Worker
+from stream_reward.worker.stop import _RELEASED_IDLE_MS
 
 pytestmark = pytest.mark.anyio
 

@@ -26,7 +26,8 @@ from stream_reward.errors import (
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
-from stream_reward.worker.consumer import _RELEASED_IDLE_MS, Worker
+from stream_reward.worker.consumer import Worker
+from stream_reward.worker.stop import _RELEASED_IDLE_MS
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,8 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import read_group
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerWriter
-from stream_reward.worker.consumer import _RELEASED_IDLE_MS, Worker
+from stream_reward.worker.consumer import Worker
+from stream_reward.worker.stop import _RELEASED_IDLE_MS
 
 pytestmark = pytest.mark.anyio
 
@@ -281,7 +282,7 @@ async def test_a_stop_before_the_first_read_returns_loses_nothing(redis_url, nam
             await asyncio.sleep(0.05)
         return out
 
-    monkeypatch.setattr("stream_reward.worker.consumer.read_group", first_read)
+    monkeypatch.setattr("stream_reward.worker.reading.read_group", first_read)
     w1 = Worker(redis_url, scorer, stop_config(namespace, "w1", reclaim_idle_ms=300, concurrency=8), client=wc)
     await run_stopped(w1, stop)
     assert fired

@@ -18,7 +18,8 @@ from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer
 from stream_reward.ops.deadletters import list_dead_letters
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
-from stream_reward.worker.consumer import _RELEASED_IDLE_MS, Worker
+from stream_reward.worker.consumer import Worker
+from stream_reward.worker.stop import _RELEASED_IDLE_MS
 
 pytestmark = pytest.mark.anyio
 
