@@ -18,9 +18,6 @@ from stream_reward.wire.keys import Keys
 pytestmark = pytest.mark.anyio
 
 
-traj = exact_traj
-
-
 async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:
     """A dead letter for sample 0 of the stream's first entry, as a worker of ``group``
     writes it for a sample of an entry of several (stream_reward.worker.members: Member.fields)."""
@@ -52,7 +49,7 @@ async def test_two_concurrent_redrives_queue_a_letter_once(redis_url, namespace)
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("r", 4, 8)
-            await producer.push_many(traj("r", i) for i in range(4))
+            await producer.push_many(exact_traj("r", i) for i in range(4))
             await _letter_of_first_sample(client, keys)
             before = await client.xlen(keys.stream())
             moved = await asyncio.gather(
@@ -75,7 +72,7 @@ async def test_a_redrive_run_twice_in_a_row_queues_the_letter_once(redis_url, na
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("r", 4, 8)
-            await producer.push_many(traj("r", i) for i in range(4))
+            await producer.push_many(exact_traj("r", i) for i in range(4))
             await _letter_of_first_sample(client, keys)
             assert await redrive_dead_letters(redis_url, namespace=namespace) == 1
             assert await redrive_dead_letters(redis_url, namespace=namespace) == 0

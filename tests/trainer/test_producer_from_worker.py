@@ -31,12 +31,6 @@ from stream_reward.worker.consumer import Worker
 pytestmark = pytest.mark.anyio
 
 
-traj = exact_traj
-
-
-Ident = Timed
-
-
 # Its workers read with block_ms=50 and drain within 0.2 s.
 quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
 
@@ -59,8 +53,8 @@ async def test_backlog_of_a_producer_is_never_below_the_truth_when_another_pushe
         ):
             await b.open_batch("x", 196, 8)
             for i in range(100):
-                await b.push(traj("x", i))
-            await a.push_many(traj("x", i) for i in range(100, 196))
+                await b.push(exact_traj("x", i))
+            await a.push_many(exact_traj("x", i) for i in range(100, 196))
             truth = await undelivered_samples(client, keys)
             assert truth == 196
             assert await a.backlog() >= truth
@@ -83,12 +77,12 @@ async def test_max_backlog_is_not_exceeded_by_more_than_a_push_with_two_producer
         ):
             await b.open_batch("x", 1000, 8)
             for i in range(100):
-                await b.push(traj("x", i))
-            await a.push_many(traj("x", i) for i in range(100, 196))
+                await b.push(exact_traj("x", i))
+            await a.push_many(exact_traj("x", i) for i in range(100, 196))
             i = 196
             with pytest.raises(BackpressureError):
                 while i < 1000:
-                    await b.push(traj("x", i))
+                    await b.push(exact_traj("x", i))
                     i += 1
             truth = await undelivered_samples(client, keys)
             assert truth <= limit + 1, f"{truth} samples queued with max_backlog={limit}"
@@ -140,10 +134,10 @@ async def test_backlog_after_a_hand_back_is_not_counted_as_full_entries(redis_ur
     try:
         async with (
             RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer,
-            quick_worker(redis_url, namespace, Ident(3.0), concurrency=3),
+            quick_worker(redis_url, namespace, Timed(3.0), concurrency=3),
         ):
             await producer.open_batch("hb", 64, 8)
-            await producer.push_many(traj("hb", i) for i in range(64))
+            await producer.push_many(exact_traj("hb", i) for i in range(64))
 
             async def handed_back() -> bool:
                 return await client.xlen(keys.stream()) == 4 + 13
@@ -162,7 +156,7 @@ async def test_backlog_with_a_second_group_that_read_everything(redis_url, names
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("g", 40, 8)
-            await producer.push_many(traj("g", i) for i in range(40))
+            await producer.push_many(exact_traj("g", i) for i in range(40))
             await ensure_group(client, keys.stream(), "judges")
             await client.xreadgroup("judges", "j", {keys.stream(): ">"}, count=100)
             # a group created late at '$': nothing undelivered for it
@@ -186,7 +180,7 @@ async def test_backlog_after_undelivered_entries_are_deleted_is_never_below_the_
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("d", 64, 8)
-            await producer.push_many(traj("d", i) for i in range(64))
+            await producer.push_many(exact_traj("d", i) for i in range(64))
             ids = [eid for eid, _ in await client.xrange(keys.stream())]
             assert len(ids) == 4
             if how == "xdel_first":
@@ -208,10 +202,10 @@ async def test_backlog_after_the_stream_is_deleted_and_recreated(redis_url, name
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("s", 64, 8)
-            await producer.push_many(traj("s", i) for i in range(32))
+            await producer.push_many(exact_traj("s", i) for i in range(32))
             await client.delete(keys.stream())
             await producer.backlog()  # notices the group is gone
-            await producer.push_many(traj("s", i) for i in range(32, 48))
+            await producer.push_many(exact_traj("s", i) for i in range(32, 48))
             truth = await undelivered_samples(client, keys)
             assert truth == 16
             assert await producer.backlog() == truth
@@ -229,9 +223,9 @@ async def test_backlog_when_the_pushed_counts_are_lost_but_the_stream_is_not(red
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("p", 64, 8)
-            await producer.push_many(traj("p", i) for i in range(32))
+            await producer.push_many(exact_traj("p", i) for i in range(32))
             await client.delete(keys.pushed(0))
-            await producer.push_many(traj("p", i) for i in range(32, 48))
+            await producer.push_many(exact_traj("p", i) for i in range(32, 48))
             truth = await undelivered_samples(client, keys)
             assert truth == 48
             assert await producer.backlog() >= truth
@@ -253,8 +247,8 @@ async def test_another_groups_hand_backs_are_not_counted_in_this_groups_backlog(
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await ensure_group(client, keys.stream(), "judges")
             await producer.open_batch("h", n, 8)
-            await producer.push_many(traj("h", i) for i in range(n))
-            async with running_worker(redis_url, namespace, Ident(0.02), group="judges", consumer="j", concurrency=3):
+            await producer.push_many(exact_traj("h", i) for i in range(n))
+            async with running_worker(redis_url, namespace, Timed(0.02), group="judges", consumer="j", concurrency=3):
 
                 async def judged() -> bool:
                     return await client.hlen(keys.results("h", 0, "judges")) == n
@@ -296,7 +290,7 @@ async def test_max_backlog_with_two_producers_pushing_at_once(redis_url, namespa
                 i = start
                 with contextlib.suppress(BackpressureError):
                     while i < start + 500:
-                        await p.push(traj("m", i))
+                        await p.push(exact_traj("m", i))
                         i += 1
 
             await asyncio.gather(run(a, 0), run(b, 500))
@@ -328,7 +322,7 @@ async def test_samples_per_entry_one_and_257_queue_what_they_say(redis_url, name
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, samples_per_entry=per_entry)) as p:
             await p.open_batch("s", n, 8)
-            await p.push_many(traj("s", i) for i in range(n))
+            await p.push_many(exact_traj("s", i) for i in range(n))
             sizes = [len(samples_of(f)) for _, f in await client.xrange(keys.stream())]
             assert max(sizes) <= per_entry and sum(sizes) == n
             assert sorted(q[2] for q in await queued(redis_url, keys)) == list(range(n))
@@ -356,7 +350,7 @@ async def test_entries_never_pass_256_kib_unless_one_sample_does(redis_url, name
             assert len(members) == 1 or len(f[b"d"]) <= ENTRY_MAX_BYTES, (len(members), len(f[b"d"]))
             got += [t.index for t in members]
         assert got == list(range(len(trajs)))
-        w = Worker(redis_url, Ident(), ConsumerConfig(namespace=namespace, block_ms=20, max_message_bytes=1 << 20))
+        w = Worker(redis_url, Timed(), ConsumerConfig(namespace=namespace, block_ms=20, max_message_bytes=1 << 20))
         await asyncio.wait_for(w.run(burst=True), 30)
         await w.aclose()
         async with RewardAggregator(redis_url, namespace=namespace) as agg:

@@ -28,9 +28,6 @@ from stream_reward.worker.consumer import Worker
 pytestmark = pytest.mark.anyio
 
 
-traj = exact_traj
-
-
 @contextlib.asynccontextmanager
 async def running(url: str, ns: str, scorer, **cfg):
     w = Worker(url, scorer, ConsumerConfig(namespace=ns, block_ms=20, drain_timeout_s=0.3, **cfg))
@@ -73,10 +70,10 @@ async def test_slow_path_stamps_count_only_fresh_samples(redis_url, namespace) -
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("s", 32, 8)
-            await producer.push_many(traj("s", i) for i in range(16))
+            await producer.push_many(exact_traj("s", i) for i in range(16))
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as other:
             # 8 already queued (duplicates) and 8 fresh: the slow path
-            await other.push_many(traj("s", i) for i in range(8, 24))
+            await other.push_many(exact_traj("s", i) for i in range(8, 24))
             before = 0
             for _, fields in await client.xrange(keys.stream()):
                 assert int(fields[b"n"]) == before
@@ -113,7 +110,7 @@ async def test_stamps_stay_exact_with_producers_pushing_concurrently(redis_url, 
 
             async def pusher(p, mine):
                 for c in mine:
-                    await p.push_many(traj("c", j) for j in c)
+                    await p.push_many(exact_traj("c", j) for j in c)
                     await asyncio.sleep(0)
 
             async def reader():
@@ -154,7 +151,7 @@ async def test_stamps_stay_exact_when_the_counts_go_while_workers_hand_back_and_
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await producer.open_batch("k", n, 8)
-            await producer.push_many(traj("k", i) for i in range(64))
+            await producer.push_many(exact_traj("k", i) for i in range(64))
             await client.delete(keys.pushed(0))
             cfg = dict(concurrency=2, trim_interval_s=3600)
             async with (
@@ -169,7 +166,7 @@ async def test_stamps_stay_exact_when_the_counts_go_while_workers_hand_back_and_
 
                 async def pusher():
                     for lo in range(64, n, 8):
-                        await producer.push_many(traj("k", i) for i in range(lo, lo + 8))
+                        await producer.push_many(exact_traj("k", i) for i in range(lo, lo + 8))
                         await asyncio.sleep(0.01)
 
                 await asyncio.gather(deleter(), pusher())
@@ -214,9 +211,9 @@ async def test_stamps_go_on_from_the_newest_entry_of_any_size_when_the_counts_ar
             redis_url, ProducerConfig(namespace=namespace, samples_per_entry=per_entry)
         ) as producer:
             await producer.open_batch("e", n + 5, 8)
-            await producer.push_many(traj("e", i) for i in range(n))
+            await producer.push_many(exact_traj("e", i) for i in range(n))
             await client.delete(keys.pushed(0))
-            await producer.push_many(traj("e", i) for i in range(n, n + 5))
+            await producer.push_many(exact_traj("e", i) for i in range(n, n + 5))
             before = 0
             for _, fields in await client.xrange(keys.stream()):
                 assert int(fields[b"n"]) == before

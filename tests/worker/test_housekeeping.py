@@ -60,12 +60,6 @@ async def identity_worker(url: str, ns: str, scorer=None, **cfg):
         await w.aclose()
 
 
-traj = exact_traj
-
-
-expected = identity_score
-
-
 # Its workers read with block_ms=50 and drain within 0.2 s.
 quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
 
@@ -124,14 +118,14 @@ async def test_entries_a_live_worker_read_but_has_not_opened_yet_are_not_taken_b
         async def score(self, t: Trajectory) -> Scored:
             calls[t.uid] = calls.get(t.uid, 0) + 1
             await asyncio.sleep(1.6)
-            return Scored(expected(t))
+            return Scored(identity_score(t))
 
     keys = Keys(namespace)
     n = 48
     cfg = {"concurrency": 3, "reclaim_idle_ms": 1000}
     async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
         await p.open_batch("nh", n, 8)
-        await p.push_many(traj("nh", i) for i in range(n))
+        await p.push_many(exact_traj("nh", i) for i in range(n))
         async with quick_worker(redis_url, namespace, Slow(), consumer="holder", **cfg) as holder:
             await wait_until(lambda: asyncio.sleep(0, bool(calls)))
             async with quick_worker(

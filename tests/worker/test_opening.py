@@ -164,15 +164,6 @@ def requeue_replies_lost(redis_url: str, *, every: bool) -> tuple:
     return wc, lost
 
 
-traj = exact_traj
-
-
-expected = identity_score
-
-
-Ident = Timed
-
-
 # Its workers read with block_ms=50 and drain within 0.2 s.
 quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
 
@@ -357,14 +348,14 @@ async def test_an_entry_with_a_raising_sample_a_garbled_one_and_a_repeated_uid(r
     from stream_reward.wire.codec import encode_trajectory
     from stream_reward.wire.entries import entry_header
 
-    class Raises(Ident):
+    class Raises(Timed):
         async def score(self, t: Trajectory) -> Scored:
             if t.index == 1:
                 raise RuntimeError("boom")
             return await super().score(t)
 
     keys = Keys(namespace)
-    t = [traj("e", i) for i in range(4)]
+    t = [exact_traj("e", i) for i in range(4)]
     dup = Trajectory("e", 3, "test/exact", response="other", ground_truth="1")
     payloads = [
         encode_trajectory(t[0]),
@@ -391,7 +382,7 @@ async def test_an_entry_with_a_raising_sample_a_garbled_one_and_a_repeated_uid(r
             rewards = await agg.collect("e", timeout_s=5)
         assert rewards.status == ["ok", "failed", "failed", "ok"]
         assert rewards.results[1].reason == "scorer_error" and rewards.results[2].reason == "malformed"
-        assert rewards.scores[3] == expected(t[3])
+        assert rewards.scores[3] == identity_score(t[3])
         uids = [r.uid for r in await done_results(client, keys.done("e"))]
         assert sorted(uids) == ["e/0", "e/1", "e/2", "e/3"]
         assert (await client.xpending(keys.stream(), "scorers"))["pending"] == 0
@@ -418,8 +409,8 @@ async def test_a_result_elsewhere_does_not_skip_a_redelivered_sample(redis_url, 
             if where == "another_group":
                 await ensure_group(client, keys.stream(), "judges")
                 await producer.open_batch("a", n, 8)
-                await producer.push_many(traj("a", i) for i in range(n))
-                async with running_worker(redis_url, namespace, Ident(), group="judges", consumer="j"):
+                await producer.push_many(exact_traj("a", i) for i in range(n))
+                async with running_worker(redis_url, namespace, Timed(), group="judges", consumer="j"):
 
                     async def judged() -> bool:
                         return await client.hlen(keys.results("a", 0, "judges")) == n
@@ -428,20 +419,20 @@ async def test_a_result_elsewhere_does_not_skip_a_redelivered_sample(redis_url, 
                 batch = "a"
             else:
                 await producer.open_batch("a", n, 8)
-                await producer.push_many(traj("a", i, uid=f"u{i}") for i in range(n))
-                async with running_worker(redis_url, namespace, Ident(), consumer="w0"):
+                await producer.push_many(exact_traj("a", i, uid=f"u{i}") for i in range(n))
+                async with running_worker(redis_url, namespace, Timed(), consumer="w0"):
 
                     async def first() -> bool:
                         return await client.hlen(keys.results("a")) == n
 
                     await wait_until(first, timeout_s=10)
                 await producer.open_batch("b", n, 8)
-                await producer.push_many(traj("b", i, uid=f"u{i}") for i in range(n))
+                await producer.push_many(exact_traj("b", i, uid=f"u{i}") for i in range(n))
                 batch = "b"
             # a consumer of 'scorers' reads the entry and dies
             got = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=10)
             assert got
-            scorer = Ident()
+            scorer = Timed()
             async with running_worker(redis_url, namespace, scorer, consumer="w1", reclaim_idle_ms=200):
 
                 async def done() -> bool:
@@ -476,7 +467,7 @@ async def test_a_redis_error_looking_up_settled_samples_scores_all_once(redis_ur
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("e", n, 8)
-            await producer.push_many(traj("e", i) for i in range(n))
+            await producer.push_many(exact_traj("e", i) for i in range(n))
             await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=10)
             wc = connect(redis_url)
             real_pipeline = wc.pipeline
@@ -498,7 +489,7 @@ async def test_a_redis_error_looking_up_settled_samples_scores_all_once(redis_ur
                 return pipe
 
             wc.pipeline = pipeline
-            async with running_worker(redis_url, namespace, Ident(), client=wc, consumer="w1", reclaim_idle_ms=200):
+            async with running_worker(redis_url, namespace, Timed(), client=wc, consumer="w1", reclaim_idle_ms=200):
 
                 async def done() -> bool:
                     return (
@@ -521,7 +512,7 @@ async def test_a_half_settled_entry_spanning_two_batches_scores_only_the_rest(re
     keys = Keys(namespace)
     client = connect(redis_url)
 
-    class HangsOnY(Ident):
+    class HangsOnY(Timed):
         async def score(self, t: Trajectory) -> Scored:
             if t.batch_id == "y":
                 await asyncio.sleep(30)
@@ -534,7 +525,7 @@ async def test_a_half_settled_entry_spanning_two_batches_scores_only_the_rest(re
         ):
             await producer.open_batch("x", 4, 4)
             await producer.open_batch("y", 4, 4)
-            await producer.push_many([traj("x", i) for i in range(4)] + [traj("y", i) for i in range(4)])
+            await producer.push_many([exact_traj("x", i) for i in range(4)] + [exact_traj("y", i) for i in range(4)])
             assert await client.xlen(keys.stream()) == 1
             first = HangsOnY()
             async with running_worker(redis_url, namespace, first, consumer="w0", concurrency=8):
@@ -544,7 +535,7 @@ async def test_a_half_settled_entry_spanning_two_batches_scores_only_the_rest(re
 
                 await wait_until(x_done, timeout_s=10)
             assert await client.hlen(keys.results("y")) == 0
-            second = Ident()
+            second = Timed()
             async with running_worker(redis_url, namespace, second, consumer="w1", concurrency=8, reclaim_idle_ms=300):
 
                 async def all_done() -> bool:
@@ -862,8 +853,8 @@ async def test_hand_back_copies_taken_by_a_consumer_that_dies_are_reclaimed_and_
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("k", n, 8)
-            await producer.push_many(traj("k", i) for i in range(n))
-            a = Ident(0.5)
+            await producer.push_many(exact_traj("k", i) for i in range(n))
+            a = Timed(0.5)
             async with running_worker(redis_url, namespace, a, consumer="a", concurrency=2):
 
                 async def handed_back() -> bool:
@@ -880,7 +871,7 @@ async def test_hand_back_copies_taken_by_a_consumer_that_dies_are_reclaimed_and_
                 await wait_until(own_two, timeout_s=10)
                 await asyncio.sleep(0.2)  # the source's ack
             assert taken > 0
-            c = Ident()
+            c = Timed()
             async with running_worker(redis_url, namespace, c, consumer="c", reclaim_idle_ms=300):
 
                 async def done() -> bool:
@@ -907,7 +898,7 @@ async def test_hand_backs_on_a_cluster_are_stamped_per_partition_and_score_once(
     trajs = [
         Trajectory("cl", i, "test/exact", response=f"r{i}", ground_truth="1", group=f"g{i // 16}") for i in range(n)
     ]
-    scorer = Ident(0.02)
+    scorer = Timed(0.02)
     client = connect(cluster.url)
     try:
         async with RolloutProducer(cluster.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer:
@@ -983,14 +974,14 @@ async def test_a_hand_back_in_one_group_is_not_scored_again_by_another_group(red
     keys = Keys(namespace)
     n = 64
     client = connect(redis_url)
-    judge = Ident()
+    judge = Timed()
     try:
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await ensure_group(client, keys.stream(), "judges")
             await producer.open_batch("g", n, 8)
-            await producer.push_many(traj("g", i) for i in range(n))
+            await producer.push_many(exact_traj("g", i) for i in range(n))
             async with (
-                quick_worker(redis_url, namespace, Ident(0.05), concurrency=3, consumer="s1"),
+                quick_worker(redis_url, namespace, Timed(0.05), concurrency=3, consumer="s1"),
                 quick_worker(redis_url, namespace, judge, concurrency=256, group="judges", consumer="j1"),
             ):
 
@@ -1019,8 +1010,8 @@ async def test_a_redriven_letter_of_one_group_is_not_scored_again_by_another_gro
         async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
             await ensure_group(client, keys.stream(), "judges")
             await producer.open_batch("j", 4, 8)
-            await producer.push_many(traj("j", i) for i in range(4))
-            judge = Ident()
+            await producer.push_many(exact_traj("j", i) for i in range(4))
+            judge = Timed()
             async with running_worker(redis_url, namespace, judge, group="judges", consumer="j1"):
 
                 async def judged() -> bool:

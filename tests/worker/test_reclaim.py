@@ -197,15 +197,6 @@ class Killer:
         return Scored(identity_score(t))
 
 
-traj = exact_traj
-
-
-expected = identity_score
-
-
-Ident = Timed
-
-
 SLOW = "python:tests/data/reliability_scorers.py:slow"
 
 
@@ -260,7 +251,7 @@ class ByBatch:
     async def score(self, t: Trajectory) -> Scored:
         self.seen.append(t.uid)
         await asyncio.sleep(self.delays.get(t.batch_id, 0.01))
-        return Scored(expected(t))
+        return Scored(identity_score(t))
 
 
 @contextlib.asynccontextmanager
@@ -290,7 +281,7 @@ class CleansUp:
             with anyio.CancelScope(shield=True):  # as httpcore closes its connections
                 await anyio.sleep(self.cleanup_s)
             raise
-        return Scored(expected(t))
+        return Scored(identity_score(t))
 
 
 # --- burst passes over a dead consumer's entries
@@ -403,7 +394,7 @@ async def test_burst_workers_finish_half_settled_entries_of_a_dead_consumer(
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("h", n, 8)
-            await producer.push_many(traj("h", i) for i in range(n))
+            await producer.push_many(exact_traj("h", i) for i in range(n))
             held = await client.xreadgroup("scorers", "dead", {s: ">" for s in keys.streams()}, count=2)
             ledger = LedgerWriter(client, keys, "scorers", result_ttl_s=3600)
             prewritten = {}
@@ -412,9 +403,9 @@ async def test_burst_workers_finish_half_settled_entries_of_a_dead_consumer(
                 items = []
                 for eid, fields in entries:
                     for t in samples_of(fields)[::3]:  # every third sample settled by the dead worker
-                        r = ScoreResult(t.uid, t.batch_id, t.index, expected(t), "ok", {}, scored_at=0.0)
+                        r = ScoreResult(t.uid, t.batch_id, t.index, identity_score(t), "ok", {}, scored_at=0.0)
                         items.append(LedgerItem(eid, t.batch_id, t.uid, encode_result(r), ack=False))
-                        prewritten[t.index] = expected(t)
+                        prewritten[t.index] = identity_score(t)
                 await ledger.write(part, items)
             config = ConsumerConfig(
                 namespace=namespace,
@@ -428,10 +419,10 @@ async def test_burst_workers_finish_half_settled_entries_of_a_dead_consumer(
             stop = asyncio.Event()
             if stop_after is not None:
                 asyncio.get_running_loop().call_later(stop_after, stop.set)
-            w = Worker(redis_url, Ident(0.01, 0.04), config)
+            w = Worker(redis_url, Timed(0.01, 0.04), config)
             await asyncio.wait_for(w.run(stop, burst=True), 60)
             await w.aclose()
-            w2 = Worker(redis_url, Ident(0.0, 0.01), dataclasses.replace(config, consumer="burst2"))
+            w2 = Worker(redis_url, Timed(0.0, 0.01), dataclasses.replace(config, consumer="burst2"))
             await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 60)
             await w2.aclose()
             pending = sum([(await client.xpending(s, "scorers"))["pending"] for s in keys.streams()])
@@ -440,7 +431,7 @@ async def test_burst_workers_finish_half_settled_entries_of_a_dead_consumer(
         assert rewards.status == ["ok"] * n, [
             (r.index, r.status, r.reason) for r in rewards.results if r.status != "ok"
         ]
-        assert rewards.scores == [expected(traj("h", i)) for i in range(n)]
+        assert rewards.scores == [identity_score(exact_traj("h", i)) for i in range(n)]
         uids = []
         for p in range(partitions):
             uids += [r.uid for r in await done_results(client, keys.done("h", p))]
@@ -640,7 +631,7 @@ async def test_suspects_waiting_for_their_quarantine_are_held_not_taken_by_a_pee
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("z", n, 8)
-            await producer.push_many(traj("z", i) for i in range(n))
+            await producer.push_many(exact_traj("z", i) for i in range(n))
             got = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=10)
             ids = [eid for eid, _ in got[0][1]]
             assert len(ids) == 3
@@ -649,8 +640,8 @@ async def test_suspects_waiting_for_their_quarantine_are_held_not_taken_by_a_pee
             # claims as many entries as it has room for (8), the three suspects at once.
             async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, samples_per_entry=1)) as singles:
                 await singles.open_batch("w", 8, 8)
-                await singles.push_many(traj("w", i) for i in range(8))
-            s1, s2 = Ident(0.3), Ident(0.3)
+                await singles.push_many(exact_traj("w", i) for i in range(8))
+            s1, s2 = Timed(0.3), Timed(0.3)
             cfg = dict(concurrency=8, reclaim_idle_ms=800)
             async with running_worker(redis_url, namespace, s1, consumer="w1", **cfg):
 
@@ -702,7 +693,7 @@ async def test_a_redis_blip_during_a_quarantine_does_not_strand_the_entry(redis_
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("bl", n, 8)
-            await producer.push_many(traj("bl", i) for i in range(n))
+            await producer.push_many(exact_traj("bl", i) for i in range(n))
             held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
             await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
             wc = connect(redis_url)
@@ -719,10 +710,10 @@ async def test_a_redis_blip_during_a_quarantine_does_not_strand_the_entry(redis_
 
             setattr(wc, failing, flaky)
             cfg = dict(namespace=namespace, block_ms=20, concurrency=4, reclaim_idle_ms=300, drain_timeout_s=0.5)
-            async with started(Worker(redis_url, Ident(0.01), ConsumerConfig(consumer="w1", **cfg), client=wc)):
+            async with started(Worker(redis_url, Timed(0.01), ConsumerConfig(consumer="w1", **cfg), client=wc)):
                 await wait_until(lambda: asyncio.sleep(0, bool(blips)), timeout_s=10)
                 # A peer joins: it may take whatever w1 does not hold on to.
-                async with started(Worker(redis_url, Ident(0.01), ConsumerConfig(consumer="peer", **cfg))):
+                async with started(Worker(redis_url, Timed(0.01), ConsumerConfig(consumer="peer", **cfg))):
 
                     async def done() -> bool:
                         return (
@@ -762,7 +753,7 @@ async def test_a_quarantine_note_whose_reply_is_lost_does_not_poison_an_innocent
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("qn", n, 8)
-            await producer.push_many(traj("qn", i) for i in range(n))
+            await producer.push_many(exact_traj("qn", i) for i in range(n))
             await _suspects(client, keys, 1)
             wc = connect(redis_url)
             loop = asyncio.get_running_loop()
@@ -902,17 +893,17 @@ async def test_a_stop_during_the_quarantine_of_an_entry_of_several_poisons_no_sa
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("q", n, 8)
-            await producer.push_many(traj("q", i) for i in range(n))
+            await producer.push_many(exact_traj("q", i) for i in range(n))
             held = await client.xreadgroup("scorers", "dead", {keys.stream(): ">"}, count=1)
             await client.xclaim(keys.stream(), "scorers", "dead2", 0, [held[0][1][0][0]])
             cfg = dict(namespace=namespace, block_ms=20, concurrency=4, reclaim_idle_ms=0, drain_timeout_s=0.2)
-            w1 = Worker(redis_url, Ident(0.2), ConsumerConfig(consumer="w1", **cfg))
+            w1 = Worker(redis_url, Timed(0.2), ConsumerConfig(consumer="w1", **cfg))
             stop = asyncio.Event()
             asyncio.get_running_loop().call_later(stop_after, stop.set)
             await asyncio.wait_for(w1.run(stop), 20)
             await w1.aclose()
             assert await client.hgetall(keys.quarantine(0)) == {}
-            w2 = Worker(redis_url, Ident(0.01), ConsumerConfig(consumer="w2", **cfg))
+            w2 = Worker(redis_url, Timed(0.01), ConsumerConfig(consumer="w2", **cfg))
             await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 30)
             await w2.aclose()
             rewards = await agg.collect("q", timeout_s=3, on_timeout="resolve")
@@ -920,7 +911,7 @@ async def test_a_stop_during_the_quarantine_of_an_entry_of_several_poisons_no_sa
     finally:
         await client.aclose()
     assert rewards.status == ["ok"] * n, [(r.index, r.status, r.reason) for r in rewards.results if r.status != "ok"]
-    assert rewards.scores == [expected(traj("q", i)) for i in range(n)]
+    assert rewards.scores == [identity_score(exact_traj("q", i)) for i in range(n)]
     assert w1.stats.dead_letters + w2.stats.dead_letters == 0
 
 
@@ -944,12 +935,12 @@ async def test_a_stop_mid_quarantine_of_several_suspects_releases_them_and_poiso
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("z", n, 8)
-            await producer.push_many(traj("z", i) for i in range(n))
+            await producer.push_many(exact_traj("z", i) for i in range(n))
             ids = await _suspects(client, keys, 10)
             assert len(ids) == 3
             async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, samples_per_entry=1)) as singles:
                 await singles.open_batch("w", 8, 8)
-                await singles.push_many(traj("w", i) for i in range(8))
+                await singles.push_many(exact_traj("w", i) for i in range(8))
             await asyncio.sleep(0.4)
             s1 = ByBatch({"z": 0.3})
             w1 = Worker(
@@ -1001,7 +992,7 @@ async def test_a_stop_during_a_burst_workers_quarantine_is_honoured_within_the_d
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("bq", n, 8)
-            await producer.push_many(traj("bq", i) for i in range(n))
+            await producer.push_many(exact_traj("bq", i) for i in range(n))
             await _suspects(client, keys, 1)
             await asyncio.sleep(0.4)
             s = Timed(2.0)
@@ -1051,7 +1042,7 @@ async def test_a_stop_mid_hunt_with_a_scorer_that_unwinds_slowly_poisons_no_samp
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("cu", n, 8)
-            await producer.push_many(traj("cu", i) for i in range(n))
+            await producer.push_many(exact_traj("cu", i) for i in range(n))
             await _suspects(client, keys, 1)
             await asyncio.sleep(0.4)
             s1 = CleansUp(5.0, 0.5)

@@ -251,15 +251,6 @@ def requeue_replies_lost(redis_url: str, *, every: bool) -> tuple:
     return wc, lost
 
 
-traj = exact_traj
-
-
-expected = identity_score
-
-
-Ident = Timed
-
-
 async def check_batch(redis_url: str, namespace: str, batch: str, n: int, agg: RewardAggregator, timeout_s: float):
     """Every sample once, with its own score; nothing pending; no dead letter."""
     from helpers import done_results
@@ -270,7 +261,7 @@ async def check_batch(redis_url: str, namespace: str, batch: str, n: int, agg: R
     bad = [(r.index, r.status, r.reason) for r in rewards.results if r.status != "ok"]
     assert not bad, bad
     assert rewards.indices == list(range(n))
-    assert rewards.scores == [expected(traj(batch, i)) for i in range(n)], "a sample got another's score"
+    assert rewards.scores == [identity_score(exact_traj(batch, i)) for i in range(n)], "a sample got another's score"
     keys = Keys(namespace)
     client = connect(redis_url)
     try:
@@ -391,7 +382,7 @@ class Completes:
     async def score(self, t: Trajectory) -> Scored:
         await asyncio.sleep(self.rnd.random() * self.delay)
         self.done.append(t.uid)
-        return Scored(expected(t))
+        return Scored(identity_score(t))
 
 
 # --- the release: what is unfinished goes back to the group at once
@@ -674,11 +665,11 @@ async def test_a_stop_releases_every_entry_of_the_last_read_not_only_the_opened_
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("b", n, 8)
-            await producer.push_many(traj("b", i) for i in range(n))
+            await producer.push_many(exact_traj("b", i) for i in range(n))
             assert await client.xlen(keys.stream()) == 3
             base = dict(namespace=namespace, block_ms=20, concurrency=3, reclaim_idle_ms=60_000, drain_timeout_s=3)
             stop = asyncio.Event()
-            w = Worker(redis_url, Ident(0.5), ConsumerConfig(consumer="first", **base))
+            w = Worker(redis_url, Timed(0.5), ConsumerConfig(consumer="first", **base))
             task = asyncio.ensure_future(w.run(stop))
 
             async def busy() -> bool:
@@ -692,7 +683,7 @@ async def test_a_stop_releases_every_entry_of_the_last_read_not_only_the_opened_
             await asyncio.wait_for(task, 20)
             await w.aclose()
             # A burst worker takes what was released (idle at once) and what is in the stream.
-            w2 = Worker(redis_url, Ident(), ConsumerConfig(consumer="second", **base))
+            w2 = Worker(redis_url, Timed(), ConsumerConfig(consumer="second", **base))
             await asyncio.wait_for(w2.run(asyncio.Event(), burst=True), 30)
             await w2.aclose()
             left = await client.xpending_range(keys.stream(), "scorers", min="-", max="+", count=100)
@@ -764,14 +755,14 @@ async def test_a_worker_stopped_mid_entry_again_and_again_loses_and_repeats_noth
         RewardAggregator(redis_url, namespace=namespace) as agg,
     ):
         await producer.open_batch("b", n, 8)
-        await producer.push_many(traj("b", i) for i in range(n))
+        await producer.push_many(exact_traj("b", i) for i in range(n))
         steady_stop = asyncio.Event()
-        steady = Worker(redis_url, Ident(0.01, 0.03), ConsumerConfig(consumer="steady", **base))
+        steady = Worker(redis_url, Timed(0.01, 0.03), ConsumerConfig(consumer="steady", **base))
         steady_task = asyncio.ensure_future(steady.run(steady_stop))
         try:
             for round_ in range(6):
                 stop = asyncio.Event()
-                w = Worker(redis_url, Ident(0.01, 0.05), ConsumerConfig(consumer=f"flaky{round_}", **base))
+                w = Worker(redis_url, Timed(0.01, 0.05), ConsumerConfig(consumer=f"flaky{round_}", **base))
                 task = asyncio.ensure_future(w.run(stop))
                 await asyncio.sleep(rnd.uniform(0.05, 0.5))
                 stop.set()
@@ -796,7 +787,7 @@ async def test_a_graceful_stop_does_not_make_the_next_worker_rescore_settled_sam
         async def score(self, t: Trajectory) -> Scored:
             calls[t.uid] = calls.get(t.uid, 0) + 1
             await asyncio.sleep(5 if t.index == 15 and calls[t.uid] == 1 else 0.01)
-            return Scored(expected(t))
+            return Scored(identity_score(t))
 
     keys = Keys(namespace)
     n = 16
@@ -806,7 +797,7 @@ async def test_a_graceful_stop_does_not_make_the_next_worker_rescore_settled_sam
         RewardAggregator(redis_url, namespace=namespace) as agg,
     ):
         await p.open_batch("gs", n, 8)
-        await p.push_many(traj("gs", i) for i in range(n))
+        await p.push_many(exact_traj("gs", i) for i in range(n))
         stop = asyncio.Event()
         w1 = Worker(redis_url, OneSlow(), ConsumerConfig(consumer="w1", **cfg))
         run = asyncio.ensure_future(w1.run(stop))
@@ -1272,14 +1263,14 @@ async def test_a_graceful_stop_after_a_hand_back_does_not_score_the_handed_back_
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("q", n, 8)
-            await producer.push_many(traj("q", i) for i in range(n))
-            async with running_worker(redis_url, namespace, Ident(2.0), consumer="a", concurrency=2):
+            await producer.push_many(exact_traj("q", i) for i in range(n))
+            async with running_worker(redis_url, namespace, Timed(2.0), consumer="a", concurrency=2):
 
                 async def handed_back() -> bool:
                     return await client.xlen(keys.stream()) > 1
 
                 await wait_until(handed_back, timeout_s=10)
-            c = Ident(0.5)  # the copies are still being scored when the source comes back
+            c = Timed(0.5)  # the copies are still being scored when the source comes back
             async with running_worker(redis_url, namespace, c, consumer="c", concurrency=32, reclaim_idle_ms=300):
 
                 async def done() -> bool:
@@ -1317,7 +1308,7 @@ async def test_a_stop_with_a_handed_entrys_result_still_in_the_writer_scores_not
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("f", n, 8)
-            await producer.push_many(traj("f", i) for i in range(n))
+            await producer.push_many(exact_traj("f", i) for i in range(n))
             a_scorer = Timed(delay=5.0, delays={0: 0.3})
             a = SlowFlush(
                 redis_url,
@@ -1333,7 +1324,7 @@ async def test_a_stop_with_a_handed_entrys_result_still_in_the_writer_scores_not
             await finish_with_burst(redis_url, namespace, c, reclaim_idle_ms=300)
             rewards = await agg.collect("f", timeout_s=3, on_timeout="resolve")
             assert rewards.status == ["ok"] * n
-            assert rewards.scores == pytest.approx([expected(traj("f", i)) for i in range(n)])
+            assert rewards.scores == pytest.approx([identity_score(exact_traj("f", i)) for i in range(n)])
             assert await nothing_pending(client, keys)
             twice = sorted(u for u in set(c.seen) if u in a_scorer.seen[:1] or c.seen.count(u) > 1)
             assert not twice, f"scored twice after a graceful stop: {twice} (a scored {a_scorer.seen})"
@@ -1359,7 +1350,7 @@ async def test_redis_failing_the_hand_back_of_the_rest_at_a_stop_loses_nothing(
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("h", n, 8)
-            await producer.push_many(traj("h", i) for i in range(n))
+            await producer.push_many(exact_traj("h", i) for i in range(n))
             a = FailingFinish(
                 redis_url,
                 Timed(5.0),
@@ -1372,7 +1363,7 @@ async def test_redis_failing_the_hand_back_of_the_rest_at_a_stop_loses_nothing(
             await finish_with_burst(redis_url, namespace, c, reclaim_idle_ms=300)
             rewards = await agg.collect("h", timeout_s=3, on_timeout="resolve")
             assert rewards.status == ["ok"] * n
-            assert rewards.scores == pytest.approx([expected(traj("h", i)) for i in range(n)])
+            assert rewards.scores == pytest.approx([identity_score(exact_traj("h", i)) for i in range(n)])
             assert await nothing_pending(client, keys)
             assert ("released whole" in caplog.text) == bool(failing), caplog.text[-2000:]
             if not failing:
@@ -1401,7 +1392,7 @@ async def test_a_stop_after_a_hand_back_whose_started_samples_include_a_dead_let
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("dl", n, 8)
-            await producer.push_many(traj("dl", i) for i in range(n))
+            await producer.push_many(exact_traj("dl", i) for i in range(n))
             ((eid, fields),) = await client.xrange(keys.stream())
             size0 = read_members(fields)[0][3]
             fields = dict(fields)
@@ -1439,7 +1430,7 @@ async def test_a_stop_while_a_hand_back_is_in_flight_loses_and_repeats_nothing(r
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("sp", n, 8)
-            await producer.push_many(traj("sp", i) for i in range(n))
+            await producer.push_many(exact_traj("sp", i) for i in range(n))
             sa = Timed(3.0)
             a = SlowSpill(
                 redis_url,
@@ -1453,7 +1444,7 @@ async def test_a_stop_while_a_hand_back_is_in_flight_loses_and_repeats_nothing(r
             await finish_with_burst(redis_url, namespace, c, reclaim_idle_ms=300)
             rewards = await agg.collect("sp", timeout_s=3, on_timeout="resolve")
             assert rewards.status == ["ok"] * n
-            assert rewards.scores == pytest.approx([expected(traj("sp", i)) for i in range(n)])
+            assert rewards.scores == pytest.approx([identity_score(exact_traj("sp", i)) for i in range(n)])
             assert await nothing_pending(client, keys)
             twice = sorted(u for u in set(c.seen) if c.seen.count(u) > 1)
             assert not twice, twice
@@ -1481,7 +1472,7 @@ async def test_workers_stopped_again_and_again_mid_hand_back_complete_no_sample_
             RewardAggregator(redis_url, namespace=namespace) as agg,
         ):
             await producer.open_batch("rs", n, 8)
-            await producer.push_many(traj("rs", i) for i in range(n))
+            await producer.push_many(exact_traj("rs", i) for i in range(n))
             for k in range(6):
                 s = Completes(rnd, 0.4)
                 async with running(redis_url, namespace, s, consumer=f"w{k}", concurrency=3, reclaim_idle_ms=300):
@@ -1492,7 +1483,7 @@ async def test_workers_stopped_again_and_again_mid_hand_back_complete_no_sample_
             done += s.done
             rewards = await agg.collect("rs", timeout_s=3, on_timeout="resolve")
             assert rewards.status == ["ok"] * n
-            assert rewards.scores == pytest.approx([expected(traj("rs", i)) for i in range(n)])
+            assert rewards.scores == pytest.approx([identity_score(exact_traj("rs", i)) for i in range(n)])
             assert await nothing_pending(client, keys)
             twice = sorted(u for u in set(done) if done.count(u) > 1)
             assert not twice, twice
