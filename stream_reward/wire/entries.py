@@ -13,7 +13,7 @@ throughput``, 16 samples to an entry cut the CPU per sample from 25.6 to 10.7 us
 Two fields rather than one per value for the same reason.
 
 A worker scores an entry's samples one by one and acks the entry once every
-one of them has its result (see ``stream_reward.worker.consumer``); a sample it dead-letters
+one of them has its result (see ``stream_reward.worker.opening``); a sample it dead-letters
 is kept as an entry of its own (``member_fields``), so a redrive re-queues that
 sample alone.
 
@@ -59,7 +59,7 @@ __all__ = [
 
 FIELD_PAYLOAD = b"d"
 FIELD_HEADER = b"h"
-# On an entry a worker handed back (stream_reward.worker.consumer: Worker._spill): the id of the entry
+# On an entry a worker handed back (stream_reward.worker.opening: EntryOpening._spill): the id of the entry
 # its sample came from (for telling the copy from a producer's push). On it and on a dead
 # letter: the consumer group that wrote it; only that group scores the copy or the
 # redriven letter. Every group reads the stream, and every other group has the sample

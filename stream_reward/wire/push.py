@@ -267,7 +267,7 @@ return status
 
 
 # Queue entries of one sample each on a stream, stamped and counted as the push script
-# does, outside a push: a worker's hand-back (stream_reward.worker.consumer: Worker._spill) and a dead
+# does, outside a push: a worker's hand-back (stream_reward.worker.opening: EntryOpening._spill) and a dead
 # letter's redrive (ops/deadletters.py), which also deletes the letter in the same call.
 REQUEUE_SCRIPT = (
     _QUEUED_BEFORE

@@ -1,6 +1,11 @@
-"""Attacks on the worker's read recovery, by a helper: after a failed read it takes back the
-entries pending under it that the read can have delivered and that it does not hold. Each
-sample must be scored once, every entry acked, nothing stalls, and a stop returns in time."""
+"""The read loop (stream_reward.worker.reading).
+
+After a failed read, the worker takes back at once the entries pending under it that the
+read can have delivered and that it does not hold, rather than leave them to the reclaimer
+for reclaim_idle_ms. Each sample is scored once, every entry acked, nothing stalls, a stop
+returns in time, and a worker restarted under the same name does not score settled
+samples again.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import time
 
 import pytest
 from helpers import (
+    Counting,
     CutProxy,
     assert_each_once,
     exact_traj,
@@ -64,6 +70,19 @@ async def _push(url, ns, batch, n, k=1, partitions=1):
 async def _arm_later(proxy: CutProxy, delay: float, times: int) -> None:
     await asyncio.sleep(delay)
     proxy.arm(b"XREADGROUP", times=times)
+
+
+async def collect(url: str, ns: str, batch: str, n: int, *, partitions: int = 1, timeout_s: float = 60, k: int = 1):
+    async with (
+        RolloutProducer(url, ProducerConfig(namespace=ns, partitions=partitions, samples_per_entry=k)) as producer,
+        RewardAggregator(url, namespace=ns, partitions=partitions) as agg,
+    ):
+        await producer.open_batch(batch, n, 8)
+        await producer.push_many([exact_traj(batch, i) for i in range(n)])
+        return await agg.collect(batch, timeout_s=timeout_s)
+
+
+# --- a read whose reply was lost: what it delivered is taken back at once
 
 
 async def test_lost_replies_while_entries_are_held_score_each_once(own_url, namespace) -> None:
@@ -284,3 +303,30 @@ async def test_a_restarted_worker_of_the_same_name_does_not_rescore_settled_samp
     rescored = {u: second.calls[u] for u in settled_uids if second.calls[u]}
     assert rescored == {}, f"settled samples scored again by the restarted worker: {rescored}"
     await assert_each_once(own_url, namespace, "rs", rewards, n)
+
+
+async def test_a_lost_reply_to_a_read_that_delivered_entries_leaves_none_to_the_reclaimer(own_url, namespace) -> None:
+    """The server ran the worker's XREADGROUP, so its entries are pending under the worker,
+    and the reply was cut. The worker never saw them: left to the reclaimer, they waited
+    reclaim_idle_ms (30 s) and a sweep. It reads its own pending entries back instead."""
+    n = 12
+    await push_exact(own_url, namespace, "lr", n)
+    async with CutProxy(own_url[len("unix://") :]) as proxy:
+        proxy.arm(b"XREADGROUP", times=1)
+        async with running_worker(proxy.url, namespace, Counting(first=0.0, later=0.0), concurrency=8, read_count=4):
+            async with RewardAggregator(own_url, namespace=namespace) as agg:
+                rewards = await agg.collect("lr", timeout_s=10)
+        assert proxy.cuts == 1
+    await assert_each_once(own_url, namespace, "lr", rewards, n)
+
+
+async def test_a_lost_reply_to_a_read_leaves_nothing_unscored(redis_url, namespace) -> None:
+    """XREADGROUP runs (entries now pending on this consumer), its reply is lost: the
+    worker must still score them (its own pending, or a reclaim)."""
+    async with CutProxy(redis_url[len("unix://") :]) as proxy:
+        async with running_worker(proxy.url, namespace, Counting(first=0.0), reclaim_idle_ms=500):
+            await asyncio.sleep(0.3)
+            proxy.arm(b"XREADGROUP", times=3)
+            rewards = await collect(redis_url, namespace, "rl", 40, timeout_s=30)
+        assert proxy.cuts >= 1
+    await assert_each_once(redis_url, namespace, "rl", rewards, 40)
