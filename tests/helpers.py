@@ -121,7 +121,7 @@ async def pending_samples(redis_url: str, namespace: str, partitions: int = 1, g
         await client.aclose()
 
 
-# The attacks on entries of several samples (tests/test_bundle_attacks*.py) share these.
+# The tests of entries of several samples (tests/worker/, tests/wire/test_entries.py) share these.
 
 
 def exact_traj(batch: str, i: int, uid: str | None = None) -> Trajectory:

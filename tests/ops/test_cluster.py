@@ -299,7 +299,7 @@ async def test_a_cluster_client_never_loses_the_node_its_url_named(cluster):
 
 
 async def test_a_push_landing_during_a_backlog_reading_is_counted_once_on_a_cluster(cluster, namespace):
-    """As tests/test_backlog_exact.py on one node: there each partition's reading and push
+    """As tests/trainer/test_backlog.py on one node: there each partition's reading and push
     go to the partition's own master, and a push's reply still places it against the reading."""
     refused = await refusals_of_pushes_that_fit(cluster.url, namespace, partitions=3, rounds=8)
     assert not refused, f"{len(refused)} of 8 rounds refused a push that fit: {refused[:3]}"

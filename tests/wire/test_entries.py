@@ -6,7 +6,9 @@ headers are lost is split by its payloads.
 from __future__ import annotations
 
 import asyncio
+import time
 
+import msgpack
 import pytest
 
 from stream_reward import ProducerConfig, RewardAggregator, Trajectory
@@ -16,15 +18,15 @@ from stream_reward.scoring.registry import RuleScorer
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.wire.codec import encode_trajectory
 from stream_reward.wire.connection import connect
-from stream_reward.wire.entries import entry_header, read_header, read_members
+from stream_reward.wire.entries import entry_header, members_from_payloads, read_header, read_members
 from stream_reward.wire.keys import Keys
 from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
 
-def gsm(i: int) -> Trajectory:
-    return Trajectory("m", i, "openai/gsm8k", response=f"#### {i}", ground_truth=str(i))
+def gsm(i: int, response: str | None = None) -> Trajectory:
+    return Trajectory("m", i, "openai/gsm8k", response=response or f"#### {i}", ground_truth=str(i))
 
 
 async def score_one_entry(redis_url: str, namespace: str, fields: dict) -> tuple:
@@ -78,3 +80,65 @@ async def test_an_entry_of_three_whose_headers_are_lost_is_split_by_its_payloads
     assert rewards.scores == [1.0, 1.0, 1.0]
     assert await list_dead_letters(redis_url, namespace=namespace) == []
     assert pending == 0
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def named(parts) -> list:
+    return [head[:3] for _, head in parts or [] if head is not None]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+def test_a_hostile_entry_does_not_block_the_loop_in_the_split(anyio_backend) -> None:
+    """1000 map starts (each a one-entry map nesting the next), ending in one array of ~1M
+    nils, then a good payload: every start parses the whole MiB before it is found to name
+    no sample, all under the 1 MiB / 1024-miss bounds. The split runs inline on the loop."""
+    good = encode_trajectory(gsm(0))
+    depth = 1000
+    n = (1 << 20) - 2 * depth - 5 - len(good)
+    data = b"\x81\x00" * depth + b"\xdd" + n.to_bytes(4, "big") + b"\xc0" * n + good
+    assert len(data) <= 1 << 20
+    # Against one plain parse of the MiB, timed in this run (best of 3): a machine under
+    # load slows both alike. Each map start parsing the MiB again would be ~1000 of them;
+    # the split takes about one here (20-30 ms alone, 101 ms in CI's parallel suite on a
+    # slow VM, where the old fixed 100 ms bound failed).
+    one_parse = min(_timed(lambda: msgpack.unpackb(data[2 * depth : len(data) - len(good)])) for _ in range(3))
+    t0 = time.perf_counter()
+    parts = members_from_payloads(data)
+    took = time.perf_counter() - t0
+    assert took < 10 * one_parse, (
+        f"members_from_payloads blocked the loop {took * 1000:.0f} ms on a 1 MiB hostile entry "
+        f"({took / one_parse:.1f} plain parses of it)"
+    )
+    assert ("m", 0, "m/0") in named(parts)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+def test_a_truncated_payload_does_not_swallow_the_good_one_after_it(anyio_backend) -> None:
+    """Payload 0 cut right after its last key (before the value), then good payloads 1 and
+    2: parsed in a row, sample 0's missing value is sample 1's whole payload, and sample 0
+    was scored against it while sample 1 vanished. The split cannot tell that from a payload
+    that carries a sample's map on purpose, so it must not guess: no part may name sample 0
+    with sample 1 inside it; giving up (the entry read whole, dead-lettered) is allowed."""
+    p0, p1, p2 = (encode_trajectory(gsm(i)) for i in range(3))
+    cut = p0[: p0.rindex(b"\xa2gt") + 3]  # the "gt" key, without its value
+    assert len(cut) < len(p0)
+    parts = members_from_payloads(cut + p1 + p2)
+    assert parts is None or ("m", 0, "m/0") not in named(parts), f"sample 0 swallowed sample 1: {parts}"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+def test_a_sample_map_nested_in_junk_is_not_taken_for_a_sample(anyio_backend) -> None:
+    """A payload that names no sample (index -1) carries, in an extra field, a map that does
+    name one (m/1, with a wrong answer); the real m/1 follows. The scan, past the junk's
+    start, lands inside it and splits out the nested map: m/1 twice, the forged one first
+    (the ledger keeps the first result)."""
+    forged = msgpack.unpackb(encode_trajectory(gsm(1, response="#### 999")), raw=False)
+    junk = msgpack.packb({"v": 4, "b": "m", "i": -1, "u": "junk", "x": forged})
+    p1, p2 = encode_trajectory(gsm(1)), encode_trajectory(gsm(2))
+    parts = members_from_payloads(junk + p1 + p2)
+    assert named(parts) == [("m", 1, "m/1"), ("m", 2, "m/2")], f"split of junk+m/1+m/2: {named(parts)}"
