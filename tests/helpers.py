@@ -216,7 +216,7 @@ class Counting:
 
 
 def stop_config(namespace: str, consumer: str, **kw) -> ConsumerConfig:
-    """A worker's config for the stop attacks: short reads, a 0.3 s drain, concurrency 4."""
+    """A worker's config for the stop tests: short reads, a 0.3 s drain, concurrency 4."""
     return ConsumerConfig(
         namespace=namespace, consumer=consumer, **{"block_ms": 20, "drain_timeout_s": 0.3, "concurrency": 4, **kw}
     )
