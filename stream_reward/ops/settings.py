@@ -485,7 +485,8 @@ def _validate_components(settings: Settings) -> None:
     from stream_reward.scoring.composite import parse_components
 
     parse_components(settings["reward.components"])
-    if settings.is_set("reward.scorer"):
+    # The default spec may be given (verl's loop passes it to every worker); another is a conflict.
+    if settings.is_set("reward.scorer") and settings["reward.scorer"] != "rules":
         raise ConfigError("reward.scorer", "give either reward.scorer or reward.components, not both")
     manager = settings["reward.manager"]
     if manager not in ("naive", "dapo"):

@@ -252,7 +252,7 @@ def test_config_errors_are_one_line_naming_the_component(tmp_path: Path, toml: s
 
 def test_components_replace_the_scorer_and_the_global_quota(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
-        _load(tmp_path, '[reward]\nscorer = "rules"\n' + _entry("format"))
+        _load(tmp_path, '[reward]\nscorer = "sandbox"\n' + _entry("format"))
     assert info.value.key == "reward.scorer"
     with pytest.raises(ConfigError) as info:
         _load(tmp_path, "[quota]\nmax_rpm = 10\n" + _entry("format"))
@@ -303,3 +303,20 @@ def test_score_command_with_components_shows_their_columns(tmp_path: Path) -> No
     assert info["format_status"] == "ok" and info["correct_status"] == "ok" and info["backend_status"] == "failed"
     assert info["format/tags"] == 1 and "correct_latency_ms" in info
     assert bad["reward_extra_info"]["correct_status"] == "skipped"
+
+
+# ---------------------------------------------------------------------- through verl's reward loop
+def test_verl_loop_options_carry_the_components_to_its_workers() -> None:
+    import argparse
+
+    from stream_reward.ops.worker_cli import add_worker_arguments, resolve_args
+    from stream_reward.verl.options import LoopOptions
+
+    entries = [FORMAT, CORRECT]
+    options = LoopOptions.from_verl({"reward": {"reward_kwargs": {"components": entries}}})
+    argv = ["--redis", "redis://127.0.0.1:9", *options.worker_args()]
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    settings = resolve_args(parser.parse_args(argv))
+    scorer = build_scorer(settings.manager_config())
+    assert [c.name for c, _ in scorer.inner.components] == ["format", "correct"]
