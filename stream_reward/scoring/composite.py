@@ -50,6 +50,7 @@ _KEYS = (
     "sandbox",
     "retries",
 )
+_COLUMNS = ("", "_status", "_latency_ms")  # a component's columns in the extra info, after its name
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # Specs whose head is known without importing anything; anything else must be FILE:FUNC or module:FUNC.
 _SPEC_HEADS = ("http", "disrm", "genrm", "sandbox-fusion")
@@ -91,6 +92,9 @@ def _parse_one(raw: Any, index: int, earlier: Sequence[str]) -> Component:
         raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; known: {', '.join(_KEYS)}")
     if name in earlier:
         raise ConfigError(where, "duplicate component name")
+    columns = {f"{e}{suffix}" for e in earlier for suffix in _COLUMNS}
+    if columns & {f"{name}{suffix}" for suffix in _COLUMNS}:
+        raise ConfigError(where, f"its columns would clash with an earlier component's ({', '.join(sorted(columns))})")
     scorer = raw.get("scorer")
     if not isinstance(scorer, str) or not scorer:
         raise ConfigError(f"{where}.scorer", f"must be a scorer spec, got {scorer!r}")
@@ -178,7 +182,10 @@ class _Outcome:
     score: float | None
     latency_ms: float
     extra: dict[str, Any]
-    error: ScoringError | None = None
+
+
+class _RequiredFailed(Exception):
+    """A required component failed: ``args`` are its name and its ScoringError."""
 
 
 class CompositeScorer:
@@ -200,12 +207,19 @@ class CompositeScorer:
             after = tasks.get(component.skip_unless) if component.skip_unless else None
             tasks[component.name] = asyncio.ensure_future(self._run(component, scorer, traj, after))
         try:
+            # The first required component to fail ends the sample: the others are cancelled
+            # rather than spend calls (and quota) on a sum that will not be used.
             await asyncio.gather(*tasks.values())
+        except _RequiredFailed as failed:
+            name, error = failed.args
+            verb = "timed out" if error.reason == "timeout" else "failed"
+            raise ScoringError(
+                f"required component {name!r} {verb}: {error}", reason=f"{name}:{error.reason}", attempts=error.attempts
+            ) from None
         finally:
             for task in tasks.values():
                 task.cancel()
-        outcomes = {name: task.result() for name, task in tasks.items()}
-        return self._combine(outcomes)
+        return self._combine({name: task.result() for name, task in tasks.items()})
 
     async def _run(
         self, component: Component, scorer: Scorer, traj: Trajectory, after: asyncio.Task[_Outcome] | None
@@ -217,12 +231,13 @@ class CompositeScorer:
         started = time.perf_counter()
         try:
             scored = await scorer.score(traj)
-        except ScoringError as exc:
-            status = "timeout" if exc.reason == "timeout" else "failed"
-            return _Outcome(status, None, (time.perf_counter() - started) * 1000, {}, exc)
         except Exception as exc:  # a component's bug is its failure, not the worker's
-            error = ScoringError(f"{type(exc).__name__}: {exc}")
-            return _Outcome("failed", None, (time.perf_counter() - started) * 1000, {}, error)
+            if not isinstance(exc, ScoringError):
+                exc = ScoringError(f"{type(exc).__name__}: {exc}")
+            if component.required:
+                raise _RequiredFailed(component.name, exc) from None
+            status = "timeout" if exc.reason == "timeout" else "failed"
+            return _Outcome(status, None, (time.perf_counter() - started) * 1000, {})
         return _Outcome("ok", scored.score, (time.perf_counter() - started) * 1000, dict(scored.extra))
 
     def _combine(self, outcomes: Mapping[str, _Outcome]) -> Scored:
@@ -230,13 +245,6 @@ class CompositeScorer:
         extra: dict[str, Any] = {}
         for component, _ in self.components:
             name, outcome = component.name, outcomes[component.name]
-            if outcome.error is not None and component.required:
-                verb = "timed out" if outcome.status == "timeout" else "failed"
-                raise ScoringError(
-                    f"required component {name!r} {verb}: {outcome.error}",
-                    reason=f"{name}:{outcome.error.reason}",
-                    attempts=outcome.error.attempts,
-                )
             if outcome.status == "ok":
                 total += component.weight * float(outcome.score or 0.0)
             extra[name] = outcome.score

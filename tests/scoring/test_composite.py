@@ -101,6 +101,16 @@ async def test_failing_required_component_fails_the_sample() -> None:
     assert info.value.reason.startswith("backend:") and "'backend' failed" in str(info.value)
 
 
+async def test_a_failed_required_component_cancels_the_others() -> None:
+    broken = {"name": "backend", "scorer": f"{DATA}:broken"}
+    async with VerifierServer(timeout_rate=1.0, hang_s=30) as srv:
+        started = time.perf_counter()
+        with pytest.raises(ScoringError):
+            await scored_by([broken, judge(srv.url, timeout_s=20)], traj())
+        took = time.perf_counter() - started
+    assert took < 10, took  # not the judge's 20 s: its call was cancelled
+
+
 async def test_failing_optional_component_says_why() -> None:
     broken = {"name": "backend", "scorer": f"{DATA}:broken", "required": False}
     (scored,) = await scored_by([FORMAT, CORRECT, broken], traj())
@@ -238,6 +248,7 @@ def _entry(name: str, scorer: str = "rules", **keys: str) -> str:
         (_entry("judge", skip_unless='"nobody"'), "reward.components.judge.skip_unless"),
         (_entry("format") + _entry("format"), "reward.components.format"),
         (_entry("format", weight='"heavy"'), "reward.components.format.weight"),
+        (_entry("judge") + _entry("judge_status"), "reward.components.judge_status"),
         (_entry("format", colour='"red"'), "reward.components.format.colour"),
         (
             _entry("judge", "http:http://x") + "[reward.components.quota]\nmax_rpm = -1\n",
