@@ -623,6 +623,7 @@ BENCHES = (
     "sandbox",
     "faults",
     "scale",
+    "composite",
 )
 
 

@@ -169,6 +169,9 @@ class ManagerConfig:
     namespace: str = DEFAULT_NAMESPACE
     # the `sandbox` scorer: keyword arguments of scorers.sandbox.SandboxConfig
     sandbox: dict[str, Any] = field(default_factory=dict)
+    # [[reward.components]]: several scorers, weighted (stream_reward.scoring.composite);
+    # when given, they are the reward and `scorer` is not used
+    components: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,8 @@ with ``tomllib``, ``tomli`` before 3.11), YAML (``.yaml``/``.yml``) or JSON, wit
     [connection]   redis, namespace, group, partitions
     [reward]       ManagerConfig, by verl's key names: manager, scorer, timeout,
                    retries, reward_kwargs, overlong_buffer_cfg, max_resp_len, ...
+    [[reward.components]]  name, scorer, weight, timeout_s, required, skip_unless,
+                   quota, reward_kwargs, sandbox, retries: a composite reward
     [quota]        max_concurrent, max_rpm, max_tpm, estimated_tokens_per_request, quota_key
     [consumer]     ConsumerConfig: concurrency, block_ms, reclaim_idle_ms, ...
     [policy]       BatchPolicy: on_failure, fallback_score, deadline_s
@@ -450,6 +452,8 @@ def _validate(settings: Settings) -> None:
     for dotted in ("quota.max_rpm", "quota.max_tpm"):
         _positive(v, dotted)
     _validate_overlong(reward)
+    if reward.get("components"):
+        _validate_components(settings)
     if "reward_kwargs" in reward and not all(isinstance(k, str) for k in reward["reward_kwargs"]):
         raise ConfigError("reward.reward_kwargs", "keys must be strings")
     worker = v["worker"]
@@ -473,6 +477,23 @@ def _validate(settings: Settings) -> None:
         except ConfigError as exc:
             key = exc.key if "." in exc.key else f"{section}.{exc.key}"
             raise ConfigError(key, exc.reason) from None
+
+
+def _validate_components(settings: Settings) -> None:
+    """``[[reward.components]]`` replace ``reward.scorer`` and the reward's ``[quota]``
+    (each component has its own); entries are checked here, their scorers when built."""
+    from stream_reward.scoring.composite import parse_components
+
+    parse_components(settings["reward.components"])
+    # The default spec may be given (verl's loop passes it to every worker); another is a conflict.
+    if settings.is_set("reward.scorer") and settings["reward.scorer"] != "rules":
+        raise ConfigError("reward.scorer", "give either reward.scorer or reward.components, not both")
+    manager = settings["reward.manager"]
+    if manager not in ("naive", "dapo"):
+        raise ConfigError("reward.manager", f"components run under naive or dapo, got {manager!r}")
+    for key in ("max_rpm", "max_tpm", "max_concurrent", "quota_key"):
+        if settings.is_set(f"quota.{key}"):
+            raise ConfigError(f"quota.{key}", "with reward.components, give each component its own quota table")
 
 
 def _validate_overlong(reward: dict[str, Any]) -> None:

@@ -210,7 +210,12 @@ def _spec_kind(spec: str) -> str | None:
 def function_scorer(config: ManagerConfig, *, force_process: bool = False) -> Scorer:
     """The scorer for ``config.scorer``: rules inline, remote and sandbox specs by
     the dispatch table, async functions on the loop, sync functions (or every
-    function, with ``force_process``) in killable processes."""
+    function, with ``force_process``) in killable processes; ``config.components``, a
+    CompositeScorer of them."""
+    if config.components:
+        return _import("stream_reward.scoring.composite", "components").build_composite(
+            config, force_process=force_process
+        )
     kind = _spec_kind(config.scorer)
     if kind is not None:
         if force_process:

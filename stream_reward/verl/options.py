@@ -37,6 +37,7 @@ _MANAGER_KEYS = (
     "quota_key",
     "retries",
     "sandbox",
+    "components",
 )
 _VERL_QUOTA_KEYS = ("max_rpm", "max_tpm", "max_concurrent", "estimated_tokens_per_request", "timeout")
 _LOOP_MANAGERS = ("naive", "dapo", "batch", "prime", "remote", "rate_limited")
@@ -56,6 +57,7 @@ class LoopOptions:
       of the rules / custom function, and ``scorer_kwargs``: its options (``model``,
       ``template``, ... see docs/remote.md);
     * ``max_rpm``, ``max_tpm``, ``max_concurrent``, ...: the global quota;
+    * ``components``: a composite reward, the entries of ``[[reward.components]]``;
     * ``redis_url``, ``namespace``: an existing deployment (workers run anywhere);
     * ``num_workers``: local worker processes when no ``redis_url`` (default 2);
       ``concurrency``: samples in flight per worker process (default 256);

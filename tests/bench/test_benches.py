@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from stream_reward.bench import faults, latency, memory, overlap, per_sample, quota, throughput, vs_verl
+from stream_reward.bench import composite, faults, latency, memory, overlap, per_sample, quota, throughput, vs_verl
 
 
 def run_json(capsys: pytest.CaptureFixture[str], module: Any, argv: list[str]) -> dict[str, Any]:
@@ -178,3 +178,11 @@ def test_quota_bench_reports_the_achieved_rate_of_two_processes_sharing_one_quot
     assert r["processes"] == 2 and r["quota_rpm"] == 1200
     # Only sanity here (a busy test machine skews short runs); the bench itself targets >= 0.97.
     assert 0.3 < r["utilization"] <= 1.1
+
+
+def test_composite_bench_compares_the_composite_with_one_function(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_json(capsys, composite, ["--n", "40", "--concurrency", "8", "--judge-latency-ms", "5"])
+    for key in ("composite_samples_per_s", "inline_samples_per_s", "inline_concurrent_samples_per_s", "ratio"):
+        assert is_num(r[key]) and r[key] > 0, key
+    assert r["inline_judge_requests"] == 40 and 0 < r["composite_judge_requests"] <= 40  # skip_unless spares some
+    assert set(r["goals"]) == {"ratio >= 2"}

@@ -1,0 +1,14 @@
+"""Component scorers of the composite-reward tests (loaded by file path)."""
+
+import asyncio
+
+
+async def format_ok(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """1.0 when the response holds an <answer> tag, with the tag count as an extra key."""
+    await asyncio.sleep(0)
+    count = solution_str.count("<answer>")
+    return {"score": 1.0 if count else 0.0, "tags": count}
+
+
+async def broken(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    raise RuntimeError("the component's backend is down")
