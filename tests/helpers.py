@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import selectors
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -651,3 +652,78 @@ def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 
 def metric_value(samples: dict, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
+
+
+class _FastForwardSelector(selectors.DefaultSelector):
+    """A selector that, when nothing is ready and the loop would sleep until its next timer,
+    moves the loop's virtual clock to that timer instead of sleeping."""
+
+    def __init__(self, loop: VirtualClockLoop) -> None:
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        ready = super().select(0)
+        if ready or timeout == 0:
+            return ready
+        if timeout is None:  # no timer at all: only I/O (a thread's wakeup) can go on
+            return super().select(None)
+        self._loop.virtual_now += timeout
+        return []
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop on a virtual clock (the aiolimiter way: time the test controls). Time
+    stands still while callbacks run and jumps to the next timer when the loop is idle: a
+    ``sleep(0.4)`` takes no real time, and a loaded machine cannot stretch a gap between
+    two awaits. For tests whose code waits only on timers and on itself, not on sockets or
+    processes (those would fall behind the clock)."""
+
+    def __init__(self) -> None:
+        self.virtual_now = 1000.0
+        super().__init__(_FastForwardSelector(self))
+
+    def time(self) -> float:
+        return self.virtual_now
+
+
+class LoopLag:
+    """How late this event loop ran, at worst, while the block ran: a probe asks to wake
+    every ``every_s`` and records how much later it woke. A deadline a test checks in real
+    time can be late by this much without the code under test being late: the loop (or the
+    whole process, beside a CPU hog) was not running."""
+
+    def __init__(self, every_s: float = 0.01) -> None:
+        self.every_s = every_s
+        self.worst_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + self.every_s
+            await asyncio.sleep(self.every_s)
+            self.worst_s = max(self.worst_s, loop.time() - asked)
+
+    async def __aenter__(self) -> LoopLag:
+        self._task = asyncio.ensure_future(self._probe())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:
+    """Until ``n`` worker processes have joined (heartbeated): a test about how work
+    spreads over processes, or one that times its scoring, must not start while one of them
+    is still importing."""
+    client = connect(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while await client.hlen(Keys(namespace).workers()) < n:
+            assert time.monotonic() < deadline, "workers did not start"
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar, Union, cast
@@ -151,7 +150,7 @@ class Coalescer(Generic[E, R]):
         self._filled: asyncio.Future[None] | None = None  # set while the runner waits out the delay
         self._flushes: set[asyncio.Task[None]] = set()
         self._taken: dict[int, list[E]] = {}  # taken into a flush whose task has not called flush yet
-        self._last_submit = -math.inf  # time.monotonic() of the last submission
+        self._last_submit = -math.inf  # loop.time() of the last submission
         self._gap = math.inf  # how long after the submission before it the group's first came
 
     async def submit(self, entries: list[E]) -> list[R]:
@@ -162,11 +161,13 @@ class Coalescer(Generic[E, R]):
     def submit_nowait(self, entries: list[E], verdict: Verdict[list[R]] | None = None) -> _Slot[R]:
         """Queue ``entries`` for the next flush; the returned future (or ``verdict``, when
         given) gets their verdicts. Cancelling it skips entries not yet taken into a flush."""
-        now = time.monotonic()
+        # The loop's clock, the one the delay's timer runs on: one clock a test can control.
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         if not self._pending:  # the first of a group: the group waits only if it came close behind
             self._gap = now - self._last_submit
         self._last_submit = now
-        fut: _Slot[R] = verdict if verdict is not None else asyncio.get_running_loop().create_future()
+        fut: _Slot[R] = verdict if verdict is not None else loop.create_future()
         self._pending.append((entries, fut))
         self._count += len(entries)
         if self._runner is None or self._runner.done():

@@ -83,10 +83,11 @@ def test_expected_faults_are_one_line_exit_2_and_debug_shows_the_traceback(tmp_p
         ["status", "--no-such-flag"],
     ]
     for args in cases:
-        done, took = stream_reward_cli(*args, timeout_s=60)
+        done, took = stream_reward_cli(*args, timeout_s=90)
         assert done.returncode == 2, (args, done.returncode, done.stderr)
         one_line(done.stderr)
-        assert took < 15, (args, took)
+        # The CLI's start-up (up to ~11 s beside two CPU hogs) and no retrying (60 s).
+        assert took < 30, (args, took)
     done, _ = stream_reward_cli("--debug", "status", "--redis", nowhere, timeout_s=60)
     assert done.returncode != 0 and "Traceback" in done.stderr
 
@@ -96,25 +97,30 @@ def test_wrong_password_is_permanent_one_line_and_fast(namespace):
     with EmbeddedServer(extra_args=["--requirepass", secret]) as server:
         bad = f"unix://:wrong-{secret}@{server.socket_path}"
         proc = subprocess.Popen(worker_program_argv(bad, namespace), cwd=ROOT, stderr=subprocess.PIPE)
-        code, waited = timed_wait(proc, 30)
+        # The bounds include the process's start-up (its imports: up to ~11 s beside two CPU
+        # hogs); an error taken for a transient one is retried for 60 s.
+        code, waited = timed_wait(proc, 60)
         stderr = read_err(proc)
-        assert code == 2 and waited < 10, (code, waited, stderr)
+        assert code == 2 and waited < 30, (code, waited, stderr)
         line = one_line(stderr)
         assert "auth" in line.lower() and secret not in line and "unreachable" not in line, line
         for args in (["status"], ["dlq", "list"]):
-            done, took = stream_reward_cli(*args, "--redis", bad, timeout_s=30)
-            assert done.returncode == 2 and took < 10, (args, done.returncode, took, done.stderr)
+            done, took = stream_reward_cli(*args, "--redis", bad, timeout_s=60)
+            assert done.returncode == 2 and took < 30, (args, done.returncode, took, done.stderr)
             line = one_line(done.stderr)
             assert "auth" in line.lower() and secret not in line, line
 
 
 def test_collect_timeout_is_honoured_when_nothing_listens(tmp_path):
+    # Without --timeout-s the collect waits for ever: the call would raise TimeoutExpired at 120 s.
     done, took = stream_reward_cli(
-        "collect", "--redis", f"unix://{tmp_path}/nothing.sock", "--batch", "b", "--timeout-s", "3"
+        "collect", "--redis", f"unix://{tmp_path}/nothing.sock", "--batch", "b", "--timeout-s", "3", timeout_s=120
     )
-    # 3 s, not the default wait; the slack is the CLI's start-up (torch's import), which took
-    # 5 s on Python 3.10 in CI's parallel suite on a slow day.
-    assert done.returncode == 2 and took < 3 + 10, (done.returncode, took, done.stderr)
+    # 3 s, not the default wait. The wall clock here includes the CLI's start-up (its imports),
+    # which took 5 s in CI's parallel suite and 11 s beside two CPU hogs: a generous bound,
+    # still far from the default, and the message names the 3 s.
+    assert done.returncode == 2 and took < 3 + 45, (done.returncode, took, done.stderr)
+    assert "within the 3s timeout" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "timeout" in done.stderr.splitlines()[-1], done.stderr
 
 

@@ -113,7 +113,8 @@ async def test_sigterm_with_redis_down_exits_within_the_drain_timeout(namespace)
             if proc.poll() is None:
                 proc.kill()
     assert code is not None, "worker still running 20 s after SIGTERM with Redis down"
-    assert waited < 2 + 3, waited  # drain 2 s plus start-to-exit slack
+    # Drain 2 s plus the exit, with slack for a loaded machine: not the 20 s above.
+    assert waited < 2 + 8, waited
 
 
 async def test_saturated_worker_notices_sigterm_at_once(redis_url, namespace, spawn_workers):
@@ -130,7 +131,8 @@ async def test_saturated_worker_notices_sigterm_at_once(redis_url, namespace, sp
         await asyncio.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     code, waited = timed_wait(proc, 30)
-    assert code == 0 and waited < 1 + 2.5, (code, waited)  # not the 20 s a slot takes to free
+    # Drain 1 s plus the exit, with slack for a loaded machine: not the 20 s a slot takes to free.
+    assert code == 0 and waited < 1 + 8, (code, waited)
 
 
 # ---------------------------------------------------------------------- a stop between the kept signals and the worker's handlers

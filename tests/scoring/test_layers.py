@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
-from helpers import score_batch
+from helpers import score_batch, wait_for_workers
 
 from stream_reward import Trajectory
 from stream_reward.config import ManagerConfig, OverlongConfig, QuotaConfig
@@ -28,28 +27,12 @@ from stream_reward.scoring.layers import (
 from stream_reward.scoring.quota import QuotaLimiter
 from stream_reward.scoring.registry import build_scorer
 from stream_reward.scoring.scorer import Scored
-from stream_reward.wire.connection import connect
-from stream_reward.wire.keys import Keys
 from stream_reward.worker.main import main as worker_main
 
 pytestmark = pytest.mark.anyio
 
 SCORERS = "tests/data/scorers.py"
 FAST = ["--block-ms", "50", "--log-level", "ERROR"]
-
-
-async def wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:
-    """Until ``n`` worker processes have joined (heartbeated): a test about how work
-    spreads over processes must not start while one of them is still importing."""
-
-    client = connect(redis_url)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while await client.hlen(Keys(namespace).workers()) < n:
-            assert time.monotonic() < deadline, "workers did not start"
-            await asyncio.sleep(0.05)
-    finally:
-        await client.aclose()
 
 
 def kwargs(**options: object) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers import score_batch
+from helpers import score_batch, wait_for_workers
 
 from stream_reward import Trajectory
 
@@ -36,10 +36,13 @@ async def test_hung_scorer_is_killed_at_its_timeout_and_a_crashed_one_replaced(
     )
     responses = ["ok0", "hang", "ok2", "crash", "ok4", "raise", "ok6", "ok7"]
     trajs = [Trajectory(f"p-{manager}", i, "x", response=r, valid_response_length=1) for i, r in enumerate(responses)]
+    await wait_for_workers(redis_url, namespace, 1)  # its start-up (imports) is not under test
     started = time.monotonic()
     rewards = await score_batch(redis_url, namespace, trajs)
     elapsed = time.monotonic() - started
-    assert elapsed < 8, elapsed  # the hung sample cost its 1 s timeout, not the batch
+    # The hung sample cost its 1 s timeout, not the batch (the collect's 30 s); the slack is
+    # for the two replacement processes' start-up on a loaded machine.
+    assert elapsed < 15, elapsed
     assert rewards.status == ["ok", "failed", "ok", "failed", "ok", "failed", "ok", "ok"]
     assert [r.reason for r in rewards.results] == [
         None,

@@ -11,7 +11,7 @@ import time
 import types
 
 import pytest
-from helpers import score_batch
+from helpers import score_batch, wait_for_workers
 
 from stream_reward import Trajectory
 from stream_reward.config import ManagerConfig
@@ -73,14 +73,14 @@ async def test_naive_mixed_dict_and_float_results_merge_extra_info(redis_url, na
 
 
 async def test_naive_rules_inline_and_async_function_with_timeout(redis_url, namespace, spawn_workers):
-    spawn_workers(
-        1, "--scorer", f"{SCORERS}:async_exact", "--timeout-s", "0.5", "--reward-kwargs", '{"tag": "t"}', *FAST
-    )
+    # 2 s: far above what the other samples take even beside CPU hogs, far below the hang.
+    spawn_workers(1, "--scorer", f"{SCORERS}:async_exact", "--timeout-s", "2", "--reward-kwargs", '{"tag": "t"}', *FAST)
     trajs = [
         Trajectory("n2", 0, "x", response="a", ground_truth="a", valid_response_length=1),
         Trajectory("n2", 1, "x", response="hang", ground_truth="a", valid_response_length=1),
         Trajectory("n2", 2, "x", response="b", ground_truth="a", valid_response_length=1),
     ]
+    await wait_for_workers(redis_url, namespace, 1)  # its start-up (imports) is not under test
     started = time.monotonic()
     rewards = await score_batch(redis_url, namespace, trajs)
     assert time.monotonic() - started < 5

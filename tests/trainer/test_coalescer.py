@@ -7,20 +7,21 @@ only while submissions come faster than the delay, so a push after a quiet spell
 never held back; closing it or cancelling its runner ends every caller; a ``Verdict``
 handed over by callback ends every wait however it ends. The flush here is a recording
 coroutine, not Redis: the pushes that go through Redis are in test_producer.py and
-test_samples.py. Timing checks use delays of 0.3-0.4 s and a slack of 0.2 s (a loaded
-machine is slow and noisy); the randomized interleavings use fixed seeds and a short
-delay (they check correctness, not time).
+test_samples.py. The tests run on a virtual clock (a sleep moves it, a loaded machine does
+not), so every gap and bound is exact: timing checks use delays of 0.3-0.4 s and a slack of
+0.2 s for the loop turns between two readings of the clock; the randomized interleavings use
+fixed seeds and a short delay.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from helpers import VirtualClockLoop
 
 from stream_reward import ProducerConfig
 from stream_reward.trainer.coalescer import Coalescer, Verdict
@@ -28,7 +29,16 @@ from stream_reward.trainer.coalescer import Coalescer, Verdict
 pytestmark = pytest.mark.anyio
 
 
-DELAY_S = 0.4  # long against this VM's loop turns (under 10 ms even with the suite running)
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return "asyncio", {"loop_factory": VirtualClockLoop}
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+DELAY_S = 0.4
 
 
 class Recorder:
@@ -40,7 +50,7 @@ class Recorder:
 
     async def __call__(self, entries: list[int]) -> list[int]:
         self.batches.append(list(entries))
-        self.sent_at.append(time.monotonic())
+        self.sent_at.append(now())
         await asyncio.sleep(0)
         return list(entries)
 
@@ -54,7 +64,7 @@ async def just_flushed(**options: Any) -> tuple[Recorder, Coalescer[int, int]]:
     return flush, coalescer
 
 
-SLACK_S = 0.2  # scheduling slack on this VM (loop turns are under 10 ms, GC and neighbours not)
+SLACK_S = 0.2
 
 
 class Boom(Exception):
@@ -81,7 +91,7 @@ class Flush:
     async def __call__(self, entries: list[Any]) -> list[Any]:
         n = len(self.batches)
         self.batches.append(list(entries))
-        self.started.append(time.monotonic())
+        self.started.append(now())
         self.ended.append(None)
         self.failed.append(False)
         self.cancelled.append(False)
@@ -96,7 +106,7 @@ class Flush:
             self.cancelled[n] = True
             raise
         finally:
-            self.ended[n] = time.monotonic()
+            self.ended[n] = now()
 
     def sent_at(self, entry: Any) -> float:
         for batch, at in zip(self.batches, self.started):
@@ -154,8 +164,8 @@ def in_pending(coalescer: Coalescer[Any, Any], entries: list[Any]) -> bool:
 
 async def settle(coalescer: Coalescer[Any, Any], timeout: float = 5.0) -> None:
     """Until nothing is pending and no runner or flush is left (or the timeout)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    deadline = now() + timeout
+    while now() < deadline:
         runner = coalescer._runner
         if not coalescer._pending and (runner is None or runner.done()) and not coalescer._flushes:
             return
@@ -225,7 +235,7 @@ async def random_scenario(
         k = rng.choice(sizes)
         entries = list(range(next_entry, next_entry + k))
         next_entry += k
-        sub = Sub(entries, rng.choice(["task", "future", "verdict"]), submitted_at=time.monotonic())
+        sub = Sub(entries, rng.choice(["task", "future", "verdict"]), submitted_at=now())
         if k > max_entries:
             coverage["oversized"] += 1
         if k == max_entries:
@@ -363,14 +373,14 @@ async def _runner_cancel_setup(moment: str) -> tuple[Coalescer[str, Any], Flush,
 async def test_a_lone_push_is_sent_at_once_not_after_the_delay() -> None:
     flush = Recorder()
     coalescer: Coalescer[int, int] = Coalescer(flush, max_delay_s=DELAY_S)
-    t0 = time.monotonic()
+    t0 = now()
     assert await coalescer.submit([1]) == [1]
-    assert time.monotonic() - t0 < DELAY_S / 4
+    assert now() - t0 < DELAY_S / 4
     # Quiet again once a delay has passed since the last push: the next one is not held either.
     await asyncio.sleep(DELAY_S * 1.1)
-    t1 = time.monotonic()
+    t1 = now()
     assert await coalescer.submit([2]) == [2]
-    assert time.monotonic() - t1 < DELAY_S / 4
+    assert now() - t1 < DELAY_S / 4
     assert flush.batches == [[1], [2]]
 
 
@@ -403,12 +413,12 @@ async def test_without_a_delay_the_same_pushes_go_one_flush_each() -> None:
 
 async def test_a_full_group_does_not_wait_out_the_delay() -> None:
     flush, coalescer = await just_flushed(max_entries=4)
-    t0 = time.monotonic()
+    t0 = now()
     first = asyncio.ensure_future(coalescer.submit([1]))
     await asyncio.sleep(0.01)  # the runner is waiting for more now
     rest = [asyncio.ensure_future(coalescer.submit([i])) for i in (2, 3, 4)]
     assert await asyncio.gather(first, *rest) == [[1], [2], [3], [4]]
-    assert time.monotonic() - t0 < DELAY_S / 2
+    assert now() - t0 < DELAY_S / 2
     assert flush.batches == [[0], [1, 2, 3, 4]]
 
 
@@ -449,7 +459,7 @@ async def test_a_submission_larger_than_max_entries_goes_alone_whole_and_at_once
     await co.submit([0])
     small = asyncio.ensure_future(co.submit([1, 2]))
     await asyncio.sleep(0.05)  # small is waiting out the delay
-    t0 = time.monotonic()
+    t0 = now()
     big = asyncio.ensure_future(co.submit(list(range(10, 19))))  # 9 > max_entries 4
     await asyncio.sleep(0.05)
     after = asyncio.ensure_future(co.submit([20]))
@@ -467,9 +477,9 @@ async def test_exactly_max_entries_in_one_submission_goes_at_once_even_when_push
     flush = Flush()
     co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_entries=4)
     await co.submit([0])
-    t0 = time.monotonic()
+    t0 = now()
     assert await co.submit([1, 2, 3, 4]) == [("ok", e) for e in (1, 2, 3, 4)]  # 1 ms after the one before
-    assert time.monotonic() - t0 < SLACK_S
+    assert now() - t0 < SLACK_S
     # Next: one entry within the delay of the full group still waits, and gathers what comes.
     first = asyncio.ensure_future(co.submit([5]))
     await asyncio.sleep(0.1)
@@ -487,7 +497,7 @@ async def test_the_count_crossing_max_entries_during_the_wait_ends_it(max_in_fli
     await co.submit([0])
     a = asyncio.ensure_future(co.submit([1, 2, 3]))
     await asyncio.sleep(0.1)
-    t0 = time.monotonic()
+    t0 = now()
     b = asyncio.ensure_future(co.submit([4, 5, 6]))  # 6 pending > 5
     assert await asyncio.wait_for(asyncio.gather(a, b), 3) == [
         [("ok", e) for e in (1, 2, 3)],
@@ -507,7 +517,7 @@ async def test_a_steady_stream_faster_than_the_delay_does_not_starve_anyone() ->
     calls = []
     submitted_at = []
     for i in range(24):
-        submitted_at.append(time.monotonic())
+        submitted_at.append(now())
         calls.append(asyncio.ensure_future(co.submit([i])))
         await asyncio.sleep(DELAY_S / 4)
         if i == 7:
@@ -530,7 +540,7 @@ async def test_with_slow_flushes_nobody_waits_the_delay_beyond_a_free_flush_slot
     calls = []
     submitted_at = []
     for i in range(15):
-        submitted_at.append(time.monotonic())
+        submitted_at.append(now())
         calls.append(asyncio.ensure_future(co.submit([i])))
         await asyncio.sleep(rng.choice([0.0, 0.02, 0.07, 0.15, 0.4]))
     assert await asyncio.wait_for(asyncio.gather(*calls), 20) == [[("ok", i)] for i in range(15)]
@@ -549,15 +559,15 @@ async def test_with_slow_flushes_nobody_waits_the_delay_beyond_a_free_flush_slot
 async def test_the_first_ever_submission_is_not_delayed() -> None:
     flush = Flush()
     co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
-    t0 = time.monotonic()
+    t0 = now()
     assert await co.submit([1]) == [("ok", 1)]
-    assert time.monotonic() - t0 < SLACK_S
+    assert now() - t0 < SLACK_S
     v_calls: list[int] = []
     co2: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
-    t0 = time.monotonic()
+    t0 = now()
     v = co2.submit_nowait([2], Verdict(lambda c: c.append(1), v_calls))
     await asyncio.wait_for(v.wait(), 3)
-    assert time.monotonic() - t0 < SLACK_S and v.result() == [("ok", 2)] and v_calls == [1]
+    assert now() - t0 < SLACK_S and v.result() == [("ok", 2)] and v_calls == [1]
 
 
 async def test_a_lone_submission_after_a_quiet_spell_is_not_delayed_whatever_came_before() -> None:
@@ -570,18 +580,18 @@ async def test_a_lone_submission_after_a_quiet_spell_is_not_delayed_whatever_cam
         calls.append(asyncio.ensure_future(co.submit([i])))
     await asyncio.gather(*calls)
     await asyncio.sleep(DELAY_S * 1.3)
-    t0 = time.monotonic()
+    t0 = now()
     assert await co.submit([4]) == [("ok", 4)]
-    assert time.monotonic() - t0 < SLACK_S, "a lone push after a stream and a quiet spell was delayed"
+    assert now() - t0 < SLACK_S, "a lone push after a stream and a quiet spell was delayed"
     # After one that was cancelled while it waited.
     await asyncio.sleep(0.05)
     gone = co.submit_nowait([5])
     await asyncio.sleep(0.05)
     gone.cancel()
     await asyncio.sleep(DELAY_S * 1.3)
-    t0 = time.monotonic()
+    t0 = now()
     assert await co.submit([6]) == [("ok", 6)]
-    assert time.monotonic() - t0 < SLACK_S, "a lone push after a cancelled one and a quiet spell was delayed"
+    assert now() - t0 < SLACK_S, "a lone push after a cancelled one and a quiet spell was delayed"
     await co.aclose()
     assert [e for b in flush.batches for e in b] == [0, 1, 2, 3, 4, 6]
     assert_drained(co)
@@ -592,9 +602,9 @@ async def test_a_lone_submission_while_a_slow_flush_is_in_flight_on_a_free_slot_
     co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S, max_in_flight=2)
     slow = asyncio.ensure_future(co.submit([0]))
     await asyncio.sleep(DELAY_S * 1.3)
-    t0 = time.monotonic()
+    t0 = now()
     assert await co.submit([1]) == [("ok", 1)]
-    assert time.monotonic() - t0 < SLACK_S
+    assert now() - t0 < SLACK_S
     assert await slow == [("ok", 0)]
     await co.aclose()
     assert_drained(co)
@@ -605,10 +615,10 @@ async def test_a_burst_in_one_loop_turn_after_a_quiet_spell_is_not_delayed() -> 
     co: Coalescer[int, Any] = Coalescer(flush, max_delay_s=DELAY_S)
     await co.submit([0])
     await asyncio.sleep(DELAY_S * 1.3)
-    t0 = time.monotonic()
+    t0 = now()
     futs = [co.submit_nowait([i]) for i in (1, 2, 3)]  # one loop turn, the first after a quiet spell
     await asyncio.wait_for(asyncio.gather(*futs), 3)
-    took = time.monotonic() - t0
+    took = now() - t0
     await co.aclose()
     assert flush.batches == [[0], [1, 2, 3]]
     assert took < SLACK_S, f"a burst after a quiet spell waited {took:.3f} s (delay {DELAY_S} s)"

@@ -337,8 +337,12 @@ async def test_closing_a_producer_with_a_backlog_reading_in_flight_leaves_no_con
                     await asyncio.sleep(0)
                 await producer.aclose()
                 assert reading is not None and reading.done(), "a backlog reading outlived its producer"
-            await asyncio.sleep(0.3)
-            assert [c["id"] for c in await admin.client_list()] == [mine]
+
+            async def only_mine() -> bool:
+                return [c["id"] for c in await admin.client_list()] == [mine]
+
+            # The server sees a closed connection go a moment later: wait for it, within a bound.
+            await wait_until(only_mine, timeout_s=10)
         finally:
             await admin.aclose()
 

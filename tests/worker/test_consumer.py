@@ -741,21 +741,42 @@ async def test_a_worker_run_twice_finishes_what_its_first_run_handed_back_and_re
 # --- its connections (reads and flushes on lanes of their own)
 
 
+class PacedByKills:
+    """Scores by identity, sample ``i`` only once more than ``i // 25`` connections were
+    killed: the kills land while the batch is in flight however fast or slow the machine
+    is, not only as many as a timer fits into the scoring."""
+
+    inline = False
+
+    def __init__(self) -> None:
+        self.kills = 0
+        self.killed = asyncio.Condition()
+
+    async def add_kills(self, n: int) -> None:
+        async with self.killed:
+            self.kills += n
+            self.killed.notify_all()
+
+    async def score(self, t: Any) -> Scored:
+        async with self.killed:
+            await self.killed.wait_for(lambda: self.kills > t.index // 25)
+        return Scored(identity_score(t))
+
+
 async def test_the_worker_scores_each_sample_once_while_its_connections_are_killed_again_and_again(
     own_url, namespace
 ) -> None:
     admin = connect(own_url)
-    kills = 0
+    scorer = PacedByKills()
     calm = asyncio.Event()
 
     async def storm() -> None:
-        nonlocal kills
         while not calm.is_set():
             await asyncio.sleep(0.03)
-            kills += await admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await scorer.add_kills(await admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"))
 
     try:
-        async with running_worker(own_url, namespace, Counting(first=0.0, later=0.0), concurrency=8, read_count=4):
+        async with running_worker(own_url, namespace, scorer, concurrency=8, read_count=4):
             killer = asyncio.ensure_future(storm())
             try:
                 # A collect well under reclaim_idle_ms: a read whose reply a kill cut must not
@@ -767,7 +788,7 @@ async def test_the_worker_scores_each_sample_once_while_its_connections_are_kill
                 # result instead), and the gather below would wait for ever.
                 calm.set()
                 await asyncio.wait_for(asyncio.gather(killer, return_exceptions=True), 10)
-        assert kills > 10, f"only {kills} connections killed: nothing tested"
+        assert scorer.kills > 10, f"only {scorer.kills} connections killed: nothing tested"
         await assert_each_once(own_url, namespace, "k", rewards, 300)
     finally:
         await admin.aclose()

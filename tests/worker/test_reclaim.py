@@ -978,7 +978,7 @@ async def test_a_stop_during_a_burst_workers_quarantine_is_honoured_within_the_d
 ) -> None:
     """A burst worker's last pass claims a suspect entry of 4 and hunts it in its own task
     (not the background reclaimer that a stop cancels). A stop mid-hunt must end the run
-    within the drain deadline: here the hunt goes on sample by sample (2 s each), ignoring
+    within the drain deadline: here the hunt goes on sample by sample (8 s each), ignoring
     the stop, and a supervisor's SIGKILL after its grace period would leave a note that
     dead-letters an innocent sample as poison."""
     from stream_reward.ops.deadletters import list_dead_letters
@@ -995,7 +995,7 @@ async def test_a_stop_during_a_burst_workers_quarantine_is_honoured_within_the_d
             await producer.push_many(exact_traj("bq", i) for i in range(n))
             await _suspects(client, keys, 1)
             await asyncio.sleep(0.4)
-            s = Timed(2.0)
+            s = Timed(8.0)  # far beyond the bound below: a stop that waited for a sample shows
             w = Worker(
                 redis_url,
                 s,
@@ -1021,7 +1021,8 @@ async def test_a_stop_during_a_burst_workers_quarantine_is_honoured_within_the_d
             rewards = await agg.collect("bq", timeout_s=2, on_timeout="resolve")
             assert not letters, [(d.reason, d.error) for d in letters]
             assert rewards.status == ["ok"] * n
-            assert took < 1.5, f"a stop mid-quarantine took {took:.1f} s (drain deadline 0.3 s); hunted {s.seen}"
+            # The drain deadline and generous slack for a loaded machine, well under one sample.
+            assert took < 0.3 + 4.5, f"a stop mid-quarantine took {took:.1f} s (drain deadline 0.3 s); hunted {s.seen}"
     finally:
         await client.aclose()
 

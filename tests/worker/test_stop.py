@@ -803,9 +803,10 @@ async def test_a_graceful_stop_does_not_make_the_next_worker_rescore_settled_sam
         run = asyncio.ensure_future(w1.run(stop))
         from helpers import wait_until
 
-        await wait_until(lambda: p.client.hlen(keys.results("gs")), timeout_s=10)
-        await asyncio.sleep(0.3)
-        assert await p.client.hlen(keys.results("gs")) == 15
+        async def fifteen_settled() -> bool:
+            return await p.client.hlen(keys.results("gs")) == 15
+
+        await wait_until(fifteen_settled, timeout_s=10)
         stop.set()
         await asyncio.wait_for(run, 20)
         await w1.aclose()

@@ -177,7 +177,8 @@ def test_too_slow_is_timeout(scorer):
     assert r.extra["cases"] == ["timeout"]
     r = score(scorer, "import time\ntime.sleep(30)", stdin_case())  # wall clock, not CPU
     assert r.extra["cases"] == ["timeout"]
-    assert time.monotonic() - start < 2 * FAST["timeout_s"] + 4
+    # Two timeouts and two sandbox start-ups (slow beside CPU hogs), far from the 30 s sleep.
+    assert time.monotonic() - start < 2 * FAST["timeout_s"] + 12
 
 
 def test_too_hungry_is_memory(scorer, open_scorer):
@@ -210,7 +211,8 @@ def test_sample_wall_budget_stops_at_first_timeout(hack_scorer):
     result = run(hack_scorer, hack_traj("import time\ntime.sleep(1000)", gt))
     elapsed = time.monotonic() - start
     assert result.score == 0.0
-    assert elapsed < 2 * LIMITS["timeout_s"] + 3, elapsed  # not 10 timeouts
+    # One timeout and a sandbox start-up (slow beside CPU hogs), not 10 timeouts (20 s).
+    assert elapsed < 3 * LIMITS["timeout_s"] + 6, elapsed
 
 
 # ------------------------------------------------------------ reward hacks
