@@ -135,6 +135,8 @@ class ProcessPool:
                 reply = await asyncio.wait_for(child.request(message), timeout_s)
             except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 self.kills += 1
+                child.kill()
+                await _exit_code(child)  # reaped by asyncio's watcher first: see aclose
                 self._discard(child)
                 raise ScorerTimeoutError(f"scorer ran past its {timeout_s:g}s timeout and was killed") from None
             except (asyncio.IncompleteReadError, BrokenPipeError, ConnectionResetError):
@@ -176,9 +178,12 @@ class ProcessPool:
             if child.proc.stdin is not None:
                 with contextlib.suppress(Exception):
                     child.proc.stdin.close()
-            self._discard(child)
+            child.kill()
+            # Waited for before its transport closes: closing first would reap the killed child
+            # behind the back of asyncio's watcher, which logs "Unknown child process pid".
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(child.proc.wait(), 2)
+            self._discard(child)
         self._idle.clear()
 
 
