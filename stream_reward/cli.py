@@ -624,6 +624,7 @@ BENCHES = (
     "faults",
     "scale",
     "composite",
+    "math_verify",
 )
 
 
