@@ -207,6 +207,19 @@ async def test_a_scorer_process_that_dies_mid_call_fails_the_sample(math_scorer)
         await call
 
 
+async def test_as_a_composite_component_a_costly_answer_is_an_ok_zero_under_the_components_timeout():
+    component = {"name": "correct", "scorer": "math-verify", "timeout_s": 2.0}
+    scorer = build_scorer(ManagerConfig(components=[component], num_processes=2))
+    try:
+        right, tower = await asyncio.gather(
+            scorer.score(traj(0, r"\boxed{\frac12}", "0.5")), scorer.score(traj(1, TOWER, "3"))
+        )
+    finally:
+        await scorer.aclose()
+    assert (right.score, right.extra["correct_status"], right.extra["correct/timeout"]) == (1.0, "ok", False)
+    assert (tower.score, tower.extra["correct_status"], tower.extra["correct/timeout"]) == (0.0, "ok", True)
+
+
 @pytest.mark.parametrize("manager", ["naive", "dapo", "prime", "remote"])
 def test_every_per_sample_manager_takes_the_spec(manager):
     scorer = build_scorer(ManagerConfig(manager=manager, scorer="math-verify", timeout=7.0))
