@@ -34,17 +34,22 @@ from stream_reward.scoring.rules import ground_truth_text
 __all__ = ["compute_score"]
 
 
-class _TimeoutCount(logging.Handler):
+class _TimeoutCount(logging.Filter):
     """Counts math-verify's own timeouts: it logs them ("Timeout during parsing: ...",
-    "Timeout during comparison") and returns no match instead of raising."""
+    "Timeout during comparison") and returns no match instead of raising. The sample's
+    ``timeout`` key says it; the line itself is dropped, or a worker's log would carry one
+    per unanswered sample. A filter on math-verify's logger, not a handler: only the
+    program's entry point decides where log lines go."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__()
         self.count = 0
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("Timeout during"):
             self.count += 1
+            return False
+        return True
 
 
 _TIMEOUTS = _TimeoutCount()
@@ -59,11 +64,13 @@ def _verl_metric() -> tuple[Any, type[BaseException]] | None:
     except ImportError:
         return None
     source = logging.getLogger("math_verify")
-    # Its warnings reach this counter even when the root logger is set above WARNING; with a
-    # handler here they no longer fall through to logging's last resort, which would print a
-    # line per unanswered sample on the worker's stderr.
+    # Its warnings reach this counter even when the root logger is set above WARNING. A
+    # logger's filter sees only the records logged on that logger, not those its children
+    # pass up: every math-verify module's logger gets it (they exist once it is imported).
     source.setLevel(logging.WARNING)
-    source.addHandler(_TIMEOUTS)
+    for name in [source.name, *logging.Logger.manager.loggerDict]:
+        if name == source.name or name.startswith(source.name + "."):
+            logging.getLogger(name).addFilter(_TIMEOUTS)
     metric = math_metric(
         gold_extraction_target=(LatexExtractionConfig(),),
         pred_extraction_target=(ExprExtractionConfig(), LatexExtractionConfig()),
