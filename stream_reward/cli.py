@@ -624,6 +624,7 @@ BENCHES = (
     "faults",
     "scale",
     "composite",
+    "math_verify",
 )
 
 
@@ -701,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scorer",
         default=None,
-        help="rules | python:FILE.py:FUNC | module.path:FUNC | http:URL | disrm:URL | genrm:URL | sandbox | "
+        help="rules | math-verify | python:FILE.py:FUNC | module.path:FUNC | http:URL | disrm:URL | genrm:URL | sandbox | "
         "sandbox-fusion:URL (default: the config's, else rules)",
     )
     p.add_argument(

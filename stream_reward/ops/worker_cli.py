@@ -171,7 +171,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scorer",
         default=None,
-        help="rules | python:FILE.py:FUNC | module.path:FUNC | http:URL | disrm:URL | genrm:URL | sandbox | "
+        help="rules | math-verify | python:FILE.py:FUNC | module.path:FUNC | http:URL | disrm:URL | genrm:URL | sandbox | "
         "sandbox-fusion:URL" + d("reward.scorer"),
     )
     parser.add_argument(

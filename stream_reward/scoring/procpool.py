@@ -7,6 +7,10 @@ holding its slot forever. Here each call goes to a child process over a pipe
 SIGKILLed and a fresh child takes its place on the next call. A child that dies
 mid-call fails that one sample (``scorer_crashed``), nothing else.
 
+With ``timeout_score`` set, a per-sample timeout is the sample's loss instead of a
+failure: the scorer's own input was too costly to score (verl's ``timeout_score`` of its
+math-verify scorer), so the sample gets that score and ``timeout: True`` in its extra info.
+
 Children are plain ``python -m stream_reward.scoring.procpool_child SPEC`` processes, so
 they import the user's function themselves (no pickling of functions loaded
 from a file path) and start without copying the parent's memory.
@@ -65,7 +69,8 @@ class ProcessPool:
     """``size`` scorer processes running ``spec`` (see ``scoring.load_function``).
 
     ``timeout_s`` bounds each call; ``reward_kwargs`` are passed to every call,
-    as verl's ``reward_kwargs`` are.
+    as verl's ``reward_kwargs`` are. ``timeout_score``, when set, is what a sample whose
+    call ran past ``timeout_s`` scores (status ok) instead of failing.
     """
 
     def __init__(
@@ -76,12 +81,14 @@ class ProcessPool:
         timeout_s: float = 30.0,
         reward_kwargs: dict[str, Any] | None = None,
         start_timeout_s: float = 60.0,
+        timeout_score: float | None = None,
     ) -> None:
         self.spec = spec
         self.size = size or os.cpu_count() or 1
         self.timeout_s = timeout_s
         self.reward_kwargs = reward_kwargs or {}
         self.start_timeout_s = start_timeout_s
+        self.timeout_score = timeout_score
         self.kills = 0
         self._idle: list[_Child] = []
         self._slots: asyncio.Semaphore | None = None  # created inside the running loop
@@ -128,6 +135,8 @@ class ProcessPool:
                 reply = await asyncio.wait_for(child.request(message), timeout_s)
             except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
                 self.kills += 1
+                child.kill()
+                await _exit_code(child)  # reaped by asyncio's watcher first: see aclose
                 self._discard(child)
                 raise ScorerTimeoutError(f"scorer ran past its {timeout_s:g}s timeout and was killed") from None
             except (asyncio.IncompleteReadError, BrokenPipeError, ConnectionResetError):
@@ -144,7 +153,12 @@ class ProcessPool:
         return reply[1]
 
     async def score(self, traj: Trajectory) -> Scored:
-        score, extra = await self._call(["one", traj_call_args(traj), self.reward_kwargs], self.timeout_s)
+        try:
+            score, extra = await self._call(["one", traj_call_args(traj), self.reward_kwargs], self.timeout_s)
+        except ScorerTimeoutError:
+            if self.timeout_score is None:
+                raise
+            return Scored(self.timeout_score, {"timeout": True})
         return Scored(score, extra)
 
     async def score_batch(self, trajs: list[Trajectory]) -> list[Scored | ScoringError]:
@@ -164,9 +178,12 @@ class ProcessPool:
             if child.proc.stdin is not None:
                 with contextlib.suppress(Exception):
                     child.proc.stdin.close()
-            self._discard(child)
+            child.kill()
+            # Waited for before its transport closes: closing first would reap the killed child
+            # behind the back of asyncio's watcher, which logs "Unknown child process pid".
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(child.proc.wait(), 2)
+            self._discard(child)
         self._idle.clear()
 
 

@@ -28,6 +28,8 @@ overlong shaping, micro-batching, the quota) live in ``stream_reward.scoring.lay
 Scorer specs:
 
 * ``rules`` — the built-in rule scorers, routed by ``data_source``;
+* ``math-verify`` — math-verify's verdict by verl's convention, in scorer processes
+  (``stream_reward.scoring.rules.math_verify``); needs ``stream-reward[math]``;
 * ``python:FILE.py:FUNC`` / ``FILE.py:FUNC`` / ``module.path:FUNC`` — a verl-style
   ``compute_score``;
 * ``http:URL``, ``disrm:URL``, ``genrm:URL`` — remote verifiers
@@ -192,6 +194,20 @@ def _sandbox_fusion(spec: str, config: ManagerConfig) -> Scorer:
     return _import("stream_reward.scoring.sandbox.fusion", spec).SandboxFusionScorer(_url(spec))
 
 
+def _math_verify(spec: str, config: ManagerConfig) -> Scorer:
+    if spec != "math-verify":
+        raise ConfigError("scorer", f"{spec!r}: math-verify takes no argument")
+    # Imported in the scorer processes only: the worker never loads sympy. A sample past its
+    # timeout is the answer's loss (0.0, status ok), not a failure: see that module.
+    return ProcessPool(
+        "stream_reward.scoring.rules.math_verify:compute_score",
+        size=config.num_processes,
+        timeout_s=config.timeout,
+        reward_kwargs=config.reward_kwargs,
+        timeout_score=0.0,
+    )
+
+
 # The part of a spec before its first ":" (or the whole spec) -> factory.
 _SPEC_KINDS: dict[str, Callable[[str, ManagerConfig], Scorer]] = {
     "http": _http,
@@ -199,6 +215,7 @@ _SPEC_KINDS: dict[str, Callable[[str, ManagerConfig], Scorer]] = {
     "genrm": _http,
     "sandbox": _sandbox,
     "sandbox-fusion": _sandbox_fusion,
+    "math-verify": _math_verify,
 }
 
 
@@ -218,7 +235,7 @@ def function_scorer(config: ManagerConfig, *, force_process: bool = False) -> Sc
         )
     kind = _spec_kind(config.scorer)
     if kind is not None:
-        if force_process:
+        if force_process and kind != "math-verify":  # that one runs in scorer processes already
             raise ConfigError(
                 "scorer",
                 f"manager {config.manager!r} runs Python functions in scorer processes; "

@@ -10,7 +10,18 @@ from typing import Any
 
 import pytest
 
-from stream_reward.bench import composite, faults, latency, memory, overlap, per_sample, quota, throughput, vs_verl
+from stream_reward.bench import (
+    composite,
+    faults,
+    latency,
+    math_verify,
+    memory,
+    overlap,
+    per_sample,
+    quota,
+    throughput,
+    vs_verl,
+)
 
 
 def run_json(capsys: pytest.CaptureFixture[str], module: Any, argv: list[str]) -> dict[str, Any]:
@@ -186,3 +197,14 @@ def test_composite_bench_compares_the_composite_with_one_function(capsys: pytest
         assert is_num(r[key]) and r[key] > 0, key
     assert r["inline_judge_requests"] == 40 and 0 < r["composite_judge_requests"] <= 40  # skip_unless spares some
     assert set(r["goals"]) == {"ratio >= 2"}
+
+
+def test_math_verify_bench_scores_the_same_samples_through_the_pool_and_in_a_loop(capsys):
+    pytest.importorskip("math_verify", reason="the dev extra installs math-verify")
+    r = run_json(capsys, math_verify, ["--n", "6", "--rounds", "2", "--processes", "2"])
+    for key in ("pool_samples_per_s", "loop_samples_per_s", "ratio", "pool_cpu_ms_per_sample", "loop_cores_busy"):
+        assert is_num(r[key]) and r[key] > 0, key
+    assert (r["n"], r["rounds"], r["processes"]) == (6, 2, 2)
+    assert r["scores_agree"] is True and r["right"] == 6  # every other sample right, both sides alike
+    assert r["pool_timeouts"] == 0
+    assert set(r["goals"]) == {"ratio >= 1.5", "scores agree"}

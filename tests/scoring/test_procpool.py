@@ -11,6 +11,8 @@ import pytest
 from helpers import score_batch, wait_for_workers
 
 from stream_reward import Trajectory
+from stream_reward.errors import ScorerCrashedError
+from stream_reward.scoring.procpool import ProcessPool
 
 pytestmark = pytest.mark.anyio
 
@@ -61,3 +63,16 @@ async def test_hung_scorer_is_killed_at_its_timeout_and_a_crashed_one_replaced(
     again = [Trajectory(f"p2-{manager}", i, "x", response="fine", valid_response_length=1) for i in range(4)]
     rewards = await score_batch(redis_url, namespace, again)
     assert rewards.status == ["ok"] * 4
+
+
+async def test_with_a_timeout_score_a_hung_call_is_the_samples_loss_not_a_failure():
+    pool = ProcessPool(f"{SCORERS}:slow_or_hang", size=1, timeout_s=0.5, timeout_score=0.0)
+    try:
+        hung = await pool.score(Trajectory("ts", 0, "x", response="hang"))
+        assert (hung.score, hung.extra) == (0.0, {"timeout": True})
+        assert pool.kills == 1
+        assert (await pool.score(Trajectory("ts", 1, "x", response="fine"))).score == 1.0
+        with pytest.raises(ScorerCrashedError):  # a process that dies is still a failure
+            await pool.score(Trajectory("ts", 2, "x", response="crash"))
+    finally:
+        await pool.aclose()
