@@ -5,7 +5,8 @@ one left; run() fails with the real error (a BaseException out of a scorer, a wr
 dies, a namespace of another protocol, a Redis error creating its group) and returns within
 its bounds while Redis hangs; a Worker whose run() ended runs again, with no state of the
 last stop sticking; its reads and result flushes go on connections of their own, which
-survive kills, a server restart and a database other than 0; whatever lands on the stream
+survive kills, a server restart and a database other than 0; a failed sample keeps the
+extra its ScoringError carries; whatever lands on the stream
 is scored or dead-lettered, and workers killed at random lose and repeat nothing.
 """
 
