@@ -3,9 +3,9 @@ per-component columns (the same keys on every sample); a hung component is ``tim
 and a broken one ``failed`` — the sample fails when it was required, and is the sum of
 the rest when it was not, and a failed sample still carries every column, through a
 worker and ``collect`` (``cancelled`` where a component was cut short); ``skip_unless``
-makes no call at all; independent components
-run at once; a component's quota holds across worker processes; a bad entry is one
-line naming it; and ``stream-reward score --config`` shows the columns."""
+makes no call at all; independent components run at once; a component's quota holds
+across worker processes; a bad entry is one line naming it; and ``stream-reward score
+--config`` shows the columns."""
 
 from __future__ import annotations
 
