@@ -33,7 +33,7 @@ from stream_reward.scoring.registry import build_scorer
 from stream_reward.scoring.scorer import Scored, Scorer
 from stream_reward.wire.trajectory import Trajectory
 
-__all__ = ["composite_row", "format_reward", "main"]
+__all__ = ["composite_row", "measure_row", "format_reward", "main"]
 
 FORMAT_SPEC = "stream_reward.bench.composite:format_reward"
 
@@ -109,7 +109,8 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         proc.stdout.close()
 
 
-async def _row(n: int, concurrency: int, judge_latency_ms: float, correct: str, seed: int) -> dict[str, Any]:
+async def measure_row(n: int, concurrency: int, judge_latency_ms: float, correct: str, seed: int) -> dict[str, Any]:
+    """``composite_row`` from a running event loop."""
     proc, url = _start_judge(judge_latency_ms)
     composite: Any = build_scorer(ManagerConfig(components=_components(correct, url, 30.0)))
     parts: list[Scorer] = [scorer for _, scorer in composite.inner.components]
@@ -158,7 +159,7 @@ def composite_row(
 ) -> dict[str, Any]:
     """One comparison row (see the module docstring); ``correct`` is the correctness
     component's scorer spec (``rules``, ``math-verify``, ``FILE.py:FUNC``)."""
-    return asyncio.run(_row(n, concurrency, judge_latency_ms, correct, seed))
+    return asyncio.run(measure_row(n, concurrency, judge_latency_ms, correct, seed))
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -171,7 +172,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    return await _row(args.n, args.concurrency, args.judge_latency_ms, args.correct, args.seed)
+    return await measure_row(args.n, args.concurrency, args.judge_latency_ms, args.correct, args.seed)
 
 
 def _no_plot(path: str, result: dict[str, Any]) -> None:

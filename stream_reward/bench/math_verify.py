@@ -8,7 +8,10 @@ scorer processes (one per core by default), fed concurrently from an event loop.
 alternate which side goes first, so background load hits both alike.
 
 ``ratio`` = pool samples/s / loop samples/s (goal >= 1.5 on 2 cores); the verdicts of the
-two sides must agree sample for sample. The samples are MATH-style answers with a few
+two sides must agree sample for sample. ``composite`` is ``stream-reward bench composite``'s
+row with math-verify as the correctness component: a format rule, math-verify and a judge
+over HTTP (50 ms a request) as three ``[[reward.components]]``, against the same three called
+one after another in one function (goal >= 2); ``--no-composite`` leaves it out. The samples are MATH-style answers with a few
 sentences of working, every one distinct and fresh each round (math-verify and sympy cache what they have seen:
 repeats would measure the caches), half of them right.
 
@@ -26,6 +29,7 @@ import time
 from typing import Any
 
 from stream_reward.bench._common import bench_main, bench_parser, cpu_seconds, plot_figure, save_figure, say
+from stream_reward.bench.composite import measure_row
 from stream_reward.config import ManagerConfig
 from stream_reward.scoring.registry import build_scorer
 from stream_reward.wire.trajectory import Trajectory
@@ -161,6 +165,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await getattr(scorer, "aclose")()  # noqa: B009 - not in the Scorer protocol
     done = args.n * args.rounds
+    composite = None
+    if args.composite:
+        say(args, "composite: format + math-verify + judge, as components and as one function")
+        composite = await measure_row(args.n, 32, 50.0, "math-verify", args.seed)
     return {
         "n": args.n,
         "rounds": args.rounds,
@@ -180,6 +188,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "pool_timeouts": timeouts,
         "scores_agree": agree,
         "load_average_1m": round(os.getloadavg()[0], 2),
+        "composite": composite,
     }
 
 
@@ -200,7 +209,10 @@ def plot(path: str, result: dict[str, Any]) -> None:
 
 
 def _goals(result: dict[str, Any]) -> dict[str, bool]:
-    return {"ratio >= 1.5": result["ratio"] >= 1.5, "scores agree": result["scores_agree"]}
+    goals = {"ratio >= 1.5": result["ratio"] >= 1.5, "scores agree": result["scores_agree"]}
+    if result["composite"] is not None:
+        goals["composite ratio >= 2"] = result["composite"]["ratio"] >= 2
+    return goals
 
 
 def _skip() -> str | None:
@@ -217,6 +229,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--processes", type=int, default=None, help="scorer processes (default: cores)")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="per-sample timeout of the pool")
+    parser.add_argument("--no-composite", dest="composite", action="store_false", help="leave out the composite row")
     args = parser.parse_args(argv)
     if args.n < 1 or args.rounds < 1 or (args.processes is not None and args.processes < 1):
         parser.error("--n, --rounds and --processes must be >= 1")

@@ -200,11 +200,13 @@ def test_composite_bench_compares_the_composite_with_one_function(capsys: pytest
 
 
 def test_math_verify_bench_scores_the_same_samples_through_the_pool_and_in_a_loop(capsys):
-    pytest.importorskip("math_verify", reason="the dev extra installs math-verify")
     r = run_json(capsys, math_verify, ["--n", "6", "--rounds", "2", "--processes", "2"])
     for key in ("pool_samples_per_s", "loop_samples_per_s", "ratio", "pool_cpu_ms_per_sample", "loop_cores_busy"):
         assert is_num(r[key]) and r[key] > 0, key
     assert (r["n"], r["rounds"], r["processes"]) == (6, 2, 2)
     assert r["scores_agree"] is True and r["right"] == 6  # every other sample right, both sides alike
     assert r["pool_timeouts"] == 0
-    assert set(r["goals"]) == {"ratio >= 1.5", "scores agree"}
+    assert set(r["goals"]) == {"ratio >= 1.5", "scores agree", "composite ratio >= 2"}
+    row = r["composite"]  # format + math-verify + judge, as components and as one function
+    assert row["correct"] == "math-verify" and row["n"] == 6 and row["inline_judge_requests"] == 6
+    assert is_num(row["ratio"]) and row["ratio"] > 0

@@ -16,17 +16,16 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import math_verify.metric as math_verify_metric  # the dev extra installs it: no skip hides a missing install
 import pytest
+from math_verify.errors import TimeoutException
+from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 
 from stream_reward import Trajectory
 from stream_reward.cli import main
 from stream_reward.config import ManagerConfig
 from stream_reward.errors import ConfigError, ScorerCrashedError, ScoringError
 from stream_reward.scoring.registry import build_scorer
-
-math_verify_metric = pytest.importorskip("math_verify.metric", reason="the dev extra installs math-verify")
-from math_verify.errors import TimeoutException  # noqa: E402
-from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
