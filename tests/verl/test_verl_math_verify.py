@@ -12,12 +12,10 @@ from typing import Any
 
 import pytest
 from verl.experimental.reward_loop import RewardLoopWorker
+from verl.utils.reward_score.math_verify import compute_score  # math-verify: the dev extra installs it, no skip
 from verl_support import STREAM_OVERRIDES, make_batch
 
 from stream_reward.verl import StreamRewardLoopManager
-
-pytest.importorskip("math_verify", reason="the dev extra installs math-verify")
-from verl.utils.reward_score.math_verify import compute_score  # noqa: E402
 
 _CASES = Path(__file__).resolve().parent.parent / "scoring" / "rules" / "math_verify_cases.py"
 _spec = importlib.util.spec_from_file_location("math_verify_cases", _CASES)
