@@ -17,6 +17,7 @@ pip -e ".[trainer,dev]"
 from importlib.metadata import version
 assert version("verl") == "0.9.1", version("verl")
 import torch, verl.experimental.reward_loop  # noqa: F401  (a broken install fails here, loudly)
+import math_verify  # noqa: F401  (the dev extra's: tests/verl compare --scorer math-verify with verl's own)
 PY
 
 export STREAM_REWARD_REQUIRE_VERL=1

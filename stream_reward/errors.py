@@ -35,6 +35,8 @@ without parsing messages.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "StreamRewardError",
     "ConfigError",
@@ -98,15 +100,27 @@ class PayloadTooLargeError(CodecError):
 
 
 class ScoringError(StreamRewardError):
-    """One sample could not be scored; it is recorded as `failed` with `reason`."""
+    """One sample could not be scored; it is recorded as `failed` with `reason`.
+
+    ``extra`` is what is known of the sample all the same (a composite's per-component
+    columns): the failed result carries it, so its columns match the other samples'.
+    """
 
     reason = "scorer_error"
 
-    def __init__(self, message: str, *, reason: str | None = None, attempts: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        attempts: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         if reason is not None:
             self.reason = reason
         self.attempts = attempts
+        self.extra: dict[str, Any] = dict(extra) if extra else {}
 
 
 class UnknownDataSourceError(ScoringError):

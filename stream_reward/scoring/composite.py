@@ -15,8 +15,10 @@ verl builds its columns from the first sample's keys), ``<name>``, ``<name>_stat
 component's own extra keys as ``<name>/<key>``.
 
 A required component that fails or times out fails the sample, with a reason naming
-it: a partial sum is never passed off as the reward. An optional one is left out of
-the sum, and its status says why.
+it: a partial sum is never passed off as the reward. The failed sample still carries
+every column (its ScoringError's ``extra``): the other components' scores where they
+finished, ``cancelled`` where they had not. An optional one is left out of the sum, and
+its status says why.
 """
 
 from __future__ import annotations
@@ -178,14 +180,31 @@ def parse_components(raw: Any) -> list[Component]:
 # ---------------------------------------------------------------------- scoring
 @dataclass(slots=True)
 class _Outcome:
-    status: str  # ok | failed | timeout | skipped
+    status: str  # ok | failed | timeout | skipped | cancelled
     score: float | None
     latency_ms: float
     extra: dict[str, Any]
 
 
+def _outcomes_so_far(tasks: Mapping[str, asyncio.Task[_Outcome]], started: Mapping[str, float]) -> dict[str, _Outcome]:
+    """Each component's outcome once a required one has failed: its result when it has
+    one, its failure, or ``cancelled`` (score None) when it had not finished."""
+    now = time.perf_counter()
+    out: dict[str, _Outcome] = {}
+    for name, task in tasks.items():
+        error = task.exception() if task.done() and not task.cancelled() else None
+        if isinstance(error, _RequiredFailed):
+            out[name] = error.args[2]
+        elif task.done() and not task.cancelled() and error is None:
+            out[name] = task.result()
+        else:
+            since = started.get(name)
+            out[name] = _Outcome("cancelled", None, 0.0 if since is None else (now - since) * 1000, {})
+    return out
+
+
 class _RequiredFailed(Exception):
-    """A required component failed: ``args`` are its name and its ScoringError."""
+    """A required component failed: ``args`` are its name, its ScoringError and its _Outcome."""
 
 
 class CompositeScorer:
@@ -203,18 +222,24 @@ class CompositeScorer:
 
     async def score(self, traj: Trajectory) -> Scored:
         tasks: dict[str, asyncio.Task[_Outcome]] = {}
+        started: dict[str, float] = {}  # when each component's scorer was called
         for component, scorer in self.components:
             after = tasks.get(component.skip_unless) if component.skip_unless else None
-            tasks[component.name] = asyncio.ensure_future(self._run(component, scorer, traj, after))
+            tasks[component.name] = asyncio.ensure_future(self._run(component, scorer, traj, after, started))
         try:
             # The first required component to fail ends the sample: the others are cancelled
             # rather than spend calls (and quota) on a sum that will not be used.
             await asyncio.gather(*tasks.values())
         except _RequiredFailed as failed:
-            name, error = failed.args
+            name, error, _ = failed.args
             verb = "timed out" if error.reason == "timeout" else "failed"
+            # The failed sample still carries every column, with what each component got to.
+            extra = self._combine(_outcomes_so_far(tasks, started)).extra
             raise ScoringError(
-                f"required component {name!r} {verb}: {error}", reason=f"{name}:{error.reason}", attempts=error.attempts
+                f"required component {name!r} {verb}: {error}",
+                reason=f"{name}:{error.reason}",
+                attempts=error.attempts,
+                extra=extra,
             ) from None
         finally:
             for task in tasks.values():
@@ -222,23 +247,29 @@ class CompositeScorer:
         return self._combine({name: task.result() for name, task in tasks.items()})
 
     async def _run(
-        self, component: Component, scorer: Scorer, traj: Trajectory, after: asyncio.Task[_Outcome] | None
+        self,
+        component: Component,
+        scorer: Scorer,
+        traj: Trajectory,
+        after: asyncio.Task[_Outcome] | None,
+        started: dict[str, float],
     ) -> _Outcome:
         if after is not None:
             gate = await asyncio.shield(after)
             if gate.status != "ok" or not (gate.score or 0.0) > 0:
                 return _Outcome("skipped", 0.0, 0.0, {})
-        started = time.perf_counter()
+        started[component.name] = time.perf_counter()
         try:
             scored = await scorer.score(traj)
         except Exception as exc:  # a component's bug is its failure, not the worker's
             if not isinstance(exc, ScoringError):
                 exc = ScoringError(f"{type(exc).__name__}: {exc}")
-            if component.required:
-                raise _RequiredFailed(component.name, exc) from None
             status = "timeout" if exc.reason == "timeout" else "failed"
-            return _Outcome(status, None, (time.perf_counter() - started) * 1000, {})
-        return _Outcome("ok", scored.score, (time.perf_counter() - started) * 1000, dict(scored.extra))
+            outcome = _Outcome(status, None, (time.perf_counter() - started[component.name]) * 1000, {})
+            if component.required:
+                raise _RequiredFailed(component.name, exc, outcome) from None
+            return outcome
+        return _Outcome("ok", scored.score, (time.perf_counter() - started[component.name]) * 1000, dict(scored.extra))
 
     def _combine(self, outcomes: Mapping[str, _Outcome]) -> Scored:
         total = 0.0

@@ -50,6 +50,7 @@ __all__ = ["StreamRewardLoopManager", "decode_row"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_RETURNED_KEPT = 16384  # more samples than one actor's share of a verl batch
 
 
 class StreamRewardLoopManager:
@@ -84,6 +85,8 @@ class StreamRewardLoopManager:
         self._drain_scheduled = False
         self._remote_scorer = self.options.manager.scorer.partition(":")[0] in ("http", "disrm", "genrm")
         self._columns: dict[str, None] = {}  # reward_extra_info keys this manager has returned
+        # The reward_extra_info dicts returned lately, which verl may still hold (see _same_columns).
+        self._returned: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RETURNED_KEPT)
         # One private loop per manager owns its Redis clients: run_single may be awaited
         # from any loop (a Ray actor's, an agent loop's, successive asyncio.run calls).
         self._loop_thread = LoopThread("stream-reward-verl")
@@ -236,16 +239,35 @@ class StreamRewardLoopManager:
                 extra = {"score": task, **extra}
             extra.setdefault("score", task)
             extra.setdefault("acc", task)
-            self._columns.update(dict.fromkeys(extra))
             extra["reward_failed"] = 0.0
             extra["reward_status"] = "ok"
         else:
             policy = self.options.policy
             score = policy.fallback_score if policy.on_failure == "fallback" else 0.0
-            extra = {key: None for key in self._columns}  # the columns seen so far, explicitly empty
+            # What the scorer knew all the same (a composite's columns) stays on the failed sample.
             extra.update(score=score, acc=score, reward_failed=1.0, reward_status=result.reason or "failed")
             log.warning("sample %s failed (%s): %s", result.uid, result.reason, result.error)
+        self._same_columns(extra)
         return {"reward_score": score, "reward_extra_info": extra}
+
+    def _same_columns(self, extra: dict[str, Any]) -> None:
+        """Give ``extra`` every column this manager has returned, None where it has none.
+
+        verl's RewardLoopManager takes its columns from the first sample's keys and indexes
+        every other sample with them: a key one sample lacks crashes it, a key the first
+        lacks is dropped. A column can first appear late (a composite's judge, skipped on
+        the first samples, has keys of its own once it runs), so it is also added, as None,
+        to the dicts returned before it: verl holds them until the whole batch is in.
+        """
+        new = [key for key in extra if key not in self._columns]
+        if new:
+            for earlier in self._returned:
+                for key in new:
+                    earlier.setdefault(key, None)
+            self._columns.update(dict.fromkeys(new))
+        for key in self._columns:
+            extra.setdefault(key, None)
+        self._returned.append(extra)
 
 
 @dataclasses.dataclass(frozen=True)

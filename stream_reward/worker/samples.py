@@ -129,9 +129,9 @@ class SampleStarting(ResultWriting):
             self.stats.scored += 1
         except Exception as exc:  # a scorer bug fails its sample, never the pool
             if isinstance(exc, ScoringError):
-                reason, error, attempts = exc.reason, str(exc), exc.attempts or 1
+                reason, error, attempts, extra = exc.reason, str(exc), exc.attempts or 1, exc.extra
             else:
-                reason, error, attempts = "scorer_error", f"{type(exc).__name__}: {exc}", 1
+                reason, error, attempts, extra = "scorer_error", f"{type(exc).__name__}: {exc}", 1, {}
             result = ScoreResult.failed(
                 traj.uid,
                 traj.batch_id,
@@ -141,6 +141,7 @@ class SampleStarting(ResultWriting):
                 attempts=attempts,
                 traj=traj,
                 scored_at=time.time(),
+                extra=extra,  # what the scorer knew all the same: the failed sample keeps its columns
             )
             self.stats.failed += 1
         finally:

@@ -1,9 +1,11 @@
 """Composite rewards: ``[[reward.components]]`` as one scorer. The weighted sum and the
 per-component columns (the same keys on every sample); a hung component is ``timeout``
 and a broken one ``failed`` — the sample fails when it was required, and is the sum of
-the rest when it was not; ``skip_unless`` makes no call at all; independent components
-run at once; a component's quota holds across worker processes; a bad entry is one
-line naming it; and ``stream-reward score --config`` shows the columns."""
+the rest when it was not, and a failed sample still carries every column, through a
+worker and ``collect`` (``cancelled`` where a component was cut short); ``skip_unless``
+makes no call at all; independent components run at once; a component's quota holds
+across worker processes; a bad entry is one line naming it; and ``stream-reward score
+--config`` shows the columns."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from helpers import stream_reward_cli
+from helpers import running_worker, score_batch, stream_reward_cli
 
 from stream_reward import Trajectory
 from stream_reward.bench.verifier_server import VerifierServer
@@ -109,6 +111,44 @@ async def test_a_failed_required_component_cancels_the_others() -> None:
             await scored_by([broken, judge(srv.url, timeout_s=20)], traj())
         took = time.perf_counter() - started
     assert took < 10, took  # not the judge's 20 s: its call was cancelled
+
+
+async def test_a_failed_sample_carries_every_components_columns() -> None:
+    async with VerifierServer(timeout_rate=1.0, hang_s=30) as srv:
+        with pytest.raises(ScoringError) as info:
+            await scored_by([FORMAT, CORRECT, judge(srv.url, timeout_s=0.3)], traj())
+    extra = info.value.extra
+    assert {k: extra[k] for k in ("format", "correct", "judge")} == {"format": 1.0, "correct": 1.0, "judge": None}
+    assert [extra[f"{n}_status"] for n in ("format", "correct", "judge")] == ["ok", "ok", "timeout"]
+    assert extra["judge_latency_ms"] >= 250 and extra["format/tags"] == 1
+
+
+async def test_components_cancelled_by_a_required_failure_say_so() -> None:
+    broken = {"name": "backend", "scorer": f"{DATA}:broken"}
+    async with VerifierServer(timeout_rate=1.0, hang_s=30) as srv:
+        with pytest.raises(ScoringError) as info:
+            await scored_by([broken, judge(srv.url, timeout_s=20)], traj())
+    extra = info.value.extra
+    assert (extra["backend_status"], extra["backend"]) == ("failed", None)
+    assert (extra["judge_status"], extra["judge"]) == ("cancelled", None)
+    assert extra["judge_latency_ms"] >= 0
+
+
+async def test_a_failed_sample_keeps_its_columns_through_a_worker_and_collect(redis_url: str, namespace: str) -> None:
+    async with VerifierServer(rule="rules", timeout_rate=1.0, hang_s=30) as srv:
+        scorer = composite(FORMAT, CORRECT, judge(srv.url, timeout_s=0.3, skip_unless="format"))
+        try:
+            async with running_worker(redis_url, namespace, scorer):
+                rewards = await score_batch(redis_url, namespace, [traj(0), traj(1, "#### 72")])
+        finally:
+            await scorer.aclose()
+    assert rewards.status == ["failed", "ok"] and rewards.results[0].reason == "judge:timeout"
+    info = rewards.reward_extra_info
+    columns = {f"{n}{s}" for n in ("format", "correct", "judge") for s in ("", "_status", "_latency_ms")}
+    assert columns | {"format/tags"} <= set(info)
+    assert info["judge_status"] == ["timeout", "skipped"]
+    assert info["format"] == [1.0, 0.0] and info["correct"] == [1.0, 1.0]
+    assert rewards.valid.tolist() == [False, True]  # failed stays failed: its 0 is not a reward
 
 
 async def test_failing_optional_component_says_why() -> None:

@@ -5,7 +5,8 @@ one left; run() fails with the real error (a BaseException out of a scorer, a wr
 dies, a namespace of another protocol, a Redis error creating its group) and returns within
 its bounds while Redis hangs; a Worker whose run() ended runs again, with no state of the
 last stop sticking; its reads and result flushes go on connections of their own, which
-survive kills, a server restart and a database other than 0; whatever lands on the stream
+survive kills, a server restart and a database other than 0; a failed sample keeps the
+extra its ScoringError carries; whatever lands on the stream
 is scored or dead-lettered, and workers killed at random lose and repeat nothing.
 """
 
@@ -43,7 +44,7 @@ from redis.exceptions import ResponseError
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
-from stream_reward.errors import ConfigError, ProtocolMismatchError
+from stream_reward.errors import ConfigError, ProtocolMismatchError, ScoringError
 from stream_reward.ops.deadletters import list_dead_letters
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.scoring.registry import RuleScorer
@@ -622,6 +623,26 @@ async def test_a_stop_mid_run_returns_while_redis_hangs(redis_url, namespace) ->
     hang.set()
     await asyncio.sleep(0.2)
     await returns_after_stop(w, run, stop, "a stop with Redis hanging")
+
+
+# --- a sample's scorer fails
+
+
+class FailsWithColumns:
+    """Fails every sample with a ScoringError that carries the sample's columns."""
+
+    inline = True
+
+    async def score(self, t: Trajectory) -> Scored:
+        raise ScoringError("judge down", reason="judge:failed", extra={"judge": None, "judge_status": "failed"})
+
+
+async def test_a_failed_sample_keeps_the_extra_its_scoring_error_carries(redis_url, namespace) -> None:
+    async with running_worker(redis_url, namespace, FailsWithColumns()):
+        rewards = await score_batch(redis_url, namespace, [exact_traj("fx", 0), exact_traj("fx", 1)])
+    assert rewards.status == ["failed", "failed"] and rewards.results[0].reason == "judge:failed"
+    assert rewards.reward_extra_info == {"judge": [None, None], "judge_status": ["failed", "failed"]}
+    assert rewards.valid.tolist() == [False, False]
 
 
 # --- a Worker run again

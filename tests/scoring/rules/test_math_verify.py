@@ -7,6 +7,7 @@ math-verify not installed, fails the sample."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import threading
@@ -30,65 +31,11 @@ pytestmark = pytest.mark.anyio
 
 TOWER = r"\boxed{9^{9^{9^{9^{9}}}}}"  # math-verify's comparison with 3 runs into its 5 s bound
 
-# (kind, response, ground truth): right and wrong answers of each kind.
-PAIRS = [
-    ("fraction", r"The answer is $\boxed{\frac{1}{2}}$.", "0.5"),
-    ("fraction", r"So $x = \boxed{\dfrac{3}{4}}$", r"\frac34"),
-    ("fraction", r"\boxed{6/8}", r"\frac{3}{4}"),
-    ("fraction", r"\boxed{\frac{2}{3}}", r"\frac{3}{2}"),
-    ("decimal", r"\boxed{0.333}", r"\frac{1}{3}"),
-    ("decimal", "The final answer is 2.50", "2.5"),
-    ("decimal", r"\boxed{3.14}", "3.1416"),
-    ("integer", r"Thus the total is \boxed{1,000}.", "1000"),
-    ("integer", r"\boxed{-7}", "-7"),
-    ("integer", r"\boxed{7}", "-7"),
-    ("root", r"\boxed{2\sqrt{3}}", r"\sqrt{12}"),
-    ("root", r"\boxed{\sqrt{2}/2}", r"\frac{\sqrt{2}}{2}"),
-    ("root", r"\boxed{\sqrt{3}}", r"\sqrt{2}"),
-    ("root", r"\boxed{\sqrt[3]{8}}", "2"),
-    ("pi", r"\boxed{2\pi}", r"2\pi"),
-    ("pi", r"\boxed{\pi/2}", r"\frac{\pi}{2}"),
-    ("pi", r"\boxed{3.14159}", r"\pi"),
-    ("pi", r"\boxed{\pi}", r"2\pi"),
-    ("interval", r"\boxed{(-\infty, 3]}", r"(-\infty,3]"),
-    ("interval", r"\boxed{(0, 1)}", "[0,1]"),
-    ("interval", r"\boxed{[2, \infty)}", r"x \geq 2"),
-    ("interval", r"\boxed{(-1,2) \cup (3,4)}", r"(3,4)\cup(-1,2)"),
-    ("set", r"\boxed{\{1, 2, 3\}}", r"\{3,2,1\}"),
-    ("set", r"\boxed{1, 2, 3}", r"\{1,2,3\}"),
-    ("set", r"\boxed{\{1, 2\}}", r"\{1,2,3\}"),
-    ("tuple", r"\boxed{(1, 2)}", "(1,2)"),
-    ("tuple", r"\boxed{(2, 1)}", "(1,2)"),
-    ("tuple", r"\boxed{(\frac{1}{2}, -3)}", "(0.5,-3)"),
-    ("matrix", r"\boxed{\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}}", r"\begin{pmatrix}1&2\\3&4\end{pmatrix}"),
-    ("matrix", r"\boxed{\begin{pmatrix} 1 & 2 \\ 3 & 5 \end{pmatrix}}", r"\begin{pmatrix}1&2\\3&4\end{pmatrix}"),
-    ("matrix", r"\boxed{\begin{bmatrix} 1 \\ 0 \end{bmatrix}}", r"\begin{pmatrix}1\\0\end{pmatrix}"),
-    ("percent", r"\boxed{50\%}", "50"),
-    ("percent", r"\boxed{25\%}", "0.25"),
-    ("percent", r"\boxed{30\%}", r"20\%"),
-    ("degree", r"\boxed{90^\circ}", "90"),
-    ("degree", r"\boxed{45^{\circ}}", r"45^\circ"),
-    ("degree", r"\boxed{30^\circ}", "60"),
-    ("unit", r"\boxed{12 \text{ cm}}", "12"),
-    ("unit", r"\boxed{5\text{ dollars}}", "5"),
-    ("unit", r"\boxed{3 \mbox{ inches}}", "4"),
-    ("equation", r"\boxed{x = 3}", "3"),
-    ("equation", r"\boxed{3}", "x=3"),
-    ("equation", r"\boxed{y = 2x + 1}", "y=2x+1"),
-    ("equation", r"\boxed{x=4}", "3"),
-    ("algebra", r"\boxed{(x+1)^2}", "x^2+2x+1"),
-    ("algebra", r"\boxed{x^2 + 1}", "x^2+2x+1"),
-    ("choice", r"The correct option is \boxed{B}", "B"),
-    ("choice", r"\boxed{\text{(C)}}", "C"),
-    ("choice", r"\boxed{A}", "D"),
-    ("no answer", "I could not solve this problem.", "42"),
-    ("no answer", "", "42"),
-    ("no answer", r"\boxed{}", "42"),
-    ("plain text", "After simplifying, we get 42", "42"),
-    ("plain text", "The answer is 41.", "42"),
-    ("unreadable ground truth", r"\boxed{1}", ""),
-    ("unreadable ground truth", r"\boxed{1}", r"\frac{"),
-]
+_spec = importlib.util.spec_from_file_location("math_verify_cases", Path(__file__).with_name("math_verify_cases.py"))
+assert _spec is not None and _spec.loader is not None
+_cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_cases)
+PAIRS = _cases.PAIRS  # (kind, response, ground truth)
 
 
 def reference(response: str, ground_truth: str) -> float:
