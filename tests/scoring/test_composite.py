@@ -130,6 +130,45 @@ async def test_skipped_judge_makes_no_request() -> None:
     assert scored.score == pytest.approx(1.0)  # correct alone: format scored 0, the judge did not run
 
 
+async def test_a_required_component_whose_gate_failed_fails_the_sample() -> None:
+    gate = {"name": "gate", "scorer": f"{DATA}:broken", "required": False}
+    with pytest.raises(ScoringError) as info:
+        await scored_by([gate, CORRECT, {**FORMAT, "skip_unless": "gate"}], traj())
+    assert info.value.reason == "format:gate_failed"
+    assert "'format'" in str(info.value) and "'gate'" in str(info.value)
+
+
+async def test_an_optional_component_whose_gate_failed_is_failed_not_skipped() -> None:
+    gate = {"name": "gate", "scorer": f"{DATA}:broken", "required": False}
+    (scored,) = await scored_by([gate, CORRECT, {**FORMAT, "skip_unless": "gate", "required": False}], traj())
+    assert scored.extra["format_status"] == "failed" and scored.extra["format"] is None
+    assert scored.score == pytest.approx(1.0)
+
+
+async def test_a_component_that_scores_a_skipped_gate_is_skipped_too() -> None:
+    chain = [
+        FORMAT,
+        {**CORRECT, "skip_unless": "format"},
+        {"name": "last", "scorer": "rules", "skip_unless": "correct"},
+    ]
+    (scored,) = await scored_by(chain, traj(0, "#### 72"))
+    assert (scored.extra["correct_status"], scored.extra["last_status"]) == ("skipped", "skipped")
+    assert scored.score == 0.0
+
+
+@pytest.mark.parametrize("response", ["nan", "inf"])
+async def test_a_component_scoring_a_non_finite_number_fails_the_sample(response: str) -> None:
+    with pytest.raises(ScoringError) as info:
+        await scored_by([CORRECT, {"name": "odd", "scorer": f"{DATA}:not_finite"}], traj(0, response))
+    assert info.value.reason == "odd:bad_score"
+
+
+async def test_a_component_returning_a_dict_without_score_fails_the_sample() -> None:
+    with pytest.raises(ScoringError) as info:
+        await scored_by([CORRECT, {"name": "odd", "scorer": f"{DATA}:no_score"}], traj())
+    assert info.value.reason == "odd:no_score"
+
+
 # ---------------------------------------------------------------------- concurrency
 async def _rendezvous_server() -> tuple[web.AppRunner, str, list[str]]:
     """Two endpoints that answer only once both have a request in flight: components
@@ -253,6 +292,26 @@ def _entry(name: str, scorer: str = "rules", **keys: str) -> str:
         (
             _entry("judge", "http:http://x") + "[reward.components.quota]\nmax_rpm = -1\n",
             "reward.components.judge.quota.max_rpm",
+        ),
+        (_entry("format", weight="nan"), "reward.components.format.weight"),
+        (_entry("format", weight="inf"), "reward.components.format.weight"),
+        (_entry("format", weight="true"), "reward.components.format.weight"),
+        (_entry("format", required='"false"'), "reward.components.format.required"),
+        (_entry("format", timeout_s="0"), "reward.components.format.timeout_s"),
+        (_entry("format", timeout_s="-1"), "reward.components.format.timeout_s"),
+        (_entry("format", skip_unless='"format"'), "reward.components.format.skip_unless"),
+        (_entry("format") + _entry("format_status"), "reward.components.format_status"),
+        (_entry("format_status") + _entry("format"), "reward.components.format"),
+        (_entry("score"), "reward.components.score"),
+        (_entry("overlong"), "reward.components.overlong"),
+        (_entry("overlong_reward"), "reward.components.overlong_reward"),
+        (
+            _entry("judge", "http:http://x") + "[reward.components.quota]\nmax_rps = 5\n",
+            "reward.components.judge.quota.max_rps",
+        ),
+        (
+            _entry("judge", "http:http://x") + "[reward.components.quota]\nmax_concurrent = 1.5\n",
+            "reward.components.judge.quota.max_concurrent",
         ),
     ],
 )
