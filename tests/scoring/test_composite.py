@@ -169,6 +169,13 @@ async def test_a_component_returning_a_dict_without_score_fails_the_sample() -> 
     assert info.value.reason == "odd:no_score"
 
 
+async def test_a_weighted_sum_past_the_float_range_fails_the_sample_rather_than_score_inf() -> None:
+    huge = [{"name": "a", "scorer": "rules", "weight": 1e308}, {"name": "b", "scorer": "rules", "weight": 1e308}]
+    with pytest.raises(ScoringError) as info:
+        await scored_by(huge, traj(0, "#### 72"))
+    assert info.value.reason == "bad_score" and "not finite" in str(info.value)
+
+
 # ---------------------------------------------------------------------- concurrency
 async def _rendezvous_server() -> tuple[web.AppRunner, str, list[str]]:
     """Two endpoints that answer only once both have a request in flight: components
