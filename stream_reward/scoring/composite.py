@@ -269,6 +269,8 @@ class CompositeScorer:
             seen.update(dict.fromkeys(outcome.extra))
             for key in seen:
                 extra[f"{name}/{key}"] = outcome.extra.get(key)
+        if not math.isfinite(total):  # finite weights and scores can still overflow the sum
+            raise ScoringError(f"the weighted sum of the components is not finite ({total})", reason="bad_score")
         return Scored(total, extra)
 
     async def aclose(self) -> None:
