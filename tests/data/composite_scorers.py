@@ -20,3 +20,8 @@ async def not_finite(data_source, solution_str, ground_truth, extra_info=None, *
 
 async def no_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return {"verdict": "yes"}
+
+
+async def broken_later(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    await asyncio.sleep(0.5)
+    raise RuntimeError("the component's backend went down mid-sample")

@@ -263,6 +263,28 @@ async def test_component_quota_holds_across_two_worker_processes(
     assert rewards.reward_extra_info["judge_status"] == ["ok"] * 6
 
 
+async def test_a_component_cancelled_while_holding_its_quota_lease_gives_it_back(
+    redis_url: str, namespace: str
+) -> None:
+    quota = {"max_concurrent": 1, "quota_key": "judge-lease"}
+    broken = {"name": "backend", "scorer": f"{DATA}:broken_later"}
+    async with VerifierServer(timeout_rate=1.0, hang_s=30) as hung, VerifierServer(rule="rules") as fine:
+        first = composite(broken, judge(hung.url, timeout_s=20, quota=quota), redis_url=redis_url, namespace=namespace)
+        second = composite(judge(fine.url, quota=quota), redis_url=redis_url, namespace=namespace)
+        try:
+            with pytest.raises(ScoringError, match="backend"):
+                await first.score(traj(0))  # the judge holds the one lease, in a hung request, when it is cancelled
+            assert hung.stats()["requests"] == 1
+            started = time.perf_counter()
+            scored = await second.score(traj(1))
+            took = time.perf_counter() - started
+        finally:
+            await first.aclose()
+            await second.aclose()
+    assert scored.extra["judge_status"] == "ok"
+    assert took < 10, took  # not the lease's 60 s expiry
+
+
 async def _wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:
     client = connect(redis_url)
     try:
