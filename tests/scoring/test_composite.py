@@ -176,6 +176,25 @@ async def test_a_weighted_sum_past_the_float_range_fails_the_sample_rather_than_
     assert info.value.reason == "bad_score" and "not finite" in str(info.value)
 
 
+async def test_under_dapo_the_overlong_penalty_applies_to_the_sum_and_a_failed_component_still_fails() -> None:
+    overlong = {"enable": True, "len": 4, "penalty_factor": 1.0, "log": True}
+    broken = {"name": "backend", "scorer": f"{DATA}:broken"}
+    scorer = composite(FORMAT, CORRECT, manager="dapo", max_resp_len=10, overlong_buffer_cfg=overlong)
+    failing = composite(CORRECT, broken, manager="dapo", max_resp_len=10, overlong_buffer_cfg=overlong)
+    long = traj(0)
+    long.valid_response_length = 8  # 2 tokens into the 4-token buffer: -0.5
+    try:
+        scored = await scorer.score(long)
+        with pytest.raises(ScoringError, match="backend"):  # never the penalty alone as the reward
+            await failing.score(long)
+    finally:
+        await scorer.aclose()
+        await failing.aclose()
+    assert scored.score == pytest.approx(0.2 + 1.0 - 0.5)
+    assert scored.extra["overlong_reward"] == pytest.approx(-0.5) and scored.extra["overlong"] is True
+    assert scored.extra["format_status"] == scored.extra["correct_status"] == "ok"
+
+
 # ---------------------------------------------------------------------- concurrency
 async def _rendezvous_server() -> tuple[web.AppRunner, str, list[str]]:
     """Two endpoints that answer only once both have a request in flight: components
