@@ -341,6 +341,7 @@ def _entry(name: str, scorer: str = "rules", **keys: str) -> str:
             _entry("judge", "http:http://x") + "[reward.components.quota]\nmax_rpm = -1\n",
             "reward.components.judge.quota.max_rpm",
         ),
+        ("[reward]\ncomponents = []\n", "reward.components"),
         (_entry("format", weight="nan"), "reward.components.format.weight"),
         (_entry("format", weight="inf"), "reward.components.format.weight"),
         (_entry("format", weight="true"), "reward.components.format.weight"),
