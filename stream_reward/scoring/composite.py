@@ -176,6 +176,8 @@ def parse_components(raw: Any) -> list[Component]:
     ``ConfigError`` naming it (``reward.components.judge.skip_unless``)."""
     if not isinstance(raw, (list, tuple)):
         raise ConfigError("reward.components", f"must be a list of tables, got {type(raw).__name__}")
+    if not raw:  # given but empty: not a fall back to the default scorer
+        raise ConfigError("reward.components", "needs at least one component")
     out: list[Component] = []
     for index, entry in enumerate(raw):
         out.append(entry if isinstance(entry, Component) else _parse_one(entry, index, [c.name for c in out]))
