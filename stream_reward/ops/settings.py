@@ -452,7 +452,7 @@ def _validate(settings: Settings) -> None:
     for dotted in ("quota.max_rpm", "quota.max_tpm"):
         _positive(v, dotted)
     _validate_overlong(reward)
-    if reward.get("components"):
+    if reward.get("components") or settings.is_set("reward.components"):  # given empty is an error too
         _validate_components(settings)
     if "reward_kwargs" in reward and not all(isinstance(k, str) for k in reward["reward_kwargs"]):
         raise ConfigError("reward.reward_kwargs", "keys must be strings")

@@ -18,7 +18,8 @@ A required component that fails or times out fails the sample, with a reason nam
 it: a partial sum is never passed off as the reward. The failed sample still carries
 every column (its ScoringError's ``extra``): the other components' scores where they
 finished, ``cancelled`` where they had not. An optional one is left out of the sum, and
-its status says why.
+its status says why. A component whose ``skip_unless`` gate failed or timed out is not
+skipped (whether it would have run is unknown): it fails as if it had.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ _KEYS = (
     "retries",
 )
 _COLUMNS = ("", "_status", "_latency_ms")  # a component's columns in the extra info, after its name
+# Keys the managers put beside the components' columns: verl's loop logs the task score as
+# "score", dapo its penalty as "overlong_reward" and "overlong".
+_RESERVED = ("score", "overlong", "overlong_reward")
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # Specs whose head is known without importing anything; anything else must be FILE:FUNC or module:FUNC.
 _SPEC_HEADS = ("http", "disrm", "genrm", "sandbox-fusion")
@@ -94,6 +98,9 @@ def _parse_one(raw: Any, index: int, earlier: Sequence[str]) -> Component:
         raise ConfigError(f"{where}.{unknown[0]}", f"unknown key; known: {', '.join(_KEYS)}")
     if name in earlier:
         raise ConfigError(where, "duplicate component name")
+    taken = sorted({f"{name}{suffix}" for suffix in _COLUMNS} & set(_RESERVED))
+    if taken:
+        raise ConfigError(where, f"its column {taken[0]!r} is the reward's own; reserved: {', '.join(_RESERVED)}")
     columns = {f"{e}{suffix}" for e in earlier for suffix in _COLUMNS}
     if columns & {f"{name}{suffix}" for suffix in _COLUMNS}:
         raise ConfigError(where, f"its columns would clash with an earlier component's ({', '.join(sorted(columns))})")
@@ -171,6 +178,8 @@ def parse_components(raw: Any) -> list[Component]:
     ``ConfigError`` naming it (``reward.components.judge.skip_unless``)."""
     if not isinstance(raw, (list, tuple)):
         raise ConfigError("reward.components", f"must be a list of tables, got {type(raw).__name__}")
+    if not raw:  # given but empty: not a fall back to the default scorer
+        raise ConfigError("reward.components", "needs at least one component")
     out: list[Component] = []
     for index, entry in enumerate(raw):
         out.append(entry if isinstance(entry, Component) else _parse_one(entry, index, [c.name for c in out]))
@@ -256,6 +265,14 @@ class CompositeScorer:
     ) -> _Outcome:
         if after is not None:
             gate = await asyncio.shield(after)
+            if gate.status in ("failed", "timeout"):
+                # Whether this one would have run is unknown: not the policy's loss, so not a skip.
+                if component.required:
+                    error = ScoringError(
+                        f"its skip_unless {component.skip_unless!r} {gate.status}", reason="gate_failed"
+                    )
+                    raise _RequiredFailed(component.name, error)
+                return _Outcome("failed", None, 0.0, {})
             if gate.status != "ok" or not (gate.score or 0.0) > 0:
                 return _Outcome("skipped", 0.0, 0.0, {})
         started[component.name] = time.perf_counter()
@@ -285,6 +302,8 @@ class CompositeScorer:
             seen.update(dict.fromkeys(outcome.extra))
             for key in seen:
                 extra[f"{name}/{key}"] = outcome.extra.get(key)
+        if not math.isfinite(total):  # finite weights and scores can still overflow the sum
+            raise ScoringError(f"the weighted sum of the components is not finite ({total})", reason="bad_score")
         return Scored(total, extra)
 
     async def aclose(self) -> None:

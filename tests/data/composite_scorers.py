@@ -12,3 +12,16 @@ async def format_ok(data_source, solution_str, ground_truth, extra_info=None, **
 
 async def broken(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     raise RuntimeError("the component's backend is down")
+
+
+async def not_finite(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return float("nan") if solution_str.startswith("nan") else float("inf")
+
+
+async def no_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return {"verdict": "yes"}
+
+
+async def broken_later(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    await asyncio.sleep(0.5)
+    raise RuntimeError("the component's backend went down mid-sample")

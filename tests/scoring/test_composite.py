@@ -170,6 +170,71 @@ async def test_skipped_judge_makes_no_request() -> None:
     assert scored.score == pytest.approx(1.0)  # correct alone: format scored 0, the judge did not run
 
 
+async def test_a_required_component_whose_gate_failed_fails_the_sample() -> None:
+    gate = {"name": "gate", "scorer": f"{DATA}:broken", "required": False}
+    with pytest.raises(ScoringError) as info:
+        await scored_by([gate, CORRECT, {**FORMAT, "skip_unless": "gate"}], traj())
+    assert info.value.reason == "format:gate_failed"
+    assert "'format'" in str(info.value) and "'gate'" in str(info.value)
+
+
+async def test_an_optional_component_whose_gate_failed_is_failed_not_skipped() -> None:
+    gate = {"name": "gate", "scorer": f"{DATA}:broken", "required": False}
+    (scored,) = await scored_by([gate, CORRECT, {**FORMAT, "skip_unless": "gate", "required": False}], traj())
+    assert scored.extra["format_status"] == "failed" and scored.extra["format"] is None
+    assert scored.score == pytest.approx(1.0)
+
+
+async def test_a_component_that_scores_a_skipped_gate_is_skipped_too() -> None:
+    chain = [
+        FORMAT,
+        {**CORRECT, "skip_unless": "format"},
+        {"name": "last", "scorer": "rules", "skip_unless": "correct"},
+    ]
+    (scored,) = await scored_by(chain, traj(0, "#### 72"))
+    assert (scored.extra["correct_status"], scored.extra["last_status"]) == ("skipped", "skipped")
+    assert scored.score == 0.0
+
+
+@pytest.mark.parametrize("response", ["nan", "inf"])
+async def test_a_component_scoring_a_non_finite_number_fails_the_sample(response: str) -> None:
+    with pytest.raises(ScoringError) as info:
+        await scored_by([CORRECT, {"name": "odd", "scorer": f"{DATA}:not_finite"}], traj(0, response))
+    assert info.value.reason == "odd:bad_score"
+
+
+async def test_a_component_returning_a_dict_without_score_fails_the_sample() -> None:
+    with pytest.raises(ScoringError) as info:
+        await scored_by([CORRECT, {"name": "odd", "scorer": f"{DATA}:no_score"}], traj())
+    assert info.value.reason == "odd:no_score"
+
+
+async def test_a_weighted_sum_past_the_float_range_fails_the_sample_rather_than_score_inf() -> None:
+    huge = [{"name": "a", "scorer": "rules", "weight": 1e308}, {"name": "b", "scorer": "rules", "weight": 1e308}]
+    with pytest.raises(ScoringError) as info:
+        await scored_by(huge, traj(0, "#### 72"))
+    assert info.value.reason == "bad_score" and "not finite" in str(info.value)
+
+
+async def test_under_dapo_the_overlong_penalty_applies_to_the_sum_and_a_failed_component_still_fails() -> None:
+    overlong = {"enable": True, "len": 4, "penalty_factor": 1.0, "log": True}
+    broken = {"name": "backend", "scorer": f"{DATA}:broken"}
+    scorer = composite(FORMAT, CORRECT, manager="dapo", max_resp_len=10, overlong_buffer_cfg=overlong)
+    failing = composite(CORRECT, broken, manager="dapo", max_resp_len=10, overlong_buffer_cfg=overlong)
+    long = traj(0)
+    long.valid_response_length = 8  # 2 tokens into the 4-token buffer: -0.5
+    try:
+        scored = await scorer.score(long)
+        with pytest.raises(ScoringError, match="backend"):  # never the penalty alone as the reward
+            await failing.score(long)
+    finally:
+        await scorer.aclose()
+        await failing.aclose()
+    assert scored.score == pytest.approx(0.2 + 1.0 - 0.5)
+    assert scored.extra["overlong_reward"] == pytest.approx(-0.5) and scored.extra["overlong"] is True
+    assert scored.extra["format_status"] == scored.extra["correct_status"] == "ok"
+
+
 # ---------------------------------------------------------------------- concurrency
 async def _rendezvous_server() -> tuple[web.AppRunner, str, list[str]]:
     """Two endpoints that answer only once both have a request in flight: components
@@ -257,6 +322,28 @@ async def test_component_quota_holds_across_two_worker_processes(
     assert rewards.reward_extra_info["judge_status"] == ["ok"] * 6
 
 
+async def test_a_component_cancelled_while_holding_its_quota_lease_gives_it_back(
+    redis_url: str, namespace: str
+) -> None:
+    quota = {"max_concurrent": 1, "quota_key": "judge-lease"}
+    broken = {"name": "backend", "scorer": f"{DATA}:broken_later"}
+    async with VerifierServer(timeout_rate=1.0, hang_s=30) as hung, VerifierServer(rule="rules") as fine:
+        first = composite(broken, judge(hung.url, timeout_s=20, quota=quota), redis_url=redis_url, namespace=namespace)
+        second = composite(judge(fine.url, quota=quota), redis_url=redis_url, namespace=namespace)
+        try:
+            with pytest.raises(ScoringError, match="backend"):
+                await first.score(traj(0))  # the judge holds the one lease, in a hung request, when it is cancelled
+            assert hung.stats()["requests"] == 1
+            started = time.perf_counter()
+            scored = await second.score(traj(1))
+            took = time.perf_counter() - started
+        finally:
+            await first.aclose()
+            await second.aclose()
+    assert scored.extra["judge_status"] == "ok"
+    assert took < 10, took  # not the lease's 60 s expiry
+
+
 async def _wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: float = 30) -> None:
     client = connect(redis_url)
     try:
@@ -293,6 +380,27 @@ def _entry(name: str, scorer: str = "rules", **keys: str) -> str:
         (
             _entry("judge", "http:http://x") + "[reward.components.quota]\nmax_rpm = -1\n",
             "reward.components.judge.quota.max_rpm",
+        ),
+        ("[reward]\ncomponents = []\n", "reward.components"),
+        (_entry("format", weight="nan"), "reward.components.format.weight"),
+        (_entry("format", weight="inf"), "reward.components.format.weight"),
+        (_entry("format", weight="true"), "reward.components.format.weight"),
+        (_entry("format", required='"false"'), "reward.components.format.required"),
+        (_entry("format", timeout_s="0"), "reward.components.format.timeout_s"),
+        (_entry("format", timeout_s="-1"), "reward.components.format.timeout_s"),
+        (_entry("format", skip_unless='"format"'), "reward.components.format.skip_unless"),
+        (_entry("format") + _entry("format_status"), "reward.components.format_status"),
+        (_entry("format_status") + _entry("format"), "reward.components.format"),
+        (_entry("score"), "reward.components.score"),
+        (_entry("overlong"), "reward.components.overlong"),
+        (_entry("overlong_reward"), "reward.components.overlong_reward"),
+        (
+            _entry("judge", "http:http://x") + "[reward.components.quota]\nmax_rps = 5\n",
+            "reward.components.judge.quota.max_rps",
+        ),
+        (
+            _entry("judge", "http:http://x") + "[reward.components.quota]\nmax_concurrent = 1.5\n",
+            "reward.components.judge.quota.max_concurrent",
         ),
     ],
 )

@@ -57,11 +57,11 @@ def traj(i: int, response: str, ground_truth: Any) -> Trajectory:
 
 @pytest.fixture
 async def math_scorer() -> AsyncIterator[Callable[..., Any]]:
-    """``math_scorer(timeout=...)``: a ``--scorer math-verify`` scorer with two processes, closed after the test."""
+    """``math_scorer(timeout=...)``: a ``--scorer math-verify`` scorer, two processes unless told, closed after the test."""
     made: list[Any] = []
 
     def make(**config: Any) -> Any:
-        scorer = build_scorer(ManagerConfig(scorer="math-verify", num_processes=2, **config))
+        scorer = build_scorer(ManagerConfig(**{"scorer": "math-verify", "num_processes": 2, **config}))
         made.append(scorer)
         return scorer
 
@@ -151,6 +151,56 @@ async def test_a_scorer_process_that_dies_mid_call_fails_the_sample(math_scorer)
     child.kill()
     with pytest.raises(ScorerCrashedError, match="died"):
         await call
+
+
+HOSTILE = [
+    ("nested braces", r"\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "1"),
+    ("boxed bomb", r"\boxed{1}" * 20000, "1"),
+    ("frac tower", r"\boxed{" + r"\frac{1}{" * 200 + "2" + "}" * 200 + "}", "1"),
+    ("a megabyte of working", "x" * 1_000_000 + r" \boxed{1}", "1"),
+    ("unicode", "\\boxed{\u00bd} \u7b54\u6848 \u202e \U0001d7d9", "0.5"),
+    ("nul byte", "\\boxed{1\x00}", "1"),
+]
+
+
+async def test_hostile_answers_end_within_the_timeout_as_a_verdict_with_status_ok(math_scorer):
+    scorer = math_scorer(timeout=3.0)
+    started = time.monotonic()
+    got = await asyncio.gather(*(scorer.score(traj(i, r, t)) for i, (_, r, t) in enumerate(HOSTILE)))
+    took = time.monotonic() - started
+    assert all(g.score in (0.0, 1.0) and set(g.extra) == {"timeout"} for g in got)
+    assert took < len(HOSTILE) * 3.0 + 10  # none runs past its timeout, even queued two at a time
+    after = await scorer.score(traj(99, r"\boxed{\frac12}", "0.5"))  # the pool is whole afterwards
+    assert (after.score, after.extra) == (1.0, {"timeout": False})
+
+
+async def test_many_towers_at_once_are_each_an_ok_zero_and_the_pool_is_restored(math_scorer):
+    scorer = math_scorer(timeout=1.0)
+    towers = [traj(i, TOWER, "3") for i in range(4)]
+    neighbours = [traj(10 + i, r"\boxed{2\sqrt3}", r"\sqrt{12}") for i in range(4)]
+    got = await asyncio.gather(*(scorer.score(t) for t in towers + neighbours))
+    assert [(g.score, g.extra["timeout"]) for g in got[:4]] == [(0.0, True)] * 4
+    assert [g.score for g in got[4:]] == [1.0] * 4
+    pool = scorer.inner
+    assert pool.kills == 4 and len(pool._all) <= pool.size  # killed processes are not kept
+    again = await asyncio.gather(*(scorer.score(traj(20 + i, r"\boxed{\pi}", r"\pi")) for i in range(2)))
+    assert [a.score for a in again] == [1.0, 1.0]
+
+
+async def test_a_sample_cancelled_mid_call_frees_its_process_for_the_next(math_scorer):
+    scorer = math_scorer(timeout=60.0, num_processes=1)
+    pool = scorer.inner
+    await scorer.score(traj(0, r"\boxed{1}", "1"))
+    call = asyncio.ensure_future(scorer.score(traj(1, TOWER, "3")))
+    await asyncio.sleep(0)  # the call takes the one process
+    assert not pool._idle
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert pool._all == set()  # the busy process was killed, not left computing
+    started = time.monotonic()
+    again = await scorer.score(traj(2, r"\boxed{1}", "1"))
+    assert again.score == 1.0 and time.monotonic() - started < 30  # not behind the tower's seconds
 
 
 async def test_as_a_composite_component_a_costly_answer_is_an_ok_zero_under_the_components_timeout():
