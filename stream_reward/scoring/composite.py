@@ -271,7 +271,7 @@ class CompositeScorer:
                     error = ScoringError(
                         f"its skip_unless {component.skip_unless!r} {gate.status}", reason="gate_failed"
                     )
-                    raise _RequiredFailed(component.name, error)
+                    raise _RequiredFailed(component.name, error, _Outcome("failed", None, 0.0, {}))
                 return _Outcome("failed", None, 0.0, {})
             if gate.status != "ok" or not (gate.score or 0.0) > 0:
                 return _Outcome("skipped", 0.0, 0.0, {})
