@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import signal
 import time
 from collections import Counter
@@ -23,7 +22,6 @@ import pytest
 from helpers import (
     Counting,
     Timed,
-    done_results,
     exact_traj,
     identity_score,
     running_worker,
@@ -31,7 +29,18 @@ from helpers import (
     stop_config,
     wait_until,
 )
-from redis.exceptions import ConnectionError as RedisConnectionError
+from worker_support import (
+    SLOW,
+    Delays,
+    _async,
+    cfg,
+    one_result_each,
+    pending_count,
+    push,
+    requeue_replies_lost,
+    results,
+    slow_traj,
+)
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -42,17 +51,9 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.entries import FIELD_HANDED_BACK, ensure_group
 from stream_reward.wire.keys import Keys
-from stream_reward.wire.push import REQUEUE_SCRIPT
 from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
-
-
-async def results(client, keys: Keys, batch: str, group: str = "scorers") -> list:
-    out = []
-    for p in range(keys.partitions):
-        out += await done_results(client, keys.done(batch, p, group))
-    return out
 
 
 def _payload(batch: str, i: int, uid: str | None = None) -> bytes:
@@ -67,49 +68,6 @@ async def _open(redis_url: str, namespace: str, batch: str, n: int) -> None:
 LOGGED = ("--scorer", "python:tests/data/reliability_scorers.py:logged")
 
 
-class Delays:
-    """Scores by identity after ``delays[uid]`` seconds (``default`` otherwise) on a
-    sample's first attempt, ``later`` after; counts attempts per (batch, uid)."""
-
-    inline = False
-
-    def __init__(self, delays: dict[str, float] | None = None, default: float = 0.05, later: float = 0.0) -> None:
-        self.delays, self.default, self.later = delays or {}, default, later
-        self.calls: Counter[tuple[str, str]] = Counter()
-        self.started = asyncio.Event()
-
-    async def score(self, t):
-        self.calls[t.batch_id, t.uid] += 1
-        self.started.set()
-        first = self.calls[t.batch_id, t.uid] == 1
-        await asyncio.sleep(self.delays.get(t.uid, self.default) if first else self.later)
-        return Scored(identity_score(t))
-
-
-def cfg(namespace: str, consumer: str, **kw) -> ConsumerConfig:
-    return ConsumerConfig(
-        namespace=namespace, consumer=consumer, **{"block_ms": 20, "drain_timeout_s": 0.3, "concurrency": 1, **kw}
-    )
-
-
-async def push(redis_url: str, namespace: str, trajs: list[Trajectory], *, k: int, partitions: int = 1) -> None:
-    async with RolloutProducer(
-        redis_url, ProducerConfig(namespace=namespace, samples_per_entry=k, partitions=partitions)
-    ) as p:
-        for batch in dict.fromkeys(t.batch_id for t in trajs):
-            await p.open_batch(batch, sum(1 for t in trajs if t.batch_id == batch), 8)
-        await p.push_many(trajs)
-
-
-async def one_result_each(client, keys: Keys, batch: str, n: int, group: str = "scorers") -> list:
-    got = await results(client, keys, batch, group)
-    by_index = Counter(r.index for r in got)
-    assert sorted(by_index) == list(range(n)) and set(by_index.values()) == {1}, (
-        f"batch {batch!r} of group {group!r}: results by index {dict(by_index)} (want one for each of 0..{n - 1})"
-    )
-    return got
-
-
 async def settle(client, keys: Keys, batch: str, n: int, timeout_s: float) -> None:
     """Wait (up to ``timeout_s``) for ``n`` results of ``batch`` and nothing pending; then
     assert one result each."""
@@ -122,13 +80,6 @@ async def settle(client, keys: Keys, batch: str, n: int, timeout_s: float) -> No
     await one_result_each(client, keys, batch, n)
 
 
-async def pending_count(client, keys: Keys, group: str = "scorers") -> int:
-    total = 0
-    for stream in keys.streams():
-        total += (await client.xpending(stream, group))["pending"]
-    return total
-
-
 async def copies_on(client, keys: Keys, partition: int = 0) -> list:
     return [f for _, f in await client.xrange(keys.stream(partition)) if FIELD_HANDED_BACK in f]
 
@@ -137,50 +88,12 @@ def calls_by(log_path) -> list[tuple[str, int]]:
     return [(tag, int(pid)) for tag, pid in (line.split() for line in log_path.read_text().splitlines())]
 
 
-async def _async(value):
-    return value
-
-
 async def _len_at_least(awaitable, n: int) -> bool:
     return len(await awaitable) >= n
 
 
-def requeue_replies_lost(redis_url: str, *, every: bool) -> tuple:
-    """A worker's client whose requeue script runs but whose reply is lost (the first time,
-    or ``every`` time), and the list of the replies lost."""
-    sha = hashlib.sha1(REQUEUE_SCRIPT.encode()).hexdigest()
-    wc = connect(redis_url)
-    original = wc.evalsha
-    lost: list = []
-
-    async def evalsha(script_sha, numkeys, *args):
-        reply = await original(script_sha, numkeys, *args)
-        if script_sha == sha and (every or not lost):
-            lost.append(reply)
-            raise RedisConnectionError("the requeue reply was lost")
-        return reply
-
-    wc.evalsha = evalsha
-    return wc, lost
-
-
 # Its workers read with block_ms=50 and drain within 0.2 s.
 quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
-
-
-SLOW = "python:tests/data/reliability_scorers.py:slow"
-
-
-def slow_traj(batch: str, i: int, sleep_s: float, poison: bool = False, hold: str | None = None) -> Trajectory:
-    """``hold``: a file; the sample is not finished while it exists."""
-    return Trajectory(
-        batch,
-        i,
-        "test",
-        response="poison" if poison else "ok",
-        valid_response_length=1,
-        extra_info={"sleep_s": sleep_s, **({"hold": hold} if hold else {})},
-    )
 
 
 async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:

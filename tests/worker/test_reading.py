@@ -23,6 +23,7 @@ from helpers import (
     push_exact,
     running_worker,
 )
+from worker_support import collect
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer
 from stream_reward.config import ConsumerConfig
@@ -70,16 +71,6 @@ async def _push(url, ns, batch, n, k=1, partitions=1):
 async def _arm_later(proxy: CutProxy, delay: float, times: int) -> None:
     await asyncio.sleep(delay)
     proxy.arm(b"XREADGROUP", times=times)
-
-
-async def collect(url: str, ns: str, batch: str, n: int, *, partitions: int = 1, timeout_s: float = 60, k: int = 1):
-    async with (
-        RolloutProducer(url, ProducerConfig(namespace=ns, partitions=partitions, samples_per_entry=k)) as producer,
-        RewardAggregator(url, namespace=ns, partitions=partitions) as agg,
-    ):
-        await producer.open_batch(batch, n, 8)
-        await producer.push_many([exact_traj(batch, i) for i in range(n)])
-        return await agg.collect(batch, timeout_s=timeout_s)
 
 
 # --- a read whose reply was lost: what it delivered is taken back at once

@@ -21,7 +21,6 @@ import pytest
 from helpers import (
     Counting,
     Timed,
-    done_results,
     exact_traj,
     identity_score,
     push_exact,
@@ -32,6 +31,7 @@ from helpers import (
     wait_until,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from worker_support import SLOW, finish_with_burst, nothing_pending, pending_of_stream, pending_rows, results, slow_traj
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig
@@ -135,15 +135,6 @@ async def second_worker_finishes(redis_url: str, config: ConsumerConfig, agg: Re
     return w2, await agg.collect("q", timeout_s=3, on_timeout="resolve")
 
 
-async def pending_of_stream(redis_url: str, namespace: str) -> list:
-    client = connect(redis_url)
-    try:
-        rows = await client.xpending_range(Keys(namespace).stream(), "scorers", min="-", max="+", count=100)
-        return [(r["message_id"], r["consumer"], r["time_since_delivered"], r["times_delivered"]) for r in rows]
-    finally:
-        await client.aclose()
-
-
 CRASHER = """
 import asyncio, os, signal, sys
 from stream_reward.config import ConsumerConfig
@@ -160,21 +151,6 @@ url, ns, name = sys.argv[1:4]
 config = ConsumerConfig(namespace=ns, consumer=name, block_ms=20, reclaim_idle_ms=60_000, drain_timeout_s=0.3)
 asyncio.run(Worker(url, Crash(), config).run(asyncio.Event(), burst=True))
 """
-
-
-async def results(client, keys: Keys, batch: str, group: str = "scorers") -> list:
-    out = []
-    for p in range(keys.partitions):
-        out += await done_results(client, keys.done(batch, p, group))
-    return out
-
-
-async def pending_rows(client, keys: Keys, group: str = "scorers") -> list:
-    out = []
-    for stream in keys.streams():
-        rows = await client.xpending_range(stream, group, min="-", max="+", count=1000)
-        out += [(r["message_id"], r["consumer"], r["time_since_delivered"], r["times_delivered"]) for r in rows]
-    return out
 
 
 class Fatal(BaseException):
@@ -197,21 +173,6 @@ class Killer:
         return Scored(identity_score(t))
 
 
-SLOW = "python:tests/data/reliability_scorers.py:slow"
-
-
-def slow_traj(batch: str, i: int, sleep_s: float, poison: bool = False, hold: str | None = None) -> Trajectory:
-    """``hold``: a file; the sample is not finished while it exists."""
-    return Trajectory(
-        batch,
-        i,
-        "test",
-        response="poison" if poison else "ok",
-        valid_response_length=1,
-        extra_info={"sleep_s": sleep_s, **({"hold": hold} if hold else {})},
-    )
-
-
 async def _eventually(predicate, timeout_s: float) -> bool:
     from helpers import wait_until
 
@@ -220,16 +181,6 @@ async def _eventually(predicate, timeout_s: float) -> bool:
     except AssertionError:
         return False
     return True
-
-
-async def finish_with_burst(redis_url: str, namespace: str, scorer, **cfg) -> None:
-    w = Worker(redis_url, scorer, ConsumerConfig(namespace=namespace, block_ms=20, consumer="burst", **cfg))
-    await asyncio.wait_for(w.run(asyncio.Event(), burst=True), 60)
-    await w.aclose()
-
-
-async def nothing_pending(client, keys: Keys) -> bool:
-    return (await client.xpending(keys.stream(), "scorers"))["pending"] == 0
 
 
 async def _suspects(client, keys: Keys, count: int) -> list[bytes]:

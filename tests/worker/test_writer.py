@@ -29,6 +29,7 @@ from helpers import (
     wait_until,
 )
 from redis.exceptions import NoScriptError, ResponseError
+from worker_support import N, _no_pending, _xlen_at_least, trajs
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer
 from stream_reward.ops.embedded import EmbeddedServer
@@ -40,13 +41,6 @@ from stream_reward.wire.trajectory import ScoreResult
 from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
-
-
-N = 40
-
-
-def trajs(batch: str, n: int = N) -> list:
-    return [exact_traj(batch, i) for i in range(n)]
 
 
 def item(batch: str, i: int, dead: bool = False) -> LedgerItem:
@@ -74,16 +68,6 @@ class HalfFlushedLane:
 SHA = hashlib.sha1(_WRITE_SCRIPT.encode()).hexdigest().encode()
 
 
-async def collect(url: str, ns: str, batch: str, n: int, *, partitions: int = 1, timeout_s: float = 60, k: int = 1):
-    async with (
-        RolloutProducer(url, ProducerConfig(namespace=ns, partitions=partitions, samples_per_entry=k)) as producer,
-        RewardAggregator(url, namespace=ns, partitions=partitions) as agg,
-    ):
-        await producer.open_batch(batch, n, 8)
-        await producer.push_many([exact_traj(batch, i) for i in range(n)])
-        return await agg.collect(batch, timeout_s=timeout_s)
-
-
 async def add_garbage(client: Any, stream: str, n: int) -> None:
     """Entries naming no sample: each is dead-lettered alone (no batch to record it in)."""
     for i in range(n):
@@ -97,10 +81,6 @@ async def add_poison_in_batch(client: Any, stream: str, batch: str, index: int) 
     await client.xadd(stream, {b"h": header, b"d": payload})
 
 
-async def _xlen_at_least(client: Any, key: str, n: int) -> bool:
-    return await client.xlen(key) >= n
-
-
 async def warm_up(url: str, ns: str) -> None:
     """One sample scored and flushed, so that the result script is in the server's cache."""
     await push_exact(url, ns, "warm", 1)
@@ -109,10 +89,6 @@ async def warm_up(url: str, ns: str) -> None:
         await wait_until(lambda: _xlen_at_least(admin, Keys(ns).done("warm"), 1))
     finally:
         await admin.aclose()
-
-
-async def _no_pending(client: Any, stream: str) -> bool:
-    return (await client.xpending(stream, "scorers"))["pending"] == 0
 
 
 # --- a flush whose reply is lost after it ran
