@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import gc
 import random
 import selectors
 import subprocess
 import time
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import FIELD_HANDED_BACK, FIELD_PAYLOAD, read_members
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.lane import Lane
+from stream_reward.worker.consumer import Worker
 
 
 @contextlib.asynccontextmanager
@@ -727,3 +731,75 @@ async def wait_for_workers(redis_url: str, namespace: str, n: int, timeout_s: fl
             await asyncio.sleep(0.05)
     finally:
         await client.aclose()
+
+
+def sample_traj(batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None) -> Trajectory:
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
+
+
+class IdentityScorer:
+    """Scores a sample by its identity: index + len(response)/1000 (a wrong sample's result shows)."""
+
+    def __init__(self, delay: float = 0.0, jitter: float = 0.0) -> None:
+        self.delay, self.jitter = delay, jitter
+        self.seen: list[str] = []
+
+    async def score(self, t: Trajectory) -> Scored:
+        self.seen.append(t.uid)
+        d = self.delay + random.random() * self.jitter
+        if d:
+            await asyncio.sleep(d)
+        return Scored(t.index + len(t.response) / 1000)
+
+
+@contextlib.asynccontextmanager
+async def identity_worker(url: str, ns: str, scorer=None, **cfg):
+    stop = asyncio.Event()
+    w = Worker(url, scorer or IdentityScorer(), ConsumerConfig(namespace=ns, block_ms=50, **cfg))
+    task = asyncio.ensure_future(w.run(stop))
+    try:
+        yield w
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await w.aclose()
+
+
+@contextlib.asynccontextmanager
+async def running(url: str, ns: str, scorer, **cfg):
+    w = Worker(url, scorer, ConsumerConfig(namespace=ns, block_ms=20, drain_timeout_s=0.3, **cfg))
+    async with started(w):
+        yield w
+
+
+async def named_connections(admin, name: str) -> int:
+    return sum(1 for c in await admin.client_list() if c.get("name") == name)
+
+
+async def settle_named(admin, name: str, want: int, within_s: float = 3.0) -> int:
+    """The count of connections named ``name`` once it reaches ``want`` (or the last seen)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        n = await named_connections(admin, name)
+        if n == want or loop.time() > deadline:
+            return n
+        await asyncio.sleep(0.05)
+
+
+def no_unclosed_transports() -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+        gc.collect()
+    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
+    """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
+    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
+        await p.push_many(samples)
+
+
+# Its workers read with block_ms=50 and drain within 0.2 s.
+quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import gc
-import warnings
 
 import pytest
 from helpers import (
     Timed,
     exact_traj,
+    no_unclosed_transports,
+    push_fresh,
     queued,
+    quick_worker,
     running_worker,
     samples_of,
+    settle_named,
     undelivered_samples,
     wait_until,
 )
@@ -45,35 +46,6 @@ pytestmark = pytest.mark.anyio
 
 
 SCORER = "python:tests/data/scorers.py:exact"
-
-
-async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
-    """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
-        await p.push_many(samples)
-
-
-async def named_connections(admin, name: str) -> int:
-    return sum(1 for c in await admin.client_list() if c.get("name") == name)
-
-
-async def settle_named(admin, name: str, want: int, within_s: float = 3.0) -> int:
-    """The count of connections named ``name`` once it reaches ``want`` (or the last seen)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        n = await named_connections(admin, name)
-        if n == want or loop.time() > deadline:
-            return n
-        await asyncio.sleep(0.05)
-
-
-def no_unclosed_transports() -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gc.collect()
-        gc.collect()
-    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 # Conflicts and odd uids
@@ -368,10 +340,6 @@ async def test_closing_the_producer_leaves_no_connection_of_its_lanes(redis_url,
     finally:
         await admin.aclose()
     assert no_unclosed_transports() == []
-
-
-# Its workers read with block_ms=50 and drain within 0.2 s.
-quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
 
 
 async def test_backlog_of_a_producer_is_never_below_the_truth_when_another_pushes_bigger_entries(

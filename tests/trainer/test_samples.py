@@ -15,11 +15,21 @@ import asyncio
 import contextlib
 import gc
 import math
-import random
 import time
 
 import pytest
-from helpers import LoopLag, Timed, done_results, no_waiters, queued, running_worker, wait_until
+from helpers import (
+    IdentityScorer,
+    LoopLag,
+    Timed,
+    done_results,
+    identity_worker,
+    no_waiters,
+    queued,
+    running_worker,
+    sample_traj,
+    wait_until,
+)
 from trainer_support import clean, expected, outcome, traj
 
 from stream_reward import (
@@ -30,7 +40,6 @@ from stream_reward import (
     SyncRolloutProducer,
     Trajectory,
 )
-from stream_reward.config import ConsumerConfig
 from stream_reward.errors import (
     BackpressureError,
     BrokerError,
@@ -43,7 +52,6 @@ from stream_reward.errors import (
 from stream_reward.scoring.scorer import Scored
 from stream_reward.trainer import listener as listener_mod
 from stream_reward.wire.connection import connect
-from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -1035,10 +1043,6 @@ async def test_a_kept_refusal_does_not_keep_the_rest_of_its_flush_alive(redis_ur
     assert retained < 1_000_000, f"holding one refusal keeps {retained / 1e6:.1f} MB of its flush alive"
 
 
-def sample_traj(batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
-
-
 def unretrieved_errors() -> list[str]:
     """What asyncio reports of the futures collected now (an error nobody retrieved)."""
     loop = asyncio.get_running_loop()
@@ -1052,34 +1056,6 @@ def unretrieved_errors() -> list[str]:
     finally:
         loop.set_exception_handler(previous)
     return seen
-
-
-class IdentityScorer:
-    """Scores a sample by its identity: index + len(response)/1000 (a wrong sample's result shows)."""
-
-    def __init__(self, delay: float = 0.0, jitter: float = 0.0) -> None:
-        self.delay, self.jitter = delay, jitter
-        self.seen: list[str] = []
-
-    async def score(self, t: Trajectory) -> Scored:
-        self.seen.append(t.uid)
-        d = self.delay + random.random() * self.jitter
-        if d:
-            await asyncio.sleep(d)
-        return Scored(t.index + len(t.response) / 1000)
-
-
-@contextlib.asynccontextmanager
-async def identity_worker(url: str, ns: str, scorer=None, **cfg):
-    stop = asyncio.Event()
-    w = Worker(url, scorer or IdentityScorer(), ConsumerConfig(namespace=ns, block_ms=50, **cfg))
-    task = asyncio.ensure_future(w.run(stop))
-    try:
-        yield w
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await w.aclose()
 
 
 async def test_a_refused_score_never_returns_the_kept_result_of_its_uid(redis_url, namespace) -> None:

@@ -15,14 +15,12 @@ the same faults are in tests/trainer/test_flush.py and test_listener.py.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import random
 import socket
-import warnings
 
 import pytest
-from helpers import lane_of
+from helpers import lane_of, named_connections, no_unclosed_transports, settle_named
 from redis.asyncio import Redis
 from redis.credentials import UsernamePasswordCredentialProvider
 from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
@@ -40,29 +38,6 @@ pytestmark = pytest.mark.anyio
 async def lane_client_id(lane: Lane) -> int:
     (cid,) = await lane.call([pack_command("CLIENT", "ID")])
     return int(cid)
-
-
-async def named_connections(admin, name: str) -> int:
-    return sum(1 for c in await admin.client_list() if c.get("name") == name)
-
-
-async def settle_named(admin, name: str, want: int, within_s: float = 3.0) -> int:
-    """The count of connections named ``name`` once it reaches ``want`` (or the last seen)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        n = await named_connections(admin, name)
-        if n == want or loop.time() > deadline:
-            return n
-        await asyncio.sleep(0.05)
-
-
-def no_unclosed_transports() -> list[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gc.collect()
-        gc.collect()
-    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 # Against a real server

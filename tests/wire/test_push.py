@@ -9,7 +9,6 @@ chunks, come out right.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from typing import Any
 
@@ -17,18 +16,17 @@ import pytest
 from helpers import (
     Timed,
     exact_traj,
+    push_fresh,
     queued,
+    running,
     samples_of,
-    started,
     undelivered_samples,
 )
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
-from stream_reward.config import ConsumerConfig
 from stream_reward.errors import PushConflictError
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys, key_slot
-from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -46,12 +44,6 @@ async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tupl
     finally:
         await client.aclose()
     return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
-
-
-async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> None:
-    """Push from a new producer (a producer refuses a uid it pushed itself before it asks Redis)."""
-    async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as p:
-        await p.push_many(samples)
 
 
 async def test_a_call_with_something_already_there_takes_the_slow_path_and_queues_only_the_fresh(
@@ -165,13 +157,6 @@ async def test_two_producers_racing_on_the_same_indices_queue_each_sample_once(r
         got = await queued(redis_url, a.keys)
         assert sorted(i for _, _, i in got) == list(range(600))
         assert len({u for _, u, _ in got}) == 600
-
-
-@contextlib.asynccontextmanager
-async def running(url: str, ns: str, scorer, **cfg):
-    w = Worker(url, scorer, ConsumerConfig(namespace=ns, block_ms=20, drain_timeout_s=0.3, **cfg))
-    async with started(w):
-        yield w
 
 
 async def test_the_slow_path_cuts_each_fresh_sample_out_of_the_right_entry(redis_url, namespace) -> None:

@@ -6,62 +6,23 @@ from it nor bumps its delivery count.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import random
 import time
 
 import pytest
 from helpers import (
     exact_traj,
     identity_score,
-    running_worker,
+    identity_worker,
+    quick_worker,
+    sample_traj,
     wait_until,
 )
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
-from stream_reward.config import ConsumerConfig
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.keys import Keys
-from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
-
-
-def sample_traj(batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
-
-
-class IdentityScorer:
-    """Scores a sample by its identity: index + len(response)/1000 (a wrong sample's result shows)."""
-
-    def __init__(self, delay: float = 0.0, jitter: float = 0.0) -> None:
-        self.delay, self.jitter = delay, jitter
-        self.seen: list[str] = []
-
-    async def score(self, t: Trajectory) -> Scored:
-        self.seen.append(t.uid)
-        d = self.delay + random.random() * self.jitter
-        if d:
-            await asyncio.sleep(d)
-        return Scored(t.index + len(t.response) / 1000)
-
-
-@contextlib.asynccontextmanager
-async def identity_worker(url: str, ns: str, scorer=None, **cfg):
-    stop = asyncio.Event()
-    w = Worker(url, scorer or IdentityScorer(), ConsumerConfig(namespace=ns, block_ms=50, **cfg))
-    task = asyncio.ensure_future(w.run(stop))
-    try:
-        yield w
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await w.aclose()
-
-
-# Its workers read with block_ms=50 and drain within 0.2 s.
-quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
 
 
 # --- renewals: a live worker's entries are not taken by a peer

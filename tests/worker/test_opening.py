@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import signal
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from helpers import (
     Timed,
     exact_traj,
     identity_score,
+    quick_worker,
     running_worker,
     samples_of,
     stop_config,
@@ -90,10 +90,6 @@ def calls_by(log_path) -> list[tuple[str, int]]:
 
 async def _len_at_least(awaitable, n: int) -> bool:
     return len(await awaitable) >= n
-
-
-# Its workers read with block_ms=50 and drain within 0.2 s.
-quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
 
 
 async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:

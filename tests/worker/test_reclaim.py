@@ -13,18 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import random
 import time
 from collections import Counter
 
 import pytest
 from helpers import (
     Counting,
+    IdentityScorer,
     Timed,
     exact_traj,
     identity_score,
     push_exact,
+    running,
     running_worker,
+    sample_traj,
     samples_of,
     started,
     stop_config,
@@ -42,25 +44,6 @@ from stream_reward.wire.keys import Keys
 from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
-
-
-def sample_traj(batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
-
-
-class IdentityScorer:
-    """Scores a sample by its identity: index + len(response)/1000 (a wrong sample's result shows)."""
-
-    def __init__(self, delay: float = 0.0, jitter: float = 0.0) -> None:
-        self.delay, self.jitter = delay, jitter
-        self.seen: list[str] = []
-
-    async def score(self, t: Trajectory) -> Scored:
-        self.seen.append(t.uid)
-        d = self.delay + random.random() * self.jitter
-        if d:
-            await asyncio.sleep(d)
-        return Scored(t.index + len(t.response) / 1000)
 
 
 async def _dead_then_burst(
@@ -203,13 +186,6 @@ class ByBatch:
         self.seen.append(t.uid)
         await asyncio.sleep(self.delays.get(t.batch_id, 0.01))
         return Scored(identity_score(t))
-
-
-@contextlib.asynccontextmanager
-async def running(url: str, ns: str, scorer, **cfg):
-    w = Worker(url, scorer, ConsumerConfig(namespace=ns, block_ms=20, drain_timeout_s=0.3, **cfg))
-    async with started(w):
-        yield w
 
 
 class CleansUp:

@@ -28,7 +28,9 @@ from helpers import (
     exact_traj,
     identity_score,
     push_exact,
+    running,
     running_worker,
+    sample_traj,
     started,
     stop_config,
     unsettled,
@@ -66,10 +68,6 @@ from stream_reward.worker.consumer import Worker
 from stream_reward.worker.stop import _RELEASED_IDLE_MS
 
 pytestmark = pytest.mark.anyio
-
-
-def sample_traj(batch: str, i: int, *, uid: str = "", response: str = "r", group: str | None = None) -> Trajectory:
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", uid=uid, group=group)
 
 
 LANE_CMDS = {"xreadgroup", "evalsha", "script|load", "script"}
@@ -211,13 +209,6 @@ class FailingFinish(Worker):
         finally:
             self._requeue, self._with_results = real_requeue, real_lookup
             del self._client.xack
-
-
-@contextlib.asynccontextmanager
-async def running(url: str, ns: str, scorer, **cfg):
-    w = Worker(url, scorer, ConsumerConfig(namespace=ns, block_ms=20, drain_timeout_s=0.3, **cfg))
-    async with started(w):
-        yield w
 
 
 class SlowSpill(Worker):
