@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 import msgpack
 import pytest
 from helpers import producer_and_aggregator
+from trainer_support import garbage_row, record
 
 from stream_reward import BatchPolicy, BatchRewards, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig, ProducerConfig
@@ -264,17 +265,6 @@ def sample_results() -> list[ScoreResult]:
         ScoreResult("b/2", "b", 2, 1.0, "ok", {"shared": shared}, valid_response_length=None),
         ScoreResult("b/3", "b", 3, 0.0, "failed", {}, "never_pushed", "never"),
     ]
-
-
-def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:
-    return encode_result(ScoreResult(uid or f"{batch}/{i}", batch, i, score))
-
-
-def garbage_row(batch: str, i: int, **over: object) -> bytes:
-    row = [3, f"{batch}/{i}", batch, i, 1.0, "ok", 1, 0.0, None, None, None, None, None, None]
-    for k, v in over.items():
-        row[{"score": 4, "extra": 8, "attempts": 6}[k]] = v
-    return msgpack.packb(row, use_bin_type=True)
 
 
 N = 3000

@@ -19,16 +19,27 @@ import sys
 import textwrap
 import time
 
-import msgpack
 import pytest
 from helpers import CutProxy, LoopLag, queued, wait_until
 from redis.exceptions import ResponseError
-from trainer_support import clean, due, expected, graded, lane_client_id, outcome, settle, traj, waiters, worker
+from trainer_support import (
+    clean,
+    due,
+    expected,
+    garbage_row,
+    graded,
+    lane_client_id,
+    outcome,
+    record,
+    settle,
+    traj,
+    waiters,
+    worker,
+)
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, ScoreResult, Trajectory
 from stream_reward.errors import ResultTimeoutError
 from stream_reward.trainer import listener as listener_mod
-from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
 from stream_reward.wire.ledger import DONE_FIELD, LedgerItem, LedgerWriter
 
@@ -86,17 +97,6 @@ CASES = [
     ("score", "one_of_two_results"),
     ("score", "one_of_two_scores"),  # two producers score the same sample; one is cancelled
 ]
-
-
-def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:
-    return encode_result(ScoreResult(uid or f"{batch}/{i}", batch, i, score))
-
-
-def garbage_row(batch: str, i: int, **over: object) -> bytes:
-    row = [3, f"{batch}/{i}", batch, i, 1.0, "ok", 1, 0.0, None, None, None, None, None, None]
-    for k, v in over.items():
-        row[{"score": 4, "extra": 8, "attempts": 6}[k]] = v
-    return msgpack.packb(row, use_bin_type=True)
 
 
 # Waiters and their results

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgpack
 from helpers import Timed, running_worker, samples_of
 
-from stream_reward import RolloutProducer, Trajectory
+from stream_reward import RolloutProducer, ScoreResult, Trajectory
+from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
 from stream_reward.wire.lane import Lane
 from stream_reward.wire.packed import pack_command
@@ -78,3 +80,14 @@ async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tupl
 async def lane_client_id(lane: Lane) -> int:
     (cid,) = await lane.call([pack_command("CLIENT", "ID")])
     return int(cid)
+
+
+def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:
+    return encode_result(ScoreResult(uid or f"{batch}/{i}", batch, i, score))
+
+
+def garbage_row(batch: str, i: int, **over: object) -> bytes:
+    row = [3, f"{batch}/{i}", batch, i, 1.0, "ok", 1, 0.0, None, None, None, None, None, None]
+    for k, v in over.items():
+        row[{"score": 4, "extra": 8, "attempts": 6}[k]] = v
+    return msgpack.packb(row, use_bin_type=True)
