@@ -22,6 +22,7 @@ from stream_reward.errors import BackpressureError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.codec import decode_trajectory
 from stream_reward.wire.connection import connect
+from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.entries import FIELD_HANDED_BACK, FIELD_PAYLOAD, read_members
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.lane import Lane
@@ -803,3 +804,55 @@ async def push_fresh(redis_url: str, namespace: str, *samples: Trajectory) -> No
 
 # Its workers read with block_ms=50 and drain within 0.2 s.
 quick_worker = functools.partial(running_worker, block_ms=50, drain_timeout_s=0.2)
+
+
+async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:
+    """A dead letter for sample 0 of the stream's first entry, as a worker of ``group``
+    writes it for a sample of an entry of several (stream_reward.worker.members: Member.fields)."""
+    from stream_reward.worker.members import split
+
+    (entry_id, fields), *_ = await client.xrange(keys.stream(), count=1)
+    members = split(fields)
+    dead = encode_dead_letter(
+        reason="poison",
+        error="x",
+        entry_id=entry_id,
+        partition=0,
+        consumer="c",
+        deliveries=3,
+        at=time.time(),
+        fields=members[0].fields(fields, len(members), group),
+    )
+    await client.xadd(keys.dead_letters(0), {"e": dead})
+
+
+WIDTH = 8
+
+
+class Exact:
+    """1.0 when the response equals the ground truth, else 0.0."""
+
+    async def score(self, traj: Trajectory) -> Scored:
+        return Scored(1.0 if traj.response == traj.ground_truth else 0.0)
+
+
+@contextlib.asynccontextmanager
+async def worker(redis_url: str, namespace: str, scorer: Any = None, **cfg: Any) -> AsyncIterator[Worker]:
+    w = Worker(
+        redis_url, scorer or Exact(), ConsumerConfig(namespace=namespace, block_ms=50, drain_timeout_s=0.2, **cfg)
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(w.run(stop))
+    try:
+        yield w
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await w.aclose()
+
+
+def samples(batch: str, responses: list[str], truth: str = "a", **kw: Any) -> list[Trajectory]:
+    return [
+        Trajectory(batch, i, "test", response=r, ground_truth=truth, valid_response_length=i + 1, **kw)
+        for i, r in enumerate(responses)
+    ]

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
 
 import msgpack
 import pytest
+from helpers import WIDTH, samples, worker
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.config import ConsumerConfig, ProducerConfig
+from stream_reward.config import ProducerConfig
 from stream_reward.errors import CollectTimeoutError, PushConflictError, StateLostError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result
@@ -28,19 +26,8 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.trajectory import ScoreResult
-from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
-
-
-WIDTH = 8
-
-
-class Exact:
-    """1.0 when the response equals the ground truth, else 0.0."""
-
-    async def score(self, traj: Trajectory) -> Scored:
-        return Scored(1.0 if traj.response == traj.ground_truth else 0.0)
 
 
 class Constant:
@@ -49,28 +36,6 @@ class Constant:
 
     async def score(self, traj: Trajectory) -> Scored:
         return Scored(self.value)
-
-
-@asynccontextmanager
-async def worker(redis_url: str, namespace: str, scorer: Any = None, **cfg: Any) -> AsyncIterator[Worker]:
-    w = Worker(
-        redis_url, scorer or Exact(), ConsumerConfig(namespace=namespace, block_ms=50, drain_timeout_s=0.2, **cfg)
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(w.run(stop))
-    try:
-        yield w
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
-        await w.aclose()
-
-
-def samples(batch: str, responses: list[str], truth: str = "a", **kw: Any) -> list[Trajectory]:
-    return [
-        Trajectory(batch, i, "test", response=r, ground_truth=truth, valid_response_length=i + 1, **kw)
-        for i, r in enumerate(responses)
-    ]
 
 
 async def land_result(redis_url: str, namespace: str, result: ScoreResult) -> None:

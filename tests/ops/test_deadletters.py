@@ -5,37 +5,15 @@ one run twice in a row.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
-from helpers import exact_traj
+from helpers import _letter_of_first_sample, exact_traj
 
 from stream_reward import ProducerConfig, RolloutProducer
 from stream_reward.wire.connection import connect
-from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.keys import Keys
 
 pytestmark = pytest.mark.anyio
-
-
-async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:
-    """A dead letter for sample 0 of the stream's first entry, as a worker of ``group``
-    writes it for a sample of an entry of several (stream_reward.worker.members: Member.fields)."""
-    from stream_reward.worker.members import split
-
-    (entry_id, fields), *_ = await client.xrange(keys.stream(), count=1)
-    members = split(fields)
-    dead = encode_dead_letter(
-        reason="poison",
-        error="x",
-        entry_id=entry_id,
-        partition=0,
-        consumer="c",
-        deliveries=3,
-        at=time.time(),
-        fields=members[0].fields(fields, len(members), group),
-    )
-    await client.xadd(keys.dead_letters(0), {"e": dead})
 
 
 async def test_two_concurrent_redrives_queue_a_letter_once(redis_url, namespace) -> None:

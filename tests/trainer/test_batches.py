@@ -6,52 +6,14 @@ open, uncollected batch of the same size, width and policy, and refuses any othe
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
-
 import pytest
+from helpers import WIDTH, samples, worker
 
-from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, Trajectory
-from stream_reward.config import ConsumerConfig, ProducerConfig
+from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer
+from stream_reward.config import ProducerConfig
 from stream_reward.errors import BatchExistsError
-from stream_reward.scoring.scorer import Scored
-from stream_reward.worker.consumer import Worker
 
 pytestmark = pytest.mark.anyio
-
-
-WIDTH = 8
-
-
-class Exact:
-    """1.0 when the response equals the ground truth, else 0.0."""
-
-    async def score(self, traj: Trajectory) -> Scored:
-        return Scored(1.0 if traj.response == traj.ground_truth else 0.0)
-
-
-@asynccontextmanager
-async def worker(redis_url: str, namespace: str, scorer: Any = None, **cfg: Any) -> AsyncIterator[Worker]:
-    w = Worker(
-        redis_url, scorer or Exact(), ConsumerConfig(namespace=namespace, block_ms=50, drain_timeout_s=0.2, **cfg)
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(w.run(stop))
-    try:
-        yield w
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
-        await w.aclose()
-
-
-def samples(batch: str, responses: list[str], truth: str = "a", **kw: Any) -> list[Trajectory]:
-    return [
-        Trajectory(batch, i, "test", response=r, ground_truth=truth, valid_response_length=i + 1, **kw)
-        for i, r in enumerate(responses)
-    ]
 
 
 async def test_reopening_a_batch_id_is_refused_not_answered_with_old_rewards(redis_url: str, namespace: str) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import sys
 
 import pytest
+from helpers import WIDTH
 
 from stream_reward import RolloutProducer
 from stream_reward.config import ProducerConfig
@@ -16,9 +17,6 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
 
 pytestmark = pytest.mark.anyio
-
-
-WIDTH = 8
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])

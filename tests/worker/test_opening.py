@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import time
 from collections import Counter
 
 import msgpack
@@ -21,6 +20,7 @@ import pytest
 from helpers import (
     Counting,
     Timed,
+    _letter_of_first_sample,
     exact_traj,
     identity_score,
     quick_worker,
@@ -48,7 +48,6 @@ from stream_reward.ops.deadletters import list_dead_letters, redrive_dead_letter
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.codec import encode_trajectory
 from stream_reward.wire.connection import connect
-from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.entries import FIELD_HANDED_BACK, ensure_group
 from stream_reward.wire.keys import Keys
 from stream_reward.worker.consumer import Worker
@@ -90,26 +89,6 @@ def calls_by(log_path) -> list[tuple[str, int]]:
 
 async def _len_at_least(awaitable, n: int) -> bool:
     return len(await awaitable) >= n
-
-
-async def _letter_of_first_sample(client, keys: Keys, group: str = "scorers") -> None:
-    """A dead letter for sample 0 of the stream's first entry, as a worker of ``group``
-    writes it for a sample of an entry of several (stream_reward.worker.members: Member.fields)."""
-    from stream_reward.worker.members import split
-
-    (entry_id, fields), *_ = await client.xrange(keys.stream(), count=1)
-    members = split(fields)
-    dead = encode_dead_letter(
-        reason="poison",
-        error="x",
-        entry_id=entry_id,
-        partition=0,
-        consumer="c",
-        deliveries=3,
-        at=time.time(),
-        fields=members[0].fields(fields, len(members), group),
-    )
-    await client.xadd(keys.dead_letters(0), {"e": dead})
 
 
 @pytest.fixture(scope="module")
