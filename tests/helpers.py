@@ -26,6 +26,7 @@ from stream_reward.wire.deadletter import encode_dead_letter
 from stream_reward.wire.entries import FIELD_HANDED_BACK, FIELD_PAYLOAD, read_members
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.lane import Lane
+from stream_reward.wire.packed import pack_command
 from stream_reward.worker.consumer import Worker
 
 
@@ -856,3 +857,23 @@ def samples(batch: str, responses: list[str], truth: str = "a", **kw: Any) -> li
         Trajectory(batch, i, "test", response=r, ground_truth=truth, valid_response_length=i + 1, **kw)
         for i, r in enumerate(responses)
     ]
+
+
+def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
+    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
+    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
+
+
+async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
+    """(uid, index) of every sample in the producer's stream, in order."""
+    client = connect(redis_url)
+    try:
+        entries = await client.xrange(producer.keys.stream(0))
+    finally:
+        await client.aclose()
+    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
+
+
+async def lane_client_id(lane: Lane) -> int:
+    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
+    return int(cid)

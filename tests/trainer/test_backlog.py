@@ -30,11 +30,12 @@ from helpers import (
     queued,
     refusals_of_pushes_that_fit,
     running_worker,
+    traj,
     wait_until,
 )
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
-from trainer_support import clean, expected, graded, outcome, settle, traj, worker
+from trainer_support import clean, expected, graded, outcome, settle, worker
 
 import stream_reward.trainer.flush as flush_module
 from stream_reward import ProducerConfig, RolloutProducer, SyncRolloutProducer, Trajectory

@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import CutProxy, queued
+from helpers import CutProxy, lane_client_id, queued, stream_samples, traj
 from redis.asyncio import Redis
-from trainer_support import lane_client_id, stream_samples, traj
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
 from stream_reward.errors import BrokerError, PushConflictError

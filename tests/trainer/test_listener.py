@@ -20,7 +20,7 @@ import textwrap
 import time
 
 import pytest
-from helpers import CutProxy, LoopLag, queued, wait_until
+from helpers import CutProxy, LoopLag, lane_client_id, queued, traj, wait_until
 from redis.exceptions import ResponseError
 from trainer_support import (
     clean,
@@ -28,11 +28,9 @@ from trainer_support import (
     expected,
     garbage_row,
     graded,
-    lane_client_id,
     outcome,
     record,
     settle,
-    traj,
     waiters,
     worker,
 )

@@ -27,10 +27,12 @@ from helpers import (
     running_worker,
     samples_of,
     settle_named,
+    stream_samples,
+    traj,
     undelivered_samples,
     wait_until,
 )
-from trainer_support import graded, stream_samples, traj
+from trainer_support import graded
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig

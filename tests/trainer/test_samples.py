@@ -28,9 +28,10 @@ from helpers import (
     queued,
     running_worker,
     sample_traj,
+    traj,
     wait_until,
 )
-from trainer_support import clean, expected, outcome, traj
+from trainer_support import clean, expected, outcome
 
 from stream_reward import (
     ProducerConfig,

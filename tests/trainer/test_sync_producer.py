@@ -10,7 +10,8 @@ import threading
 import time
 
 import pytest
-from trainer_support import graded, traj
+from helpers import traj
+from trainer_support import graded
 
 from stream_reward import ProducerConfig, SyncRolloutProducer
 from stream_reward.errors import BrokerError, PushConflictError, ResultTimeoutError

@@ -8,21 +8,12 @@ with verl_support.py); tests/helpers.py holds what the whole suite shares.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import msgpack
-from helpers import Timed, running_worker, samples_of
+from helpers import Timed, running_worker
 
-from stream_reward import RolloutProducer, ScoreResult, Trajectory
+from stream_reward import ScoreResult, Trajectory
 from stream_reward.wire.codec import encode_result
-from stream_reward.wire.connection import connect
-from stream_reward.wire.lane import Lane
-from stream_reward.wire.packed import pack_command
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
 
 
 def graded(batch: str, i: int, right: bool) -> Trajectory:
@@ -65,21 +56,6 @@ async def outcome(aw) -> object:
 async def settle(aws, timeout_s: float = 10) -> list:
     """Each awaitable's result or exception (all of them within ``timeout_s``)."""
     return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), timeout_s)
-
-
-async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
-    """(uid, index) of every sample in the producer's stream, in order."""
-    client = connect(redis_url)
-    try:
-        entries = await client.xrange(producer.keys.stream(0))
-    finally:
-        await client.aclose()
-    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
-
-
-async def lane_client_id(lane: Lane) -> int:
-    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
-    return int(cid)
 
 
 def record(batch: str, i: int, uid: str | None = None, score: float = 1.0) -> bytes:

@@ -20,7 +20,7 @@ import random
 import socket
 
 import pytest
-from helpers import lane_of, named_connections, no_unclosed_transports, settle_named
+from helpers import lane_client_id, lane_of, named_connections, no_unclosed_transports, settle_named
 from redis.asyncio import Redis
 from redis.credentials import UsernamePasswordCredentialProvider
 from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
@@ -33,11 +33,6 @@ from stream_reward.wire.lane import Lane
 from stream_reward.wire.packed import pack_command
 
 pytestmark = pytest.mark.anyio
-
-
-async def lane_client_id(lane: Lane) -> int:
-    (cid,) = await lane.call([pack_command("CLIENT", "ID")])
-    return int(cid)
 
 
 # Against a real server

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
 
 import pytest
 from helpers import (
@@ -20,6 +19,8 @@ from helpers import (
     queued,
     running,
     samples_of,
+    stream_samples,
+    traj,
     undelivered_samples,
 )
 
@@ -29,21 +30,6 @@ from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys, key_slot
 
 pytestmark = pytest.mark.anyio
-
-
-def traj(batch: str, i: int, *, response: str = "r", **kw: Any) -> Trajectory:
-    """Sample ``i`` of ``batch``, answer "1" (kw: uid, group, ...)."""
-    return Trajectory(batch, i, "test/exact", response=f"{response}{i}", ground_truth="1", **kw)
-
-
-async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tuple[str, int]]:
-    """(uid, index) of every sample in the producer's stream, in order."""
-    client = connect(redis_url)
-    try:
-        entries = await client.xrange(producer.keys.stream(0))
-    finally:
-        await client.aclose()
-    return [(t.uid, t.index) for _, fields in entries for t in samples_of(fields)]
 
 
 async def test_a_call_with_something_already_there_takes_the_slow_path_and_queues_only_the_fresh(
