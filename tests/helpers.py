@@ -16,7 +16,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from stream_reward import BatchPolicy, BatchRewards, ProducerConfig, RewardAggregator, RolloutProducer, Trajectory
+from stream_reward import (
+    BatchPolicy,
+    BatchRewards,
+    ProducerConfig,
+    RewardAggregator,
+    RolloutProducer,
+    ScoreResult,
+    Trajectory,
+)
 from stream_reward.config import ConsumerConfig
 from stream_reward.errors import BackpressureError
 from stream_reward.scoring.scorer import Scored
@@ -877,3 +885,14 @@ async def stream_samples(redis_url: str, producer: RolloutProducer) -> list[tupl
 async def lane_client_id(lane: Lane) -> int:
     (cid,) = await lane.call([pack_command("CLIENT", "ID")])
     return int(cid)
+
+
+GOOD = "First 2 * 3 = 6.\n#### 6"
+
+
+def gsm8k(batch: str, index: int, *, data_source: str = "openai/gsm8k") -> Trajectory:
+    return Trajectory(batch, index, data_source, response=GOOD, ground_truth="6", valid_response_length=8)
+
+
+def ok(batch: str, i: int, score: float, vl: int | None, extra: dict | None = None, uid: str = "") -> ScoreResult:
+    return ScoreResult(uid or f"{batch}/{i}", batch, i, score, "ok", extra or {}, valid_response_length=vl)

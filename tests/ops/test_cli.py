@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import one_line, read_err, stream_reward_cli, timed_wait, worker_program_argv
+from helpers import GOOD, one_line, read_err, stream_reward_cli, timed_wait, worker_program_argv
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
 from stream_reward.cli import main
@@ -29,7 +29,6 @@ from stream_reward.trainer.aggregator import RewardAggregator
 pytestmark = pytest.mark.usefixtures("clean_env", "restore_logging")
 
 ROOT = Path(__file__).resolve().parents[2]
-GOOD = "First 2 * 3 = 6.\n#### 6"
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from ops_support import _alive
+
 from stream_reward.ops.embedded import EmbeddedServer
 from stream_reward.wire.connection import connect
 
@@ -26,18 +28,6 @@ server = EmbeddedServer().start()
 print(server.pid, server.socket_path, flush=True)
 time.sleep(600)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purpose
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_server_dies_with_a_sigkilled_owner_and_its_dir_is_reclaimed():

@@ -5,25 +5,13 @@ fail the command within seconds, naming the cause, long before its ``--timeout-s
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from helpers import stream_reward_cli
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
+from ops_support import _alive
 
 
 def test_local_workers_die_with_their_owner(redis_url):

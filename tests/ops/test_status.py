@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from helpers import metric_samples, metric_value, worker_heartbeat
+from helpers import gsm8k, metric_samples, metric_value, worker_heartbeat
 from prometheus_client import CollectorRegistry, generate_latest
 
 from stream_reward.cli import main
@@ -25,15 +25,9 @@ from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_header
 from stream_reward.wire.keys import Keys
-from stream_reward.wire.trajectory import ScoreResult, Trajectory
+from stream_reward.wire.trajectory import ScoreResult
 
 pytestmark = pytest.mark.usefixtures("clean_env", "restore_logging")
-
-GOOD = "First 2 * 3 = 6.\n#### 6"
-
-
-def gsm8k(batch: str, index: int, *, data_source: str = "openai/gsm8k") -> Trajectory:
-    return Trajectory(batch, index, data_source, response=GOOD, ground_truth="6", valid_response_length=8)
 
 
 @pytest.fixture

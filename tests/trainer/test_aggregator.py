@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
-from helpers import producer_and_aggregator
+from helpers import ok, producer_and_aggregator
 from trainer_support import garbage_row, record
 
 from stream_reward import BatchPolicy, BatchRewards, RewardAggregator, RolloutProducer, Trajectory
@@ -131,10 +131,6 @@ POLICIES = ["mask", "drop", "fallback"]
 
 def raw(version, uid, batch, index, score=1.0, status="ok", extra=None, vl=None) -> bytes:
     return msgpack.packb([version, uid, batch, index, score, status, 1, 0.0, extra, None, None, vl, "ds", None])
-
-
-def ok(batch: str, i: int, score: float, vl: int | None, extra: dict | None = None, uid: str = "") -> ScoreResult:
-    return ScoreResult(uid or f"{batch}/{i}", batch, i, score, "ok", extra or {}, valid_response_length=vl)
 
 
 def written(batch: str) -> list[LedgerItem]:

@@ -158,10 +158,6 @@ def _payloads(draw: st.DrawFn) -> dict:
     return dict(draw(st.permutations(list(obj.items()))))
 
 
-def ok(batch: str, i: int, score: float, vl: int | None, extra: dict | None = None, uid: str = "") -> ScoreResult:
-    return ScoreResult(uid or f"{batch}/{i}", batch, i, score, "ok", extra or {}, valid_response_length=vl)
-
-
 def test_round_trip_keeps_every_field():
     traj = full_trajectory()
     assert decode_trajectory(encode_trajectory(traj)) == traj

@@ -13,7 +13,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from helpers import metric_samples, metric_value
+from helpers import gsm8k, metric_samples, metric_value
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,12 +23,10 @@ from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.wire.entries import entry_fields
 from stream_reward.wire.keys import Keys
-from stream_reward.wire.trajectory import ScoreResult, Trajectory
+from stream_reward.wire.trajectory import ScoreResult
 from stream_reward.worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.usefixtures("clean_env", "restore_logging")
-
-GOOD = "First 2 * 3 = 6.\n#### 6"
 
 
 def free_port() -> int:
@@ -41,10 +39,6 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
     return metric_samples(text)
-
-
-def gsm8k(batch: str, index: int, *, data_source: str = "openai/gsm8k") -> Trajectory:
-    return Trajectory(batch, index, data_source, response=GOOD, ground_truth="6", valid_response_length=8)
 
 
 def wait_for(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.1) -> Any:
