@@ -6,10 +6,8 @@ HuggingFace's math-verify compares answers as mathematics (``0.5`` is ``\\frac12
 compares normalised strings. verl 0.9.1's ``verl.utils.reward_score.math_verify.compute_score``
 is the reference, verdict for verdict: the ground truth wrapped in ``\\boxed{}`` and read
 with ``LatexExtractionConfig``, the response read with ``ExprExtractionConfig`` and
-``LatexExtractionConfig``, 1.0 if any pair verifies, else 0.0. One difference: a ground
-truth math-verify cannot read (empty, ``\\frac{``) fails the sample with reason
-``bad_ground_truth``, where verl scores 0.0 — a broken dataset row is the data's fault,
-and a 0 would punish the policy for it, however right its answer.
+``LatexExtractionConfig``, 1.0 if any pair verifies, else 0.0 (also when math-verify
+cannot read the ground truth, as in verl).
 
 Why processes: math-verify bounds its parsing and each comparison with ``signal.alarm``
 (5 s each, its defaults, kept as verl keeps them), which only works in a process's main
@@ -30,7 +28,7 @@ import logging
 import threading
 from typing import Any
 
-from stream_reward.errors import MissingExtraError, ScoringError
+from stream_reward.errors import MissingExtraError
 from stream_reward.scoring.rules import ground_truth_text
 
 __all__ = ["compute_score"]
@@ -104,23 +102,9 @@ def compute_score(
     before = _TIMEOUTS.count
     score, timed_out = 0.0, False
     try:
-        score, (golds, _) = metric([gold], [solution_str])
+        score, _ = metric([gold], [solution_str])
     except timeout_exception:  # verl: its timeout_score, 0 by default
         timed_out = True
-    except ValueError as exc:
-        if "No gold targets" in str(exc):  # nothing in the ground truth to compare with
-            raise _bad_ground_truth(ground_truth) from None
-    except Exception:  # verl: any other error scores 0
+    except Exception:  # verl: a ground truth math-verify cannot read, any other error
         pass
-    else:
-        # A ground truth math-verify parsed comes back as its expression and its text; one
-        # that did not parse as its text alone.
-        if len(golds) < 2:
-            raise _bad_ground_truth(ground_truth)
     return {"score": float(score), "timeout": timed_out or _TIMEOUTS.count > before}
-
-
-def _bad_ground_truth(ground_truth: Any) -> ScoringError:
-    return ScoringError(
-        f"math-verify cannot read the ground truth {str(ground_truth)[:80]!r}", reason="bad_ground_truth"
-    )

@@ -58,4 +58,6 @@ PAIRS = [
     ("no answer", r"\boxed{}", "42"),
     ("plain text", "After simplifying, we get 42", "42"),
     ("plain text", "The answer is 41.", "42"),
+    ("unreadable ground truth", r"\boxed{1}", ""),
+    ("unreadable ground truth", r"\boxed{1}", r"\frac{"),
 ]
