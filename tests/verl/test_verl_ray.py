@@ -44,7 +44,8 @@ def test_reward_loop_manager_on_ray(local_ray, compose, tokenizer) -> None:
     # verl names its workers reward_loop_worker_{i}: one RewardLoopManager per job at a time.
     for handle in theirs.reward_loop_workers:
         ray.kill(handle)
-    wait_until(lambda: not any(a["name"].startswith("reward_loop_worker_") for a in ray.util.list_named_actors()))
+    # Without all_namespaces, Ray lists bare names.
+    wait_until(lambda: not any(n.startswith("reward_loop_worker_") for n in ray.util.list_named_actors()))
     ours = RewardLoopManager(
         compose("reward.num_workers=2", *STREAM_OVERRIDES, "+reward.reward_kwargs.server_lease_s=4")
     )
