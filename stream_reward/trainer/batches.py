@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import OrderedDict
 from typing import Any
 
@@ -80,6 +81,9 @@ class _BatchLayer:
         self._open_script: Any = None
         self._epoch: str | None = None  # the namespace epoch at this producer's last open_batch
         self._opened: OrderedDict[str, None] = OrderedDict()  # batches this producer opened, newest last
+        # batch id -> the token of this producer's open of it, kept until the open is known to
+        # have landed: a retry of an open whose reply was lost finds its own token and succeeds.
+        self._opening: OrderedDict[str, str] = OrderedDict()
         self._push_sha: str | None = None  # PUSH_SCRIPT, loaded on the first push
         self._coalescer: Coalescer[_Entry, int] | None = None
         self._backlog_reading: asyncio.Future[None] | None = None
@@ -127,7 +131,9 @@ class _BatchLayer:
         reopening one raises BatchExistsError, since its stored results would be
         returned for the new samples. ``resume=True`` continues a batch that is
         open and not yet collected, with the same size, width and policy (a
-        restarted producer picking up its own batch). Raises StateLostError when
+        restarted producer picking up its own batch). An open whose reply was lost and
+        that is sent again (by redis-py's retry, or by calling this again on the same
+        producer after it raised) finds the batch it created and succeeds. Raises StateLostError when
         the namespace lost its state since this producer last saw it, naming the
         batches it had opened; the next call starts afresh.
         """
@@ -146,6 +152,11 @@ class _BatchLayer:
             partitions=self.keys.partitions,
             group=self.config.group,
         ).fields()
+        # redis-py resends a command whose reply was lost (as does a caller retrying a call that
+        # raised): the resend carries the same token, and finding it means the open was ours.
+        meta["opener"] = self._opening.setdefault(batch_id, uuid.uuid4().hex)
+        while len(self._opening) > _RECENT_BATCHES:
+            self._opening.popitem(last=False)
         with redis_errors(f"open_batch {batch_id!r} on {mask_url(self._url)}"):
             await self._join()
             await self._ensure_groups()
@@ -161,8 +172,12 @@ class _BatchLayer:
             )
         if existing:
             found = {existing[i].decode(): existing[i + 1].decode() for i in range(0, len(existing), 2)}
-            self._refuse_or_resume(batch_id, found, meta, resume)
-            return
+            ours = found.get("opener") == meta["opener"]
+            self._refuse_or_resume(batch_id, found, meta, resume or ours)  # ours: refused only if it differs
+            self._opening.pop(batch_id, None)
+            if not ours:
+                return
+        self._opening.pop(batch_id, None)
         self._opened[batch_id] = None
         while len(self._opened) > _RECENT_BATCHES:
             self._opened.popitem(last=False)

@@ -7,7 +7,7 @@ open, uncollected batch of the same size, width and policy, and refuses any othe
 from __future__ import annotations
 
 import pytest
-from helpers import WIDTH, samples, worker
+from helpers import WIDTH, CutProxy, samples, worker
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer
 from stream_reward.config import ProducerConfig
@@ -39,3 +39,19 @@ async def test_reopening_a_batch_id_is_refused_not_answered_with_old_rewards(red
             await producer.open_batch("c", 3, WIDTH, resume=True)
         with pytest.raises(BatchExistsError, match="on_failure"):
             await producer.open_batch("c", 2, WIDTH, resume=True, policy=BatchPolicy(on_failure="drop"))
+
+
+async def test_open_batch_whose_reply_was_lost_succeeds_on_its_retry(redis_url: str, namespace: str) -> None:
+    """The open ran, its reply was cut, and redis-py sent it again: the retry finds the
+    batch it created itself and succeeds. Anyone else opening that id is still refused."""
+    config = ProducerConfig(namespace=namespace)
+    async with CutProxy(redis_url[len("unix://") :]) as proxy:
+        async with RolloutProducer(proxy.url, config) as producer, RolloutProducer(redis_url, config) as other:
+            await producer.open_batch("warm", 1, WIDTH)  # the open script is loaded: the cut hits its run
+            proxy.arm(b"cut-open")
+            await producer.open_batch("cut-open", 2, WIDTH)
+            assert proxy.cuts == 1
+            with pytest.raises(BatchExistsError, match="opened"):
+                await other.open_batch("cut-open", 2, WIDTH)
+            with pytest.raises(BatchExistsError, match="opened"):
+                await producer.open_batch("cut-open", 2, WIDTH)  # opened: a second open is a reuse
