@@ -771,7 +771,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _expected_fault(exc: BaseException) -> str | None:
     """The one line for a fault a user can cause and fix (None: a bug, show the traceback)."""
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisError, ResponseError
 
     from stream_reward.wire.connection import TRANSIENT_ERRORS, is_permanent, permanent_error
 
@@ -779,6 +779,8 @@ def _expected_fault(exc: BaseException) -> str | None:
         return str(exc)
     if is_permanent(exc):
         return str(permanent_error(exc))
+    if isinstance(exc, ResponseError):
+        return f"Redis refused a command ({type(exc).__name__}: {exc})"
     if isinstance(exc, TRANSIENT_ERRORS) and isinstance(exc, (RedisError, ConnectionError, TimeoutError)):
         return f"Redis unreachable ({type(exc).__name__}: {exc})"
     if isinstance(exc, IsADirectoryError):

@@ -29,9 +29,13 @@ from redis.exceptions import (
     AuthenticationWrongNumberOfArgsError,
     AuthorizationError,
     ClusterDownError,
+    MasterDownError,
     NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
     RedisError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -47,6 +51,7 @@ __all__ = [
     "is_cluster",
     "is_transient",
     "is_permanent",
+    "fault_text",
     "permanent_error",
     "LogLimiter",
     "with_reconnect",
@@ -63,7 +68,11 @@ T = TypeVar("T")
 # Errors that mean "Redis is (briefly) away", worth waiting out. BusyLoadingError
 # (a restarted server replaying its AOF) is a ConnectionError subclass in redis-py.
 # In a cluster, CLUSTERDOWN / TRYAGAIN and an uncovered slot are what a failover
-# or a resharding looks like from a client: transient too.
+# or a resharding looks like from a client: transient too. So are the refusals of a
+# server that is there but cannot take the command now: OOM (noeviction at
+# maxmemory, until memory frees), READONLY / MASTERDOWN (a replica, mid failover).
+# A script refused for OOM ran none of its writes (Redis refuses a script's first
+# write only), so sending it again is safe.
 # Unannotated on purpose: mypy then knows each member, and accepts ``except (RedisError, *TRANSIENT_ERRORS)``.
 TRANSIENT_ERRORS = (
     RedisConnectionError,
@@ -72,7 +81,13 @@ TRANSIENT_ERRORS = (
     ClusterDownError,
     TryAgainError,
     SlotNotCoveredError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    MasterDownError,
 )
+# Refusals redis-py has no class for, told by their error code: a script running past
+# busy-reply-threshold (BUSY), a replica still loading its data set (LOADING).
+_TRANSIENT_CODES = ("BUSY ", "LOADING ", "MASTERDOWN ", "TRYAGAIN ", "CLUSTERDOWN ", "OOM ", "READONLY ")
 # With every node of a cluster away, redis-py raises a plain RedisClusterException
 # (not a RedisError): told apart from a programming error (a cross-slot command)
 # by its message. Catch these together with TRANSIENT_ERRORS, then ask is_transient.
@@ -104,7 +119,17 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, TRANSIENT_ERRORS):
         return True
+    if isinstance(exc, ResponseError):
+        return str(exc).startswith(_TRANSIENT_CODES)
     return isinstance(exc, RedisClusterException) and "cannot be connected" in str(exc)
+
+
+def fault_text(exc: BaseException) -> str:
+    """What went wrong, for a log line: a server that refused (with its own words) is not
+    a server that is unreachable."""
+    if isinstance(exc, ResponseError):
+        return f"Redis refused it for now: {type(exc).__name__}: {str(exc).split('. script:')[0]}"
+    return f"Redis unreachable ({type(exc).__name__})"
 
 
 def permanent_error(exc: BaseException, url: str | None = None) -> BrokerError:
@@ -274,18 +299,18 @@ async def with_reconnect(
         try:
             result = await op()
             if failed:
-                limiter.recovered("%s: Redis reachable again", what)
+                limiter.recovered("%s: Redis takes it again", what)
             return result
-        except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS) as exc:
+        except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS, ResponseError) as exc:
             if is_permanent(exc):
                 raise permanent_error(exc) from None
             if not is_transient(exc):
                 raise
             elapsed = loop.time() - start
             if (give_up_after_s is not None and elapsed >= give_up_after_s) or (stop is not None and stop.is_set()):
-                raise BrokerError(f"{what}: Redis unreachable for {elapsed:.1f}s ({type(exc).__name__})") from None
+                raise BrokerError(f"{what}: for {elapsed:.1f}s, {fault_text(exc)}") from None
             failed = True
-            limiter.warning("%s: Redis unreachable (%s), retrying", what, type(exc).__name__)
+            limiter.warning("%s: %s; retrying", what, fault_text(exc))
             pause = delay * (0.5 + random.random())
             if give_up_after_s is not None:
                 pause = min(pause, max(0.0, give_up_after_s - elapsed))
@@ -315,4 +340,6 @@ def redis_errors(what: str) -> Iterator[None]:
     except REDIS_ERRORS as exc:
         if is_permanent(exc):
             raise BrokerError(f"{what}: {permanent_error(exc)}") from exc
-        raise BrokerError(f"{what}: {type(exc).__name__}: Redis unreachable or refused") from exc
+        raise BrokerError(
+            f"{what}: {fault_text(exc) if is_transient(exc) else f'{type(exc).__name__}: Redis refused it'}"
+        ) from exc

@@ -24,6 +24,7 @@ from stream_reward.wire.connection import (
     CLUSTER_ERRORS,
     TRANSIENT_ERRORS,
     LogLimiter,
+    fault_text,
     is_cluster,
     is_permanent,
     is_transient,
@@ -119,11 +120,16 @@ class Reading(EntryOpening):
                     if lost_since is None:
                         lost_since = sent_at
                     # Capped exponential backoff with jitter; one warning, then a summary now and then.
-                    limiter.warning("read failed (%s); reconnecting", type(exc).__name__)
+                    limiter.warning("read failed: %s; reading again", fault_text(exc))
                     await sleep_unless(stop, backoff_s * (0.5 + random.random()))
                     backoff_s = min(backoff_s * 2, 2.0)
                     continue
                 except ResponseError as exc:
+                    if is_transient(exc):  # BUSY, LOADING: the server is there, and busy
+                        limiter.warning("read failed: %s; reading again", fault_text(exc))
+                        await sleep_unless(stop, backoff_s * (0.5 + random.random()))
+                        backoff_s = min(backoff_s * 2, 2.0)
+                        continue
                     if "NOGROUP" in str(exc):  # the stream was deleted under us (or Redis restarted without AOF)
                         for s in streams:
                             await ensure_group(self._client, s, self.config.group)

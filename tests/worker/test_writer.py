@@ -21,6 +21,7 @@ from helpers import (
     CutProxy,
     assert_each_once,
     exact_traj,
+    identity_score,
     lane_of,
     push_exact,
     running_worker,
@@ -33,6 +34,7 @@ from worker_support import N, _no_pending, _xlen_at_least, trajs
 
 from stream_reward import ProducerConfig, RewardAggregator, RolloutProducer
 from stream_reward.ops.embedded import EmbeddedServer
+from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.codec import encode_result
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
@@ -255,4 +257,52 @@ async def test_a_client_pause_under_the_flushes_then_a_stop_returns_in_time_and_
                 rewards = await agg.collect("ps", timeout_s=30)
             await wait_until(lambda: _no_pending(admin, Keys(namespace).stream()))
         await assert_each_once(url, namespace, "ps", rewards, 12)
+        await admin.aclose()
+
+
+class Gated:
+    """Scores by identity once ``gate`` is set; ``calls`` lists the uids it was given."""
+
+    inline = False
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.gate = asyncio.Event()
+
+    async def score(self, t: Any) -> Any:
+        self.calls.append(t.uid)
+        await self.gate.wait()
+        return Scored(identity_score(t))
+
+
+async def test_results_refused_for_memory_are_written_once_memory_is_back(own_url, namespace, caplog) -> None:
+    """``OOM command not allowed`` (noeviction at maxmemory) is the server's answer for now,
+    not a lost server: the writer keeps the results, logs the real cause, and writes them
+    when memory frees; the worker stays up."""
+    n = 6
+    admin = connect(own_url)
+    scorer = Gated()
+    try:
+        async with running_worker(own_url, namespace, scorer) as w:
+            await push_exact(own_url, namespace, "oom", n)
+
+            async def all_given() -> bool:
+                return len(scorer.calls) == n
+
+            await wait_until(all_given)
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", 1)  # below what is used: every write is refused
+            scorer.gate.set()
+
+            async def refused() -> bool:
+                return any("maxmemory" in r.getMessage() for r in caplog.records)
+
+            await wait_until(refused)
+            assert not any("unreachable" in r.getMessage() for r in caplog.records)
+            await admin.config_set("maxmemory", 0)
+            async with RewardAggregator(own_url, namespace=namespace) as agg:
+                rewards = await agg.collect("oom", timeout_s=30)
+            assert w.stats.in_flight == 0
+        await assert_each_once(own_url, namespace, "oom", rewards, n)
+    finally:
         await admin.aclose()
