@@ -38,6 +38,7 @@ from stream_reward.ops.logs import LOG_FORMATS, configure_logging, progress_bar
 from stream_reward.ops.settings import Settings
 from stream_reward.ops.worker_cli import (
     DeprecationLines,
+    add_allow_eviction,
     add_deprecated_flag,
     add_worker_arguments,
     resolve_args,
@@ -61,6 +62,7 @@ class _TimedOut(StreamRewardError):
 CLI_FLAG_KEYS = {
     "redis": "connection.redis",
     "namespace": "connection.namespace",
+    "allow_eviction": "connection.allow_eviction",
     "scorer": "reward.scorer",
     "manager": "reward.manager",
     "log_level": "worker.log_level",
@@ -82,6 +84,7 @@ def _add_common(parser: argparse.ArgumentParser, *, redis_required: bool = False
         "in the config / $STREAM_REWARD_CONNECTION_REDIS)",
     )
     parser.add_argument("--namespace", default=None, help="key namespace (default: sr)")
+    add_allow_eviction(parser)
     parser.add_argument(
         "--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG"
     )
@@ -133,6 +136,8 @@ def _pipeline_worker_args(args: argparse.Namespace) -> list[str]:
     for dest in ("scorer", "manager"):
         if hasattr(args, dest) and settings.source(CLI_FLAG_KEYS[dest]) == "flag":
             out += [f"--{dest}", getattr(args, dest)]
+    if settings.source(CLI_FLAG_KEYS["allow_eviction"]) == "flag":
+        out.append("--allow-eviction")
     return out
 
 
@@ -392,7 +397,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
     with progress_bar(f"collecting {args.batch}", total=0, enabled=not args.json) as progress:
 
         async def run() -> Any:
-            async with RewardAggregator(args.redis, namespace=args.namespace) as agg:
+            async with RewardAggregator(
+                args.redis, namespace=args.namespace, allow_eviction=bool(args.allow_eviction)
+            ) as agg:
                 watcher = _watch_batch(args.redis, args.namespace, args.batch, progress) if progress.drawn else None
                 return await _with_watcher(agg.collect(args.batch, timeout_s=args.timeout_s), watcher)
 
@@ -454,7 +461,9 @@ def cmd_score(args: argparse.Namespace) -> int:
 
         async def run() -> Any:
             await _produce(pipeline.url, rollouts, args.response_len, settings)
-            async with RewardAggregator(pipeline.url, namespace=args.namespace) as agg:
+            async with RewardAggregator(
+                pipeline.url, namespace=args.namespace, allow_eviction=bool(args.allow_eviction)
+            ) as agg:
                 watcher = _watch_batch(pipeline.url, args.namespace, batch_id, progress) if progress.drawn else None
                 return await _with_watcher(agg.collect(batch_id, timeout_s=args.timeout_s), watcher)
 

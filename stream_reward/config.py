@@ -72,6 +72,8 @@ class ConsumerConfig:
     trim_interval_s: float = 2.0
     result_ttl_s: int = 7 * 24 * 3600  # results of batches never collected
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # A server whose maxmemory-policy may evict keys is refused (wire/eviction.py) unless this is set.
+    allow_eviction: bool = False
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "read_count", "max_deliveries", "partitions"):
@@ -112,6 +114,8 @@ class ProducerConfig:
     # coalesced group, one partition): a stream entry costs the server and the clients
     # more than a sample's bytes do. 1: an entry per sample.
     samples_per_entry: int = SAMPLES_PER_ENTRY
+    # A server whose maxmemory-policy may evict keys is refused (wire/eviction.py) unless this is set.
+    allow_eviction: bool = False
 
     def __post_init__(self) -> None:
         if self.on_backlog not in ("wait", "raise"):

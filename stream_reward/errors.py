@@ -26,7 +26,8 @@ boundary where they happen, with ``raise ... from exc``::
     ├── WorkersDiedError            a local pipeline's worker processes all exited
     ├── MissingExtraError           a feature needs an extra that is not installed ([trainer])
     └── BrokerError                 Redis is unreachable or refused a command
-        └── StateLostError          the namespace's state vanished (restart without persistence)
+        ├── StateLostError          the namespace's state vanished (restart without persistence)
+        └── EvictionPolicyError     Redis may evict keys (maxmemory-policy other than noeviction)
 
 ``ScoringError.reason`` is a short stable code ("unknown_data_source", "timeout",
 ...) that lands in the sample's result record, so dashboards can group failures
@@ -56,6 +57,7 @@ __all__ = [
     "ResultTimeoutError",
     "PushConflictError",
     "BrokerError",
+    "EvictionPolicyError",
     "BatchExistsError",
     "ProtocolMismatchError",
     "StateLostError",
@@ -250,6 +252,11 @@ class StateLostError(BrokerError):
     def __init__(self, message: str, batches: list[str] | None = None) -> None:
         super().__init__(message)
         self.batches = list(batches or [])
+
+
+class EvictionPolicyError(BrokerError):
+    """The server's ``maxmemory-policy`` lets it evict the pipeline's keys: refused at
+    start, since an evicted trajectory or result is lost without a word."""
 
 
 class WorkersDiedError(StreamRewardError):

@@ -4,7 +4,7 @@ Precedence, lowest first: built-in defaults < the config file < ``STREAM_REWARD_
 environment variables < command-line flags. The file is TOML (``.toml``, read
 with ``tomllib``, ``tomli`` before 3.11), YAML (``.yaml``/``.yml``) or JSON, with these sections::
 
-    [connection]   redis, namespace, group, partitions
+    [connection]   redis, namespace, group, partitions, allow_eviction
     [reward]       ManagerConfig, by verl's key names: manager, scorer, timeout,
                    retries, reward_kwargs, overlong_buffer_cfg, max_resp_len, ...
     [[reward.components]]  name, scorer, weight, timeout_s, required, skip_unless,
@@ -100,6 +100,7 @@ class _ConnectionSection:
     namespace: str = DEFAULT_NAMESPACE
     group: str = DEFAULT_GROUP
     partitions: int = 1
+    allow_eviction: bool = False  # run on a server whose maxmemory-policy may evict keys
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -139,7 +140,7 @@ def schema() -> dict[str, dict[str, _Key]]:
         "connection": _keys_of(_ConnectionSection),
         "reward": _keys_of(ManagerConfig, skip=("redis_url", "namespace", *_QUOTA_KEYS)),
         "quota": _keys_of(ManagerConfig, only=_QUOTA_KEYS),
-        "consumer": _keys_of(ConsumerConfig, skip=("namespace", "group", "partitions", "consumer")),
+        "consumer": _keys_of(ConsumerConfig, skip=("namespace", "group", "partitions", "consumer", "allow_eviction")),
         "policy": _keys_of(BatchPolicy),
         "producer": _keys_of(ProducerConfig, only=("max_backlog", "on_backlog", "backlog_poll_s", "samples_per_entry")),
         "worker": _keys_of(_WorkerSection),
@@ -338,7 +339,11 @@ class Settings:
     def consumer_config(self, consumer: str | None = None) -> ConsumerConfig:
         conn = self.values["connection"]
         config = ConsumerConfig(
-            namespace=conn["namespace"], group=conn["group"], partitions=conn["partitions"], **self.values["consumer"]
+            namespace=conn["namespace"],
+            group=conn["group"],
+            partitions=conn["partitions"],
+            allow_eviction=conn["allow_eviction"],
+            **self.values["consumer"],
         )
         if consumer:
             config.consumer = consumer
@@ -353,6 +358,7 @@ class Settings:
             namespace=conn["namespace"],
             partitions=conn["partitions"],
             group=conn["group"],
+            allow_eviction=conn["allow_eviction"],
             # One limit for both ends of the stream: a producer must not push what workers refuse.
             max_message_bytes=self.values["consumer"]["max_message_bytes"],
             **self.values["producer"],

@@ -52,6 +52,7 @@ FLAG_KEYS: dict[str, str] = {
     "namespace": "connection.namespace",
     "group": "connection.group",
     "partitions": "connection.partitions",
+    "allow_eviction": "connection.allow_eviction",
     "scorer": "reward.scorer",
     "manager": "reward.manager",
     "timeout_s": "reward.timeout",
@@ -152,6 +153,17 @@ def _default(dotted: str) -> Any:
     return schema()[section][key].default
 
 
+def add_allow_eviction(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-eviction",
+        action="store_const",
+        const=True,
+        default=None,
+        help="run on a Redis whose maxmemory-policy may evict keys (default: refuse it; evicted "
+        "trajectories and results are lost without a word)",
+    )
+
+
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     def d(dotted: str) -> str:
         return f" (default: {_default(dotted)})"
@@ -168,6 +180,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="key namespace" + d("connection.namespace"))
     parser.add_argument("--group", default=None, help="consumer group, one per scorer pool" + d("connection.group"))
     parser.add_argument("--partitions", type=int, default=None, help=d("connection.partitions").strip())
+    add_allow_eviction(parser)
     parser.add_argument(
         "--scorer",
         default=None,
@@ -322,7 +335,7 @@ def worker_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:
         if action.dest == "processes" or value is None or value == action.default:
             continue
         flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreConstAction)):
             argv.append(flag)
         else:
             argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]

@@ -41,10 +41,12 @@ from stream_reward.wire.codec import stored_record
 from stream_reward.wire.connection import (
     connect,
     is_cluster,
+    mask_url,
     redis_errors,
     with_reconnect,
 )
 from stream_reward.wire.entries import read_streams
+from stream_reward.wire.eviction import check_eviction
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import done_rows
 from stream_reward.wire.namespace import check_protocol
@@ -170,6 +172,7 @@ class RewardAggregator:
         collected_ttl_s: int = 3600,
         client: Any = None,
         block_ms: int = 1000,
+        allow_eviction: bool = False,
     ) -> None:
         # torch is imported here, not at module level (workers import this package
         # and must start fast), and not at the first collect (its ~1 s import would
@@ -183,6 +186,7 @@ class RewardAggregator:
         self._owns_client = client is None
         self.collected_ttl_s = collected_ttl_s
         self.block_ms = block_ms
+        self.allow_eviction = allow_eviction  # see wire/eviction.py
         self._epoch: str | None = None  # the namespace epoch this aggregator last saw
         self._listener: ResultListener | None = None  # the process's result listener, on first result()
 
@@ -216,6 +220,10 @@ class RewardAggregator:
                 pipe.zscore(keys.history(), batch_id)
                 return await pipe.execute()  # type: ignore[no-any-return]
 
+        await with_reconnect(
+            lambda: check_eviction(self.client, f"aggregator on {mask_url(self._url)}", allow=self.allow_eviction),
+            what="read maxmemory-policy",
+        )
         raw, (protocol, epoch), opened = await with_reconnect(read, what="read batch meta")
         check_protocol(keys, protocol)
         if raw and epoch is not None and raw.get(b"epoch") == epoch:

@@ -24,6 +24,7 @@ from stream_reward.trainer.samples import _Entry
 from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.connection import connect, mask_url, redis_errors
 from stream_reward.wire.entries import ensure_group
+from stream_reward.wire.eviction import check_eviction
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.lane import Lane
 from stream_reward.wire.namespace import join_namespace
@@ -209,6 +210,7 @@ class _BatchLayer:
 
     async def _join(self) -> None:
         """Join the namespace (protocol check, epoch); notice a lost state at once."""
+        await check_eviction(self.client, f"producer on {mask_url(self._url)}", allow=self.config.allow_eviction)
         epoch = await join_namespace(self.client, self.keys)
         seen, self._epoch = self._epoch, epoch
         if seen is not None and epoch != seen:

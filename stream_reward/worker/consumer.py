@@ -33,8 +33,9 @@ from typing import Any
 import anyio
 
 from stream_reward.errors import ConfigError
-from stream_reward.wire.connection import REDIS_ERRORS, connect, with_reconnect
+from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url, with_reconnect
 from stream_reward.wire.entries import RELEASE_SCRIPT, ensure_group
+from stream_reward.wire.eviction import check_eviction
 from stream_reward.wire.heartbeat import decode_heartbeat
 from stream_reward.wire.lane import Lane
 from stream_reward.wire.ledger import LedgerWriter
@@ -90,7 +91,14 @@ class Worker(Reading, Reclaiming, Stopping):
                 give_up_after_s=None,
                 stop=stop,
             )
-        # Refuse (ProtocolMismatchError: exit 2) a namespace of another protocol version rather than poison it.
+        # Refuse (ProtocolMismatchError: exit 2) a namespace of another protocol version rather than
+        # poison it, and (EvictionPolicyError) a server that may evict what it writes.
+        await with_reconnect(
+            lambda: check_eviction(client, f"worker on {mask_url(self._url)}", allow=self.config.allow_eviction),
+            what="read maxmemory-policy",
+            give_up_after_s=None,
+            stop=stop,
+        )
         self._epoch = await with_reconnect(
             lambda: join_namespace(client, self.keys), what="join namespace", give_up_after_s=None, stop=stop
         )

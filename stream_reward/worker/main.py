@@ -138,13 +138,18 @@ def configure_logging(level: str, fmt: str = "text") -> None:
 
 # ---------------------------------------------------------------------- entry points
 async def _join_namespace(url: str, config: Any) -> None:
-    from stream_reward.wire.connection import connect, with_reconnect
+    from stream_reward.wire.connection import connect, mask_url, with_reconnect
+    from stream_reward.wire.eviction import check_eviction
     from stream_reward.wire.keys import Keys
     from stream_reward.wire.namespace import join_namespace
 
     client = connect(url)
     try:
         keys = Keys(config.namespace, config.partitions)
+        await with_reconnect(
+            lambda: check_eviction(client, f"worker on {mask_url(url)}", allow=config.allow_eviction),
+            what="read maxmemory-policy",
+        )
         await with_reconnect(lambda: join_namespace(client, keys), what="join namespace")
     finally:
         await client.aclose()
