@@ -14,6 +14,10 @@ time) and ``memory_limit_MB`` (RLIMIT_AS) are honoured up to the configured
 maxima; ``-1`` (SandboxFusion's "no limit") means the maximum. stdout+stderr
 are capped at ``max_output_bytes`` (stderr reports its last 4 KiB); at most
 ``concurrency`` programs run at once and later requests wait their turn.
+``files`` are written in the program's fresh working directory (its private
+/tmp) before it starts, and ``fetch_files`` read back from there when it ends by
+returning, ``exit()`` or an exception — not after ``os._exit``, a kill or the
+deadline, where SandboxFusion would still find them.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class RunCodeConfig:
     max_memory_mb: int = 1024
     max_output_bytes: int = 4 * 1024 * 1024
     max_body_bytes: int = 16 * 1024 * 1024
+    max_files_bytes: int = 8 * 1024 * 1024  # a request's files, decoded; they live in the program's /tmp
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self) -> None:
@@ -62,6 +67,7 @@ class RunCodeConfig:
             "max_memory_mb",
             "max_output_bytes",
             "max_body_bytes",
+            "max_files_bytes",
         ):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"run_code.{key}", "must be > 0")
@@ -147,7 +153,7 @@ async def _run_code(request: web.Request) -> web.Response:
     except (ValueError, UnicodeDecodeError) as exc:
         return _refuse(400, f"request body is not JSON: {exc}")
     try:
-        req = parse_request(body, default_run_timeout_s=cfg.default_run_timeout_s)
+        req = parse_request(body, default_run_timeout_s=cfg.default_run_timeout_s, max_files_bytes=cfg.max_files_bytes)
     except BadInputError as exc:
         return _refuse(422, str(exc), getattr(exc, "detail", None))
     if runner.scorer is None:
@@ -158,6 +164,8 @@ async def _run_code(request: web.Request) -> web.Response:
             (req.stdin or "").encode("utf-8", "surrogatepass"),
             timeout_s=min(req.run_timeout_s, cfg.max_run_timeout_s),
             memory_mb=req.memory_limit_mb,
+            files=req.files,
+            fetch=req.fetch_files,
         )
     except VerifierError as exc:
         log.warning("/run_code: sandbox error (%s): %s", exc.reason, exc)

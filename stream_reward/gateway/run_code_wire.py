@@ -17,6 +17,8 @@ here — never run as something else, never answered with a made-up result.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import os
 from dataclasses import dataclass
@@ -41,6 +43,8 @@ class RunCodeRequest:
     stdin: str | None
     run_timeout_s: float
     memory_limit_mb: int | None  # None: SandboxFusion's -1, no limit of the request's own
+    files: list[tuple[str, bytes]]
+    fetch_files: list[str]
 
 
 def invalid(loc: str, kind: str, msg: str, value: Any) -> BadInputError:
@@ -65,7 +69,34 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def parse_request(body: Any, *, default_run_timeout_s: float) -> RunCodeRequest:
+def _check_path(loc: str, name: str) -> None:
+    # SandboxFusion joins the name to its temporary directory, so an absolute name or
+    # ".." writes outside it; here a name must stay inside the program's own directory.
+    parts = name.split("/")
+    if not name or name.startswith("/") or "\0" in name or any(p in ("", ".", "..") for p in parts):
+        raise invalid(loc, "path", "file paths must be relative, without '.', '..' or empty parts", name)
+
+
+def _files(files: Any, limit: int) -> list[tuple[str, bytes]]:
+    if not isinstance(files, dict) or not all(isinstance(v, (str, type(None))) for v in files.values()):
+        raise invalid("files", "dict_type", "Input should be a dictionary of base64 strings or null", files)
+    out, total = [], 0
+    for name, content in files.items():
+        if content is None or "IGNORE_THIS_FILE" in name:  # skipped, as SandboxFusion skips them
+            continue
+        _check_path("files", name)
+        try:
+            data = base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError):
+            raise invalid("files", "base64", f"{name}: not base64", name) from None
+        total += len(data)
+        if total > limit:
+            raise invalid("files", "too_large", f"files over {limit} bytes in all", name)
+        out.append((name, data))
+    return out
+
+
+def parse_request(body: Any, *, default_run_timeout_s: float, max_files_bytes: int) -> RunCodeRequest:
     """Validates a decoded JSON body; raises ``BadInputError`` (see ``invalid``)."""
     if not isinstance(body, dict):
         raise invalid("", "dict_type", "Input should be a valid dictionary", body)
@@ -91,23 +122,20 @@ def parse_request(body: Any, *, default_run_timeout_s: float) -> RunCodeRequest:
         memory = int(memory)
     if isinstance(memory, bool) or not isinstance(memory, int):
         raise invalid("memory_limit_MB", "int_type", "Input should be a valid integer", memory)
-    files = body.get("files", {})
-    if not isinstance(files, dict) or not all(isinstance(v, (str, type(None))) for v in files.values()):
-        raise invalid("files", "dict_type", "Input should be a dictionary of base64 strings or null", files)
-    if any(v is not None for v in files.values()):
-        # Files would have to be written inside the case's private /tmp; not built yet.
-        raise invalid("files", "unsupported", "files are not supported by this sandbox yet", sorted(files)[0])
+    files = _files(body.get("files", {}), max_files_bytes)
     fetch = body.get("fetch_files", [])
     if not isinstance(fetch, list) or not all(isinstance(v, str) for v in fetch):
         raise invalid("fetch_files", "list_type", "Input should be a list of file paths", fetch)
-    if fetch:
-        raise invalid("fetch_files", "unsupported", "fetch_files are not supported by this sandbox yet", fetch[0])
+    for name in fetch:
+        _check_path("fetch_files", name)
     return RunCodeRequest(
         code=code,
         language=language,
         stdin=stdin,
         run_timeout_s=run_timeout,
         memory_limit_mb=memory if memory > 0 else None,
+        files=files,
+        fetch_files=list(dict.fromkeys(fetch)),
     )
 
 
@@ -149,7 +177,7 @@ def reply_from_report(report: dict[str, Any]) -> dict[str, Any]:
         "compile_result": None,
         "run_result": result,
         "executor_pod_name": _pod(),
-        "files": {},
+        "files": {name: base64.b64encode(data).decode() for name, data in (report.get("files") or {}).items()},
     }
 
 

@@ -4,7 +4,8 @@ loopback with only this route, running real programs in real sandboxes.
 Pinned: SandboxFusion's reply shapes (Success / Failed with the program's return code
 and output / TimeLimitExceeded), the request's limits honoured and clamped to ours,
 output capped, a language we cannot run refused as SandboxFusion refuses one, malformed
-requests refused with one line and nothing run, our own faults answered SandboxError
+requests refused with one line and nothing run, files written before a run
+and fetched after it (inside the program's own directory only), our own faults answered SandboxError
 (never Success or Failed), the concurrency bound held, and our own SandboxFusion
 client scoring every test form through the endpoint.
 """
@@ -12,6 +13,7 @@ client scoring every test form through the endpoint.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import shutil
@@ -158,13 +160,15 @@ def test_language_the_sandbox_cannot_run_is_refused_like_sandbox_fusion(language
         (python("print(1)", compile_timeout=None), "compile_timeout"),
         (python("print(1)", memory_limit_MB=1.5), "memory_limit_MB"),
         (python("print(1)", files=["a.txt"]), "files"),
-        (python("print(1)", files={"a.txt": "aGk="}), "files"),
+        (python("print(1)", files={"a.txt": "not base64!"}), "files"),
+        (python("print(1)", files={"a.txt": 5}), "files"),
+        (python("print(1)", files={"big.bin": base64.b64encode(bytes(5000)).decode()}), "files"),
         (python("print(1)", fetch_files="out.txt"), "fetch_files"),
-        (python("print(1)", fetch_files=["out.txt"]), "fetch_files"),
+        (python("print(1)", fetch_files=[1]), "fetch_files"),
     ],
 )
 def test_malformed_request_is_refused_with_a_one_line_reason(body, field):
-    status, reply = call(body)
+    status, reply = call(body, max_files_bytes=4096)
     assert status == 422
     assert reply["detail"][0]["loc"] == ["body", field]
     assert reply["error"] and "\n" not in reply["error"]
@@ -188,6 +192,44 @@ def test_request_fields_that_are_optional_in_sandbox_fusion_take_its_defaults():
     status, reply = call(python("print(input())", stdin=None, files={"ignored.txt": None}, fetch_files=[], extra=1))
     # stdin null is no input: input() meets EOF, the program's own failure
     assert status == 200 and reply["status"] == "Failed" and "EOFError" in reply["run_result"]["stderr"]
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def test_files_are_written_before_the_run_and_fetched_after_it():
+    code = (
+        "import os\n"
+        "print(open('data/in.txt').read())\n"
+        "open('out.txt', 'w').write('result')\n"
+        "os.mkfifo('pipe')\n"
+        "raise SystemExit(3)\n"
+    )
+    fetch = ["out.txt", "data/in.txt", "missing.txt", "pipe", "data"]
+    _, reply = call(python(code, files={"data/in.txt": b64(b"given")}, fetch_files=fetch))
+    assert reply["status"] == "Failed" and reply["run_result"]["return_code"] == 3
+    assert reply["run_result"]["stdout"] == "given\n"
+    # regular files only: not a missing one, a FIFO (which must not hang the run) or a directory
+    assert reply["files"] == {"out.txt": b64(b"result"), "data/in.txt": b64(b"given")}
+
+
+def test_files_do_not_outlive_their_run():
+    async def test(post: Post, _url: str) -> list[dict[str, Any]]:
+        first = await post(python("open('left.txt', 'w').write('x')", fetch_files=["left.txt"]))
+        second = await post(python("import os\nprint(os.path.exists('left.txt'))", fetch_files=["left.txt"]))
+        return [first[1], second[1]]
+
+    first, second = serve(test, concurrency=1)  # one slot: the same sandbox serves both
+    assert first["files"] == {"left.txt": b64(b"x")}
+    assert second["run_result"]["stdout"] == "False\n" and second["files"] == {}
+
+
+@pytest.mark.parametrize("name", ["../escape.txt", "/etc/passwd", "a/../../b", "./a", "a//b", "", "a/"])
+def test_file_paths_outside_the_program_directory_are_refused(name):
+    for body in (python("print(1)", files={name: b64(b"x")}), python("print(1)", fetch_files=[name])):
+        status, reply = call(body)
+        assert status == 422 and reply["detail"][0]["type"] == "path", body
 
 
 def test_sandbox_that_cannot_start_is_sandbox_error(tmp_path: Path):

@@ -200,15 +200,27 @@ class SandboxScorer:
             return await self._run_cases(slot, program, form, cases, prompt)
 
     async def run_program(
-        self, program: str, stdin: bytes, *, timeout_s: float, memory_mb: int | None = None
+        self,
+        program: str,
+        stdin: bytes,
+        *,
+        timeout_s: float,
+        memory_mb: int | None = None,
+        files: list[tuple[str, bytes]] | None = None,
+        fetch: list[str] | None = None,
     ) -> dict[str, Any]:
         """Run ``program`` once as a plain program with ``stdin`` (SandboxFusion's
         ``/run_code``): the harness's report — ``status`` (None, "timeout", "memory",
         "output_limit"), ``exit`` or ``signal``, ``stdout``, ``err`` (its last 4 KiB) —
-        plus ``elapsed_s``. Wall and CPU time are ``timeout_s``; RLIMIT_AS is
-        ``memory_mb``, at most the config's (the slot's cgroup holds that)."""
+        plus ``elapsed_s`` and ``files``. Wall and CPU time are ``timeout_s``; RLIMIT_AS
+        is ``memory_mb``, at most the config's (the slot's cgroup holds that).
+
+        ``files`` (relative paths, checked by the caller) are written in the program's
+        fresh working directory first; ``fetch`` names the regular files read back there
+        when it ends by returning, ``exit()`` or an exception (``files`` maps those found
+        to their bytes; the program's own data, it may forge it)."""
         cfg = self.config
-        msg = self._case_msg("stdin", program, stdin, timeout_s)
+        msg = self._case_msg("stdin", program, stdin, timeout_s, files=files or [], fetch=fetch or [])
         memory_mb = cfg.memory_mb if memory_mb is None else min(memory_mb, cfg.memory_mb)
         msg["limits"] = {**msg["limits"], "cpu_s": timeout_s, "memory_mb": memory_mb}
         async with self._slot() as slot:
@@ -216,7 +228,8 @@ class SandboxScorer:
             start = time.monotonic()
             slot.h.send(marshal.dumps(msg, 4))
             done = await self._done(slot, timeout_s)
-            return {**done, "elapsed_s": time.monotonic() - start}
+            elapsed = time.monotonic() - start
+        return {**done, "elapsed_s": elapsed, "files": _fetched(done, fetch or [])}
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[Slot]:
@@ -404,6 +417,19 @@ class SandboxScorer:
             event = await self._done(slot, timeout_s)
             if event["ev"] == "done":
                 return event
+
+
+def _fetched(done: dict[str, Any], names: list[str]) -> dict[str, bytes]:
+    """The files a run read back: its last well-formed ``("files", {name: bytes})``
+    reply, keeping only names that were asked for."""
+    for raw in reversed(done.get("replies") or []):
+        try:
+            value = loads(str(raw).encode("utf-8", "surrogateescape"))
+        except WireError:
+            continue
+        if type(value) is tuple and len(value) == 2 and value[0] == "files" and type(value[1]) is dict:
+            return {k: v for k, v in value[1].items() if k in names and type(v) is bytes}
+    return {}
 
 
 def _exit_verdict(done: dict[str, Any], exited_early: bool = False) -> tuple[str, str] | None:
