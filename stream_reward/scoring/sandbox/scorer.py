@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import marshal
 import os
 import sys
 import sysconfig
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from stream_reward.config import SandboxConfig
@@ -194,6 +196,45 @@ class SandboxScorer:
     ) -> list[tuple[str, str]]:
         """Run ``program`` against ``cases`` (as from parse_tests) in one sandbox slot;
         return ``(status, detail)`` per case."""
+        async with self._slot() as slot:
+            return await self._run_cases(slot, program, form, cases, prompt)
+
+    async def run_program(
+        self,
+        program: str,
+        stdin: bytes,
+        *,
+        timeout_s: float,
+        memory_mb: int | None = None,
+        files: list[tuple[str, bytes]] | None = None,
+        fetch: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Run ``program`` once as a plain program with ``stdin`` (SandboxFusion's
+        ``/run_code``): the harness's report — ``status`` (None, "timeout", "memory",
+        "output_limit"), ``exit`` or ``signal``, ``stdout``, ``err`` (its last 4 KiB) —
+        plus ``elapsed_s`` and ``files``. Wall and CPU time are ``timeout_s``; RLIMIT_AS
+        is ``memory_mb``, at most the config's (the slot's cgroup holds that).
+
+        ``files`` (relative paths, checked by the caller) are written in the program's
+        fresh working directory first; ``fetch`` names the regular files read back there
+        when it ends by returning, ``exit()`` or an exception (``files`` maps those found
+        to their bytes; the program's own data, it may forge it)."""
+        cfg = self.config
+        msg = self._case_msg("stdin", program, stdin, timeout_s, files=files or [], fetch=fetch or [])
+        memory_mb = cfg.memory_mb if memory_mb is None else min(memory_mb, cfg.memory_mb)
+        msg["limits"] = {**msg["limits"], "cpu_s": timeout_s, "memory_mb": memory_mb}
+        async with self._slot() as slot:
+            assert slot.h is not None
+            start = time.monotonic()
+            slot.h.send(marshal.dumps(msg, 4))
+            done = await self._done(slot, timeout_s)
+            elapsed = time.monotonic() - start
+        return {**done, "elapsed_s": elapsed, "files": _fetched(done, fetch or [])}
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[Slot]:
+        """A started slot of our own for the block; a slot left in an unknown state
+        (an error, a cancellation) is stopped and starts afresh next time."""
         async with self._semaphore():
             slot = self._free.pop()
             ok = False
@@ -209,16 +250,15 @@ class SandboxScorer:
                             f"{self.backend} sandbox did not start: {slot.stderr_tail() or exc}",
                             reason="sandbox_unavailable",
                         ) from None
-                results = await self._run_cases(slot, program, form, cases, prompt)
+                yield slot
                 ok = True
-                return results
             except (SlotBroken, EOFError, OSError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, OSError) and exc.errno in OUT_OF_RESOURCES:
                     raise VerifierError(f"host out of resources: {exc}", reason="host_resources") from exc
                 raise VerifierError(f"{self.backend} sandbox failed: {exc}", reason="sandbox_unavailable") from exc
             finally:
                 if not ok:
-                    slot.stop()  # unknown state (error, cancellation): start afresh next time
+                    slot.stop()
                 self._free.append(slot)
 
     async def _run_cases(
@@ -377,6 +417,19 @@ class SandboxScorer:
             event = await self._done(slot, timeout_s)
             if event["ev"] == "done":
                 return event
+
+
+def _fetched(done: dict[str, Any], names: list[str]) -> dict[str, bytes]:
+    """The files a run read back: its last well-formed ``("files", {name: bytes})``
+    reply, keeping only names that were asked for."""
+    for raw in reversed(done.get("replies") or []):
+        try:
+            value = loads(str(raw).encode("utf-8", "surrogateescape"))
+        except WireError:
+            continue
+        if type(value) is tuple and len(value) == 2 and value[0] == "files" and type(value[1]) is dict:
+            return {k: v for k, v in value[1].items() if k in names and type(v) is bytes}
+    return {}
 
 
 def _exit_verdict(done: dict[str, Any], exited_early: bool = False) -> tuple[str, str] | None:

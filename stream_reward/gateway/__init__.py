@@ -1,0 +1,1 @@
+"""The HTTP gateway: other frameworks' wire formats in front of stream-reward."""
