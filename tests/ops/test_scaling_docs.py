@@ -10,8 +10,10 @@ import argparse
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,11 @@ from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.trajectory import Trajectory
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "scaling.md"
+SLEEPS = f"python:{ROOT / 'tests' / 'data' / 'scorers.py'}:timed"  # sleeps extra_info["sleep_s"]
 CONSUMER = "pod-0"
 
 
@@ -113,8 +118,8 @@ def test_keda_reads_redis_where_the_worker_connects_and_the_grace_covers_the_dra
     )
 
 
-def _start_worker(deployment: dict[str, Any], url: str) -> subprocess.Popen[bytes]:
-    argv = _worker_argv(deployment)
+def _start_worker(deployment: dict[str, Any], url: str, *extra: str) -> subprocess.Popen[bytes]:
+    argv = [*_worker_argv(deployment), *extra]  # (a flag given twice: the last one counts)
     if "--metrics-port" in argv:  # a fixed port could be taken on a test machine: any free one
         argv[argv.index("--metrics-port") + 1] = "0"
     env = {
@@ -186,3 +191,60 @@ def test_a_worker_started_from_the_deployment_drains_what_the_triggers_watch(
         proc.wait(timeout=30)
     assert all(CONSUMER in names for names in readers), readers  # the Deployment's worker read each one
     assert rewards.status_counts() == {"ok": n}
+
+
+def test_a_stopped_workers_entries_are_pending_not_lag_so_the_pending_trigger_keeps_a_pod(own_url: str) -> None:
+    """A worker stopped with samples in flight hands them back to the group: they stay
+    pending, delivered, so the lag is 0 and a lag trigger alone would let KEDA remove the
+    last pod and strand them; the pending trigger stays active. The stop itself takes the
+    drain and little more: the Deployment's grace period (drain + 10 s or more) covers it."""
+    scaled, deployment = next((s, d) for s, d in PAIRS if _keys_and_group(d)[0].partitions == 1)
+    (lag_trigger,), (pending_trigger,) = _triggers(scaled, "lagCount"), _triggers(scaled, "pendingEntriesCount")
+    stream, group = lag_trigger["stream"], lag_trigger["consumerGroup"]
+    drain_s = 0.5
+    proc = _start_worker(deployment, own_url, "--scorer", SLEEPS, "--drain-timeout-s", str(drain_s))
+    try:
+
+        async def in_flight() -> None:
+            async with RolloutProducer(own_url, ProducerConfig()) as producer:
+                await producer.open_batch("held", 4, 16)
+                await producer.push_many(
+                    [
+                        Trajectory("held", i, "x", response="r", ground_truth="1", extra_info={"sleep_s": 120})
+                        for i in range(4)
+                    ]
+                )
+            client = connect(own_url)
+            try:
+
+                async def delivered() -> bool:
+                    row = (await _groups(client, stream))[group]
+                    return row["lag"] == 0 and row["pending"] > 0
+
+                await wait_until(delivered, timeout_s=60)
+            finally:
+                await client.aclose()
+
+        asyncio.run(in_flight())
+        stopping = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        stop_s = time.monotonic() - stopping
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    async def left() -> dict[str, Any]:
+        client = connect(own_url)
+        try:
+            return (await _groups(client, stream))[group]
+        finally:
+            await client.aclose()
+
+    row = asyncio.run(left())
+    # KEDA calls a trigger active when its count is above the activation value (0 by default).
+    assert not row["lag"] > int(lag_trigger["activationLagCount"])
+    assert row["pending"] > int(pending_trigger.get("activationLagCount", "0"))
+    print(f"stop took {stop_s:.2f} s with a {drain_s} s drain")
+    assert stop_s < drain_s + 10, stop_s
