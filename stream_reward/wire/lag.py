@@ -9,15 +9,16 @@ the stream's ``pushed`` hash counts the samples queued ever, so the samples not 
 delivered to a group are that count less the stamp of the first entry past the group's
 last delivered one. Two round trips per stream, whatever the backlog.
 
-Where that cannot be read (an entry XADDed by hand carries no stamp; the ``pushed`` hash
-deleted while its stream stayed), the samples are an estimate: the lag in entries at the
-mean samples an entry, and where Redis knows no lag (after an AOF reload, or entries
-deleted mid-stream) the stream's length less the group's pending entries, which errs
-high. ``GroupLag.exact`` says which.
+Only the samples queued by our scripts are counted: an entry XADDed by hand carries no
+stamp and is in no count. Where the count cannot be read that way (such an entry is the
+first undelivered one; the ``pushed`` hash deleted while its stream stayed), the samples
+are an estimate: the lag in entries at the mean samples an entry, and where Redis knows no
+lag (after an AOF reload, or entries deleted mid-stream) the stream's length less the
+group's pending entries, which errs high. ``GroupLag.exact`` says which.
 
-Samples *pending* (delivered, not acked) are not counted: what a pending entry still
-holds shrinks as its samples settle one by one (``handed`` and partial acks), and no
-counter follows that without reading the entries.
+Samples *pending* (delivered, not acked) are not counted here: no counter follows them
+per group, and reading the pending entries costs what this avoids. Each worker counts the
+samples it holds (``stream_reward_in_flight``); their sum across workers is that number.
 """
 
 from __future__ import annotations
