@@ -30,6 +30,7 @@ from stream_reward.wire.entries import group_state
 from stream_reward.wire.heartbeat import parse_heartbeats
 from stream_reward.wire.heartbeat import text as _s
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.lag import read_partition_lags
 
 __all__ = ["read_status", "read_heartbeats", "render_status", "record_batch"]
 
@@ -65,7 +66,9 @@ async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any
         entries_added=int(info.get("entries-added", 0) or 0),
         last_id=_s(info.get("last-generated-id")),
     )
+    lags = {g.group: g for g in await read_partition_lags(client, keys, partition)}
     for group in map(group_state, await client.xinfo_groups(name)):
+        lag = lags.get(group["name"])
         consumers = []
         for consumer in await client.xinfo_consumers(name, group["name"]):
             consumers.append(
@@ -82,6 +85,9 @@ async def _stream_info(client: Any, keys: Keys, partition: int) -> dict[str, Any
                 "consumers": group["consumers"],
                 "pending": group["pending"],
                 "lag": group["lag"],
+                # The lag in samples (wire/lag.py); None for a group that came after the reading.
+                "lag_samples": lag.lag_samples if lag else None,
+                "lag_samples_exact": lag.exact if lag else None,
                 "entries_read": group["entries_read"],
                 "last_delivered_id": group["last_delivered_id"],
                 "consumer_list": consumers,
@@ -290,8 +296,13 @@ async def read_status(
         groups: dict[str, dict[str, Any]] = {}
         for stream in streams:
             for g in stream["groups"]:
-                agg = groups.setdefault(g["group"], {"pending": 0, "lag": 0, "consumers": 0})
+                agg = groups.setdefault(g["group"], {"pending": 0, "lag": 0, "lag_samples": 0, "consumers": 0})
                 agg["pending"] += g["pending"]
+                agg["lag_samples"] = (
+                    None
+                    if agg["lag_samples"] is None or g["lag_samples"] is None
+                    else agg["lag_samples"] + g["lag_samples"]
+                )
                 agg["consumers"] = max(agg["consumers"], g["consumers"])
                 agg["lag"] = None if agg["lag"] is None or g["lag"] is None else agg["lag"] + g["lag"]
         consumers = _consumers(streams, beats)
@@ -379,24 +390,30 @@ def render_status(status: dict[str, Any], console: Any = None) -> None:
         )
 
     # Redis counts a stream's length, lag and pending in entries, and an entry holds up to
-    # samples_per_entry samples: the title says so, and the samples pushed stand next to them.
+    # samples_per_entry samples: the title says so, and the samples pushed and the lag in
+    # samples (~: an estimate, see wire/lag.py) stand next to them.
     table = Table(
-        title="streams (entries, added, lag, pending: stream entries, of several samples each)", title_justify="left"
+        title="streams (entries, added, lag, pending: stream entries, of several samples each; "
+        "samples, lag samples: samples)",
+        title_justify="left",
     )
-    for col in ("stream", "entries", "added", "samples", "group", "consumers", "lag", "pending"):
+    for col in ("stream", "entries", "added", "samples", "group", "consumers", "lag", "lag samples", "pending"):
         table.add_column(col, justify="left" if col in ("stream", "group") else "right")
     for s in status["streams"]:
         counts = (f"{s['length']:,}", f"{s['entries_added']:,}", f"{s.get('samples_pushed', 0):,}")
         if not s["groups"]:
-            table.add_row(s["stream"], *counts, "-", "-", "-", "-")
+            table.add_row(s["stream"], *counts, "-", "-", "-", "-", "-")
         for g in s["groups"]:
             lag = "?" if g["lag"] is None else f"{g['lag']:,}"
+            behind = g.get("lag_samples")
+            lag_samples = "?" if behind is None else ("" if g.get("lag_samples_exact") else "~") + f"{behind:,}"
             table.add_row(
                 s["stream"],
                 *counts,
                 g["group"],
                 str(g["consumers"]),
                 lag,
+                lag_samples,
                 f"{g['pending']:,}",
             )
     console.print(table)

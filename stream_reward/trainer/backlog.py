@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from typing import Any
 
@@ -22,7 +21,8 @@ from stream_reward.errors import BackpressureError, BrokerError
 from stream_reward.trainer.batches import _BatchLayer
 from stream_reward.wire.connection import redis_errors
 from stream_reward.wire.entries import group_state
-from stream_reward.wire.push import DUPLICATE, FIELD_STAMP, FRESH
+from stream_reward.wire.lag import samples_behind
+from stream_reward.wire.push import DUPLICATE, FRESH
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +113,8 @@ class _BacklogLayer(_BatchLayer):
         ``samples_per_entry`` samples each; every entry a script queues is stamped with
         the samples queued on its stream before it (``wire.push.FIELD_STAMP``), so the
         count is exact: the stream's pushed samples less the stamp of the first entry
-        past the group's last delivered one. Two round trips.
-
-        An entry without a stamp (one XADDed by hand) falls back to the group's lag in
-        entries at the mean samples an entry; where Redis knows no lag (after an AOF
-        reload, or entries deleted mid-stream), the stream's length less the group's
-        pending entries, which errs on the side of waiting.
+        past the group's last delivered one. Two round trips. Where it cannot be exact,
+        wire.lag.samples_behind's estimate errs on the side of waiting.
         """
         return (await self._read_counts())[0]
 
@@ -156,23 +152,18 @@ class _BacklogLayer(_BatchLayer):
         total = 0
         counts: dict[int, int] = {}  # each exactly read stream's pushed count
         for (p, group), (samples, entries), first, length in zip(mine, replies[::3], replies[1::3], replies[2::3]):
-            if not first:  # every entry was delivered
-                if samples is not None:
-                    counts[p] = int(samples)
-                continue
-            pushed = int(samples or 0)
-            stamp = first[0][1].get(FIELD_STAMP)
-            if stamp is not None and samples is not None and int(stamp) <= pushed:
-                total += pushed - int(stamp)  # 0: every entry queued before the count was delivered
-                counts[p] = pushed
-                continue
-            # No stamp, or counts that cannot be right (the pushed hash was deleted or
-            # evicted while the stream stayed): the lag in entries, at the mean entry.
-            lag = group["lag"]
-            if lag is None:
-                lag = max(0, int(length) - group["pending"])
-            mean = pushed / int(entries) if entries and int(entries) else self.config.samples_per_entry
-            total += math.ceil(lag * mean)
+            behind, exact = samples_behind(
+                pushed_samples=samples,
+                pushed_entries=entries,
+                first_undelivered=first[0][1] if first else None,
+                lag_entries=group["lag"],
+                length=int(length),
+                pending_entries=group["pending"],
+                samples_per_entry=self.config.samples_per_entry,
+            )
+            total += behind
+            if exact and samples is not None:
+                counts[p] = int(samples)
         return total, counts
 
     def _room_known(self, incoming: int) -> bool:

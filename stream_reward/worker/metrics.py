@@ -8,8 +8,9 @@ Three sources, each read the cheapest way:
 * counters the worker and its scorer already keep (``worker.stats``,
   ``scorer.stats``: in flight, reclaimed, verifier requests, retries, 429s, quota
   waits) are read at scrape time by a custom collector, so scoring pays nothing;
-* namespace-wide state (stream length, lag and pending per group, dead-letter
-  stream length, live workers, open batches) is read from Redis every
+* namespace-wide state (stream length; per group and partition the lag in entries
+  and in samples (wire/lag.py) and the pending entries; dead-letter stream length,
+  live workers, open batches) is read from Redis every
   ``metrics_refresh_s`` by a task on the worker's loop, with its own connection.
   Every worker reports these same series: aggregate them with ``max``, not ``sum``.
 
@@ -30,9 +31,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url
-from stream_reward.wire.entries import group_state
 from stream_reward.wire.heartbeat import parse_heartbeats
 from stream_reward.wire.keys import Keys
+from stream_reward.wire.lag import read_group_lags
 from stream_reward.wire.trajectory import ScoreResult
 
 __all__ = ["WorkerMetrics", "LATENCY_BUCKETS"]
@@ -148,13 +149,10 @@ class WorkerMetrics:
     async def refresh(self, client: Any, keys: Keys) -> None:
         """Read the namespace-wide gauges once; the collector serves the latest reading."""
         snap: dict[str, Any] = {"streams": [], "dlq": [], "at": time.time()}
-        for stream in keys.streams():
+        lags = await read_group_lags(client, keys)
+        for p, stream in enumerate(keys.streams()):
             length = int(await client.xlen(stream))
-            groups = []
-            if length or await client.exists(stream):  # XINFO on a missing key is an error
-                for g in map(group_state, await client.xinfo_groups(stream)):
-                    groups.append((g["name"], g["pending"], g["lag"], g["consumers"]))
-            snap["streams"].append((stream, length, groups))
+            snap["streams"].append((stream, p, length, [g for g in lags if g.partition == p]))
         for p in range(keys.partitions):
             snap["dlq"].append((keys.dead_letters(p), int(await client.xlen(keys.dead_letters(p)))))
         beats = parse_heartbeats(
@@ -254,23 +252,33 @@ class WorkerMetrics:
             "stream_reward_redis_read_timestamp_seconds", "when the stream gauges were read", value=snap["at"]
         )
         length = GaugeMetricFamily("stream_reward_stream_length", "entries in the trajectory stream", labels=["stream"])
-        lag = GaugeMetricFamily(
-            "stream_reward_group_lag", "entries not yet delivered to the group", labels=["stream", "group"]
+        by_group = ["stream", "group"]
+        lag = GaugeMetricFamily("stream_reward_group_lag", "entries not yet delivered to the group", labels=by_group)
+        # The same lag in samples (an entry holds up to samples_per_entry), by partition too:
+        # what an HPA on Prometheus should scale on. ``_exact`` 0: the samples are an estimate.
+        by_partition = ["stream", "partition", "group"]
+        lag_samples = GaugeMetricFamily(
+            "stream_reward_group_lag_samples", "samples not yet delivered to the group", labels=by_partition
         )
-        pending = GaugeMetricFamily(
-            "stream_reward_group_pending", "entries delivered but not acked", labels=["stream", "group"]
+        lag_exact = GaugeMetricFamily(
+            "stream_reward_group_lag_samples_exact",
+            "1 if the lag in samples is exact (read from the entries' stamps), 0 if estimated",
+            labels=by_partition,
         )
+        pending = GaugeMetricFamily("stream_reward_group_pending", "entries delivered but not acked", labels=by_group)
         consumers = GaugeMetricFamily(
-            "stream_reward_group_consumers", "consumers registered in the group", labels=["stream", "group"]
+            "stream_reward_group_consumers", "consumers registered in the group", labels=by_group
         )
-        for stream, n, groups in snap["streams"]:
+        for stream, p, n, groups in snap["streams"]:
             length.add_metric([stream], n)
-            for group, p, lg, c in groups:
-                pending.add_metric([stream, group], p)
-                consumers.add_metric([stream, group], c)
-                if lg is not None:
-                    lag.add_metric([stream, group], lg)
-        yield from (length, lag, pending, consumers)
+            for g in groups:
+                pending.add_metric([stream, g.group], g.pending_entries)
+                consumers.add_metric([stream, g.group], g.consumers)
+                if g.lag_entries is not None:
+                    lag.add_metric([stream, g.group], g.lag_entries)
+                lag_samples.add_metric([stream, str(p), g.group], g.lag_samples)
+                lag_exact.add_metric([stream, str(p), g.group], 1.0 if g.exact else 0.0)
+        yield from (length, lag, lag_samples, lag_exact, pending, consumers)
         dlq = GaugeMetricFamily(
             "stream_reward_dead_letter_stream_length", "entries in the dead-letter stream", labels=["stream"]
         )

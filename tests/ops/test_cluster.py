@@ -216,6 +216,11 @@ async def test_dead_letters_status_and_redrive_on_a_cluster(cluster, namespace):
     assert status["partitions"] == partitions
     assert sum(s["samples_pushed"] for s in status["streams"]) == 11  # the garbled one went past the producer
     assert sum(s["length"] for s in status["streams"]) >= 2
+    # The lag in samples, read per partition on the node that owns it: every stamped entry
+    # pushed is undelivered (the garbled one, XADDed by hand, is in no count).
+    rows = [(s, g) for s in status["streams"] for g in s["groups"]]
+    assert rows and all(g["lag_samples"] is not None for _, g in rows)
+    assert all(g["lag_samples"] == s["samples_pushed"] for s, g in rows if g["lag_samples_exact"])
     worker = Worker(cluster.url, RuleScorer(), ConsumerConfig(namespace=namespace, partitions=partitions, block_ms=50))
     try:
         await asyncio.wait_for(worker.run(burst=True), 30)

@@ -87,7 +87,8 @@ def test_status_json_against_a_known_state(
     assert stream["samples_pushed"] == 5
     (group,) = stream["groups"]
     assert (group["group"], group["consumers"], group["pending"], group["lag"]) == ("scorers", 1, 2, 3)
-    assert status["groups"] == {"scorers": {"pending": 2, "lag": 3, "consumers": 1}}
+    assert (group["lag_samples"], group["lag_samples_exact"]) == (3, True)
+    assert status["groups"] == {"scorers": {"pending": 2, "lag": 3, "lag_samples": 3, "consumers": 1}}
 
     assert status["workers"] == {"alive": 1, "stale": 1, "gone": 1}
     consumers = {c["name"]: c for c in status["consumers"]}
@@ -148,7 +149,8 @@ def test_status_table_never_shows_the_password(
 
 def test_status_table_says_what_it_counts_when_an_entry_holds_several_samples(redis_url: str, namespace: str) -> None:
     """Lag and pending are Redis's, in stream entries; with 4 samples to an entry, a table
-    that showed them unlabelled next to sample counts read 4x too low as a backlog."""
+    that showed them unlabelled next to sample counts read 4x too low as a backlog. The lag
+    in samples stands beside the lag in entries."""
     from rich.console import Console
 
     from stream_reward.ops.status import render_status
@@ -165,11 +167,15 @@ def test_status_table_says_what_it_counts_when_an_entry_holds_several_samples(re
     text = console.export_text()
     (stream,) = status["streams"]
     assert (stream["length"], stream["samples_pushed"]) == (2, 8)
-    assert "streams (entries, added, lag, pending: stream entries, of several samples each)" in text
+    title = (
+        "streams (entries, added, lag, pending: stream entries, of several samples each; samples, lag samples: samples)"
+    )
+    assert title in " ".join(text.split())  # (rich wraps a title wider than its table)
     header = next(line for line in text.splitlines() if "stream" in line and "group" in line)
-    assert [c.strip() for c in header.split("┃")[1:5]] == ["stream", "entries", "added", "samples"], header
+    columns = [c.strip() for c in header.split("┃")[1:-1]]
+    assert columns == ["stream", "entries", "added", "samples", "group", "consumers", "lag", "lag samples", "pending"]
     row = next(line for line in text.splitlines() if stream["stream"] in line)
-    assert [c.strip() for c in row.split("│")[2:5]] == ["2", "2", "8"], row
+    assert [c.strip() for c in row.split("│")[2:-1]] == ["2", "2", "8", "scorers", "0", "2", "8", "0"], row
 
 
 def test_status_throughput_from_heartbeat_deltas(redis_url: str, namespace: str) -> None:

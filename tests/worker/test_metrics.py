@@ -1,7 +1,7 @@
 """The worker's Prometheus endpoint: per-sample counters and latencies by data source (their
-labels capped), dead letters and failures by reason, the stream's lag and length read from
-Redis, a scorer's verifier counters read at scrape time; counters end in ``_total`` and
-nothing else does.
+labels capped), dead letters and failures by reason, the stream's length and the group's
+lag read from Redis (in entries and in samples, per partition), a scorer's verifier
+counters read at scrape time; counters end in ``_total`` and nothing else does.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ import urllib.request
 from typing import Any
 
 import pytest
-from helpers import gsm8k, metric_samples, metric_value
+from helpers import Timed, exact_traj, gsm8k, metric_samples, metric_value, push_exact, samples_of
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from worker_support import finish_with_burst
 
 from stream_reward.cli import main
 from stream_reward.config import ProducerConfig
 from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_fields
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.trajectory import ScoreResult
@@ -195,3 +197,64 @@ def test_data_source_labels_are_capped() -> None:
     samples = metric_samples(generate_latest(metrics.registry).decode())
     assert metric_value(samples, "stream_reward_trajectories_total", status="ok", data_source="a") == 1
     assert metric_value(samples, "stream_reward_trajectories_total", status="ok", data_source="other") == 2
+
+
+async def _scrape_after_refresh(metrics: WorkerMetrics, client: Any, keys: Keys) -> dict:
+    await metrics.refresh(client, keys)
+    return metric_samples(generate_latest(metrics.registry).decode())
+
+
+@pytest.mark.parametrize("n", [1, 16, 37])
+def test_group_lag_is_exported_in_samples_and_entries_until_a_worker_drains_it(
+    redis_url: str, namespace: str, n: int
+) -> None:
+    keys = Keys(namespace)
+    metrics = WorkerMetrics(namespace=namespace, group="scorers", consumer="scraper", registry=CollectorRegistry())
+    labels = {"stream": keys.stream(), "group": "scorers"}
+
+    async def run() -> tuple[dict, dict, list[int]]:
+        client = connect(redis_url)
+        try:
+            # No worker reads: everything pushed is lag, in the entries the producer packed.
+            await push_exact(redis_url, namespace, "lag", n, k=16)
+            packed = [len(samples_of(fields)) for _, fields in await client.xrange(keys.stream())]
+            waiting = await _scrape_after_refresh(metrics, client, keys)
+            await finish_with_burst(redis_url, namespace, Timed())
+            return waiting, await _scrape_after_refresh(metrics, client, keys), packed
+        finally:
+            await client.aclose()
+
+    waiting, drained, packed = asyncio.run(run())
+    assert sum(packed) == n and len(packed) == -(-n // 16)  # the producer fills entries of 16
+    assert metric_value(waiting, "stream_reward_group_lag", **labels) == len(packed)
+    assert metric_value(waiting, "stream_reward_group_lag_samples", partition="0", **labels) == n
+    assert metric_value(waiting, "stream_reward_group_lag_samples_exact", partition="0", **labels) == 1
+    assert metric_value(drained, "stream_reward_group_lag", **labels) == 0
+    assert metric_value(drained, "stream_reward_group_lag_samples", partition="0", **labels) == 0
+    assert metric_value(drained, "stream_reward_group_pending", **labels) == 0
+
+
+def test_group_lag_in_samples_per_partition(redis_url: str, namespace: str) -> None:
+    keys = Keys(namespace, 3)
+    metrics = WorkerMetrics(namespace=namespace, group="scorers", consumer="scraper", registry=CollectorRegistry())
+
+    async def run() -> tuple[dict, list[int]]:
+        client = connect(redis_url)
+        try:
+            async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace, partitions=3)) as producer:
+                await producer.open_batch("parts", 50, 8)
+                await producer.push_many([exact_traj("parts", i) for i in range(50)])
+            per_partition = []
+            for stream in keys.streams():
+                per_partition.append(sum(len(samples_of(f)) for _, f in await client.xrange(stream)))
+            return await _scrape_after_refresh(metrics, client, keys), per_partition
+        finally:
+            await client.aclose()
+
+    samples, per_partition = asyncio.run(run())
+    assert sum(per_partition) == 50 and sum(1 for x in per_partition if x) >= 2  # spread over partitions
+    for p, stream in enumerate(keys.streams()):
+        value = metric_value(
+            samples, "stream_reward_group_lag_samples", stream=stream, partition=str(p), group="scorers"
+        )
+        assert value == per_partition[p]
