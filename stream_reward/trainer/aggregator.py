@@ -211,6 +211,18 @@ class RewardAggregator:
         self._client = None
 
     async def meta(self, batch_id: str) -> BatchMeta:
+        """The batch's meta record. Raises ConfigError for a batch never opened, expired
+        or forgotten, StateLostError when the namespace lost its state."""
+        meta = await self._meta(batch_id)
+        if meta.forgotten:
+            raise ConfigError(
+                "batch_id",
+                f"batch {batch_id!r} was collected and forgotten {time.ctime(meta.forgotten)}: its results were "
+                "dropped then (RewardAggregator.forget); keep the BatchRewards of its collect",
+            )
+        return meta
+
+    async def _meta(self, batch_id: str) -> BatchMeta:
         keys = Keys(self._namespace)
 
         async def read() -> list[Any]:
@@ -506,6 +518,32 @@ class RewardAggregator:
             claim = next((c[at] for c in claims if c[at] is not None), None)
             uids.append(claim.decode().split(" ", 1)[1] if claim is not None else None)
         return [int(v) if v is not None else None for v in lengths], uids
+
+    async def forget(self, batch_id: str) -> None:
+        """Drop a collected batch's results now, not ``collected_ttl_s`` after its collect.
+
+        For batches nobody collects twice, such as one per trajectory as an agent loop
+        sends them: a batch's results stream costs some 4 KB however few samples it
+        holds, so an hour of them costs gigabytes. What stays until ``collected_ttl_s``
+        is small: the write-once marks (a late result of a reclaimed sample is still
+        refused, not stored again) and the meta record (the id is still refused; a
+        collect, stream or result of it raises ConfigError saying it was forgotten).
+        Idempotent.
+        """
+        meta = await self._meta(batch_id)
+        keys = Keys(self._namespace, self._partitions or meta.partitions)
+        with redis_errors(f"forgetting batch {batch_id!r}"):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for p in range(keys.partitions):
+                    pipe.delete(keys.done(batch_id, p, meta.group), keys.claims(batch_id, p))
+                    pipe.expire(keys.results(batch_id, p, meta.group), self.collected_ttl_s)
+                pipe.delete(keys.lengths(batch_id))
+                pipe.hset(keys.batch_meta(batch_id), "forgotten", time.time())
+                if not meta.collected:
+                    pipe.hset(keys.batch_meta(batch_id), "collected", time.time())
+                pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
+                pipe.zrem(keys.batches(), batch_id)
+                await pipe.execute()
 
     async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
         keys = Keys(self._namespace, self._partitions or meta.partitions)

@@ -381,9 +381,9 @@ class _Windows:
                         reply, ScoreResult(trajs[i].uid, batch_id, i, 0.0, "failed", reason="deadline", error=error)
                     )
             self._send_ready()
-            # Every sample is answered: the batch's keys go now, not after result_ttl_s.
-            # (The one private call: the aggregator has no public "forget this batch".)
-            await aggregator._expire(batch_id, await aggregator.meta(batch_id))
+            # Every sample is answered, and nobody collects this batch again: its results go
+            # now (a window of one trajectory otherwise kept ~4.6 KB for collected_ttl_s).
+            await aggregator.forget(batch_id)
         except Exception as exc:
             failure = exc if isinstance(exc, StreamRewardError) else StreamRewardError(f"{type(exc).__name__}: {exc}")
             manager._deliver([(reply, failure) for reply in replies if reply is not None])

@@ -28,9 +28,10 @@ class BatchMeta:
     partitions: int = 1
     group: str = DEFAULT_GROUP  # the consumer group whose results this batch collects
     collected: float = 0.0  # epoch seconds of the first collect, 0 = not yet
+    forgotten: float = 0.0  # epoch seconds of RewardAggregator.forget: its results are gone
 
     def fields(self) -> dict[str, Any]:
-        """The hash fields ``open_batch`` writes (``epoch`` and ``collected`` are stamped later)."""
+        """The hash fields ``open_batch`` writes (``epoch``, ``collected`` and ``forgotten`` are stamped later)."""
         return {
             "v": PROTOCOL_VERSION,
             "size": self.size,
@@ -60,6 +61,7 @@ class BatchMeta:
             partitions=int(m.get("partitions", 1)),
             group=m.get("group", DEFAULT_GROUP),
             collected=float(m.get("collected", 0) or 0),
+            forgotten=float(m.get("forgotten", 0) or 0),
         )
 
 

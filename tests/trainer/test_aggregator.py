@@ -27,7 +27,7 @@ from trainer_support import garbage_row, record
 
 from stream_reward import BatchPolicy, BatchRewards, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig, ProducerConfig
-from stream_reward.errors import CollectTimeoutError, VerifierError
+from stream_reward.errors import BatchExistsError, CollectTimeoutError, ConfigError, VerifierError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.trainer.aggregator import BatchMeta, build_rewards
 from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result
@@ -699,3 +699,35 @@ async def test_a_collected_batch_holds_no_tracked_object_per_sample_until_its_re
         # Each sample's extra is its own dict, as a ScoreResult's always was.
         rewards.results[1].extra["mine"] = 1
         assert "mine" not in rewards.results[2].extra
+
+
+async def test_a_forgotten_batch_keeps_under_a_kilobyte_per_sample_and_is_refused_after(own_url: str) -> None:
+    """Batches of one sample each, as an agent loop sends them: once collected and
+    forgotten, what stays in Redis (the write-once marks, the meta that refuses the id)
+    is under 1 KB a sample; the results themselves go at once. A collect of a forgotten
+    batch says so rather than waiting for results that are gone."""
+    from helpers import samples, worker
+
+    n = 200
+    admin = connect(own_url)
+    try:
+        async with producer_and_aggregator(own_url, "ns") as (producer, agg), worker(own_url, "ns"):
+
+            async def one(batch: str) -> None:
+                await producer.open_batch(batch, 1, 8)
+                await producer.push_many(samples(batch, ["a"]))
+                assert (await agg.collect(batch, timeout_s=30)).scores == [1.0]
+                await agg.forget(batch)
+
+            await one("warm")  # streams, groups and namespace records exist from here on
+            before = (await admin.info("memory"))["used_memory"]
+            for i in range(n):
+                await one(f"b{i}")
+            per_sample = ((await admin.info("memory"))["used_memory"] - before) / n
+            assert per_sample <= 1024, f"{per_sample:.0f} bytes kept per collected sample"
+            with pytest.raises(ConfigError, match="forgotten"):
+                await agg.collect("b0", timeout_s=5)
+            with pytest.raises(BatchExistsError):
+                await producer.open_batch("b0", 1, 8)  # the id is still refused while its meta lives
+    finally:
+        await admin.aclose()
