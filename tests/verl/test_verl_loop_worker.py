@@ -290,3 +290,23 @@ def test_the_batch_drop_in_named_in_the_reward_loop_says_which_class(compose, to
     config = compose(*STREAM_OVERRIDES[:2], "reward.reward_manager.name=StreamRewardManager")
     with pytest.raises(ConfigError, match="StreamRewardLoopManager"):
         load_reward_manager(config, tokenizer)
+
+
+def test_trajectories_sent_one_by_one_keep_under_a_kilobyte_each_in_redis(workers, tokenizer) -> None:
+    """The agent loop's path: run_single per trajectory as each finishes. Once answered,
+    a trajectory's results leave Redis; what stays for the hour is under 1 KB each."""
+    import redis
+
+    _, ours_worker = workers()
+    manager = ours_worker.reward_manager
+    data = make_batch(tokenizer, ROWS * 8)
+    admin = redis.Redis.from_url(manager._placement.url)
+    try:
+        ours_worker.loop.run_until_complete(manager.run_single(data[0:1]))  # streams and groups exist from here
+        before = admin.info("memory")["used_memory"]
+        for i in range(1, len(data)):
+            ours_worker.loop.run_until_complete(manager.run_single(data[i : i + 1]))
+        per_trajectory = (admin.info("memory")["used_memory"] - before) / (len(data) - 1)
+    finally:
+        admin.close()
+    assert per_trajectory <= 1024, f"{per_trajectory:.0f} bytes kept per trajectory"
