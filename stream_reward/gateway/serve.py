@@ -47,9 +47,9 @@ class RunningGateway:
         await self.service.__aenter__()
         try:
             app = build_app(self.service, self.health, route_sets=self.route_sets)
-            self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+            self._runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, self.host, self.port, shutdown_timeout=SHUTDOWN_GRACE_S)
+            site = web.TCPSite(self._runner, self.host, self.port)
             await site.start()
         except BaseException:
             await self.__aexit__()
