@@ -661,6 +661,7 @@ BENCHES = (
     "scale",
     "composite",
     "math_verify",
+    "gateway",
 )
 
 
