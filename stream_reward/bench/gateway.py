@@ -59,6 +59,7 @@ def _start_gateway(url: str) -> tuple[subprocess.Popen[str], str]:
     base = proc.stdout.readline().strip()
     if not base.startswith("http"):
         stop_procs([proc])
+        proc.stdout.close()
         raise SystemExit(f"bench gateway: the gateway did not start (first line {base!r})")
     return proc, base
 
@@ -146,6 +147,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     say(args, f"gateway: {args.n / seconds:,.0f} samples/s")
             finally:
                 stop_procs([gateway])
+                if gateway.stdout is not None:
+                    gateway.stdout.close()
     score_rate, gateway_rate = statistics.median(score_rates), statistics.median(gateway_rates)
     return {
         "n": args.n,

@@ -8,9 +8,9 @@ from typing import Any
 
 import aiohttp
 
+from stream_reward.config import ProducerConfig
 from stream_reward.gateway.serve import RunningGateway
 from stream_reward.gateway.service import GatewayConfig
-from stream_reward.config import ProducerConfig
 from stream_reward.ops.health import check_health
 from stream_reward.ops.settings import load_settings
 from stream_reward.wire.connection import connect
