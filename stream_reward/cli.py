@@ -773,7 +773,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: 8080)")
-    p.add_argument("--data-source", default=None, help="data_source of samples whose request names none")
+    p.add_argument(
+        "--data-source",
+        default=None,
+        help="data_source of samples whose request names none (default: none, such a request is a 400)",
+    )
     p.add_argument(
         "--on-failure",
         choices=("error", "zero"),

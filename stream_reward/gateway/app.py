@@ -22,10 +22,12 @@ from typing import Any
 from aiohttp import web
 
 from stream_reward.errors import BadRequestError, BrokerError, RequestTimeoutError
-from stream_reward.gateway import health, openrlhf, slime
+from stream_reward.gateway.health import add_routes as health_routes
 from stream_reward.gateway.metrics import GatewayMetrics
+from stream_reward.gateway.openrlhf import add_routes as openrlhf_routes
 from stream_reward.gateway.replies import HEALTH, METRICS, SERVICE, HealthCheck, RouteSet, json_reply
 from stream_reward.gateway.service import GatewayService
+from stream_reward.gateway.slime import add_routes as slime_routes
 
 __all__ = ["build_app", "ROUTE_SETS"]
 
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # The routes every gateway serves, one ``add_routes`` per front door: another front door
 # (``/run_code``) is added here.
-ROUTE_SETS: list[RouteSet] = [openrlhf.add_routes, slime.add_routes, health.add_routes]
+ROUTE_SETS: list[RouteSet] = [openrlhf_routes, slime_routes, health_routes]
 
 
 def _route_name(request: web.Request) -> str:
