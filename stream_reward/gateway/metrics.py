@@ -53,18 +53,16 @@ class GatewayMetrics:
             "stream_reward_gateway_requests_in_flight", "requests being answered now", registry=self.registry
         )
 
-    def observe_samples(self, route: str, results: Iterable[ScoreResult]) -> None:
-        ok = failed = 0
-        for result in results:
-            if result.status == "ok":
-                ok += 1
-            else:
-                failed += 1
-                self.failures.labels(route, result.reason or "unknown").inc()
-        if ok:
-            self.samples.labels(route, "ok").inc(ok)
-        if failed:
-            self.samples.labels(route, "failed").inc(failed)
+    def observe_samples(self, route: str, n: int, failed: Iterable[ScoreResult]) -> None:
+        """``n`` samples answered, of which ``failed`` the pipeline could not score."""
+        count = 0
+        for result in failed:
+            count += 1
+            self.failures.labels(route, result.reason or "unknown").inc()
+        if n > count:
+            self.samples.labels(route, "ok").inc(n - count)
+        if count:
+            self.samples.labels(route, "failed").inc(count)
 
     def observe_request(self, route: str, code: int, seconds: float) -> None:
         self.requests.labels(route, str(code)).inc()

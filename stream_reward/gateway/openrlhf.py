@@ -94,18 +94,19 @@ def _number(value: Any) -> float | None:
 
 def _extra_logs(outcome: Outcome) -> dict[str, list[float]]:
     """Every numeric extra-info key of the scored samples, as one number per sample
-    (0.0 where a sample lacks it: OpenRLHF's tensors need a value in every row)."""
-    ok = [r for r in outcome.results if r.status == "ok"]
-    keys: dict[str, None] = {}
-    dropped: set[str] = set()
-    for result in ok:
-        for key, value in result.extra.items():
-            (keys.setdefault(key, None) if _number(value) is not None else dropped.add(key))
+    (0.0 where a sample lacks it: OpenRLHF's tensors need a value in every row). A key
+    with any other value in a scored sample (a string, a list) is left out."""
+    ok = [at for at, state in enumerate(outcome.status) if state == "ok"]
     logs: dict[str, list[float]] = {}
-    for key in keys:
-        if key in dropped:
+    for key, values in outcome.extra_info.items():
+        present = [values[at] for at in ok if values[at] is not None]
+        numbers = [_number(v) for v in present]
+        if not present or any(v is None for v in numbers):
             continue
-        logs[key] = [(_number(r.extra.get(key)) or 0.0) if r.status == "ok" else 0.0 for r in outcome.results]
+        row = [0.0] * outcome.n
+        for at in ok:
+            row[at] = _number(values[at]) or 0.0
+        logs[key] = row
     return logs
 
 
@@ -113,22 +114,19 @@ def reply_body(outcome: Outcome, *, count_failed: bool = False) -> dict[str, Any
     """The 200 reply. With ``count_failed`` (``--on-failure zero``) failed samples are 0.0,
     and ``extra_logs`` always has ``failed`` (1.0 for a failed sample: its sum is the
     count, its mean the rate), plus ``failed_<reason>`` for each reason in this request."""
-    rewards = [float(r.score) if r.status == "ok" else 0.0 for r in outcome.results]
+    rewards = [float(score) if state == "ok" else 0.0 for score, state in zip(outcome.scores, outcome.status)]
     logs = _extra_logs(outcome)
-    failed = outcome.failed
-    if count_failed or failed:
-        logs["failed"] = [0.0 if r.status == "ok" else 1.0 for r in outcome.results]
-        for reason in sorted({r.reason or "unknown" for r in failed}):
-            logs[f"failed_{reason}"] = [
-                1.0 if r.status != "ok" and (r.reason or "unknown") == reason else 0.0 for r in outcome.results
-            ]
+    if count_failed or outcome.failed:
+        logs["failed"] = [0.0 if state == "ok" else 1.0 for state in outcome.status]
+        for result in outcome.failed:
+            column = logs.setdefault(f"failed_{result.reason or 'unknown'}", [0.0] * outcome.n)
+            column[result.index] = 1.0
     return {"rewards": rewards, "scores": list(rewards), "extra_logs": logs}
 
 
 def failure_body(outcome: Outcome) -> dict[str, Any]:
-    failed = outcome.failed
     return {
-        "error": f"{len(failed)} of {len(outcome.results)} samples failed (infrastructure, not a wrong answer); "
+        "error": f"{len(outcome.failed)} of {outcome.n} samples failed (infrastructure, not a wrong answer); "
         "retry, or start the gateway with --on-failure zero",
         "failed": outcome.failed_rows(),
     }

@@ -74,14 +74,23 @@ class Sample:
 
 @dataclass(slots=True)
 class Outcome:
-    """A request's results in index order; ``failed`` lists the samples the pipeline could not score."""
+    """A request's results in index order: each sample's score and status, the batch's
+    ``reward_extra_info`` (a list per key, None where a sample lacks the key), and the
+    results of the samples the pipeline could not score. Plain lists, as the aggregator
+    holds them: no result object per sample on the path where all went well."""
 
     batch_id: str
-    results: list[ScoreResult]
+    scores: list[float]
+    status: list[str]
+    extra_info: dict[str, list[Any]]
+    failed: list[ScoreResult]
 
     @property
-    def failed(self) -> list[ScoreResult]:
-        return [r for r in self.results if r.status != "ok"]
+    def n(self) -> int:
+        return len(self.status)
+
+    def extra_of(self, index: int) -> dict[str, Any]:
+        return {key: values[index] for key, values in self.extra_info.items() if values[index] is not None}
 
     def failed_rows(self) -> list[dict[str, Any]]:
         return [{"index": r.index, "uid": r.uid, "reason": r.reason, "error": r.error} for r in self.failed]
@@ -153,14 +162,14 @@ class GatewayService:
             for i, s in enumerate(samples)
         ]
         if not trajs:
-            return Outcome(batch_id, [])
+            return Outcome(batch_id, [], [], {}, [])
         started = time.monotonic()
         async with self._slots:
             remaining = self.config.timeout_s - (time.monotonic() - started)
             if remaining <= 0:
                 raise RequestTimeoutError(batch_id, 0, len(trajs))
             outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
-        self.metrics.observe_samples(route, outcome.results)
+        self.metrics.observe_samples(route, outcome.n, outcome.failed)
         return outcome
 
     async def _run(self, batch_id: str, trajs: list[Trajectory], timeout_s: float) -> Outcome:
@@ -176,12 +185,14 @@ class GatewayService:
         except CollectTimeoutError as exc:
             await self._give_up(batch_id)
             raise RequestTimeoutError(batch_id, exc.done, exc.size) from None
-        results = [r for r in rewards.results if r is not None]
+        failed = (
+            [r for r in rewards.results if r is not None and r.status != "ok"] if "failed" in rewards.status else []
+        )
         # A sample the batch deadline resolved is a timeout of this request, not a verdict.
-        if any(r.status != "ok" and r.reason in ("deadline", "never_pushed") for r in results):
-            done = sum(1 for r in results if r.reason not in ("deadline", "never_pushed"))
-            raise RequestTimeoutError(batch_id, done, len(results))
-        return Outcome(batch_id, results)
+        missed = sum(1 for r in failed if r.reason in ("deadline", "never_pushed"))
+        if missed:
+            raise RequestTimeoutError(batch_id, rewards.n - missed, rewards.n)
+        return Outcome(batch_id, rewards.scores, rewards.status, rewards.reward_extra_info, failed)
 
     async def _give_up(self, batch_id: str) -> None:
         """Resolve what is missing and expire the batch's keys, bounded: a failure here

@@ -86,11 +86,11 @@ def parse_request(body: Any) -> Sample:
 
 def reply_body(outcome: Outcome) -> dict[str, Any]:
     """The 200 reply of the one sample; a failed one (``--on-failure zero``) says so."""
-    result = outcome.results[0]
-    body: dict[str, Any] = dict(result.extra)
-    if result.status == "ok":
-        body.update(score=float(result.score), status="ok")
+    body: dict[str, Any] = outcome.extra_of(0)
+    if not outcome.failed:
+        body.update(score=float(outcome.scores[0]), status="ok")
     else:
+        result = outcome.failed[0]
         body.update(score=0.0, status="failed", reason=result.reason, error=result.error, failed=1)
     return body
 
