@@ -168,7 +168,12 @@ class GatewayService:
             remaining = self.config.timeout_s - (time.monotonic() - started)
             if remaining <= 0:
                 raise RequestTimeoutError(batch_id, 0, len(trajs))
-            outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
+            try:
+                # The collect has its own bound; this one covers Redis calls that retry
+                # past it (a server that stopped answering), so no request ever hangs.
+                outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError(batch_id, 0, len(trajs)) from None
         self.metrics.observe_samples(route, outcome.n, outcome.failed)
         return outcome
 

@@ -101,3 +101,10 @@ async def test_a_request_nobody_scores_times_out_with_a_504(redis_url, namespace
         status, reply = await post(f"{gw.url}/openrlhf", openrlhf_body(["a", "b"], ["1", "2"], ["1", "2"]))
     assert status == 504, reply
     assert "timed out after 1s" in reply["error"] and "0 of 2" in reply["error"]
+
+
+async def test_redis_unreachable_is_a_503_naming_it_never_a_hang(namespace) -> None:
+    async with gateway("redis://127.0.0.1:1", namespace, data_source="math", timeout_s=3.0) as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"]))
+    assert status == 503, reply
+    assert reply["error"].startswith("Redis unavailable") and "127.0.0.1:1" in reply["error"]
