@@ -172,6 +172,8 @@ class GatewayService:
                 # The collect has its own bound; this one covers Redis calls that retry
                 # past it (a server that stopped answering), so no request ever hangs.
                 outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
+            except RequestTimeoutError:
+                raise  # its own count of what was done (a TimeoutError too, from 3.11 on asyncio's)
             except asyncio.TimeoutError:
                 raise RequestTimeoutError(batch_id, 0, len(trajs)) from None
         self.metrics.observe_samples(route, outcome.n, outcome.failed)

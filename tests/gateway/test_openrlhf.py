@@ -108,3 +108,13 @@ async def test_redis_unreachable_is_a_503_naming_it_never_a_hang(namespace) -> N
         status, reply = await post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"]))
     assert status == 503, reply
     assert reply["error"].startswith("Redis unavailable") and "127.0.0.1:1" in reply["error"]
+
+
+async def test_a_timeout_says_how_many_samples_were_done(redis_url, namespace, spawn_workers) -> None:
+    # One sample hangs past the request's timeout; the others are scored: the 504 counts them.
+    spawn_workers(1, "--scorer", "python:tests/data/scorers.py:async_exact", "--concurrency", "4")
+    body = openrlhf_body(["a", "b", "c"], ["1", "hang", "3"], ["1", "2", "3"])
+    async with gateway(redis_url, namespace, data_source="math", timeout_s=4.0) as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", body)
+    assert status == 504, reply
+    assert "2 of 3 samples scored" in reply["error"]
