@@ -118,3 +118,10 @@ async def test_a_timeout_says_how_many_samples_were_done(redis_url, namespace, s
         status, reply = await post(f"{gw.url}/openrlhf", body)
     assert status == 504, reply
     assert "2 of 3 samples scored" in reply["error"]
+
+
+async def test_an_empty_request_answers_empty_lists_and_opens_no_batch(redis_url, namespace) -> None:
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", {"query": [], "prompts": [], "labels": []})
+        assert (await enqueued(redis_url, namespace)) == (0, 0)
+    assert status == 200 and reply == {"rewards": [], "scores": [], "extra_logs": {}}
