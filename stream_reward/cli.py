@@ -522,6 +522,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """The HTTP gateway (``stream_reward/gateway/``) in front of a local pipeline, or only
+    producing and collecting against ``--redis`` (workers elsewhere)."""
+    import copy
+
+    from stream_reward.gateway.serve import serve_forever
+    from stream_reward.gateway.service import GatewayConfig
+    from stream_reward.ops.pipeline import LocalPipeline
+
+    settings = _settings(args)
+    # With --redis the workers are the cluster's: none here unless asked for.
+    processes = args.processes if args.processes is not None else (0 if args.redis else _processes(args))
+    with LocalPipeline(
+        args.redis, processes=processes, namespace=args.namespace, worker_args=_pipeline_worker_args(args)
+    ) as pipeline:
+        _import_torch_first("the gateway's result collection")
+        config = GatewayConfig(
+            pipeline.url,
+            settings.producer_config(),
+            data_source=args.data_source,
+            on_failure=args.on_failure,
+            timeout_s=args.timeout_s,
+            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+            max_samples=args.max_samples,
+        )
+        probed = copy.deepcopy(settings)
+        probed.values["connection"]["redis"] = pipeline.url
+
+        def ready(url: str) -> None:
+            print(url, flush=True)
+
+        serving = serve_forever(config, lambda: check_health(probed), host=args.host, port=args.port, ready=ready)
+        _run_async(pipeline.guard(serving))
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from stream_reward.ops.status import read_status, render_status
 
@@ -634,6 +670,7 @@ BENCHES = (
     "scale",
     "composite",
     "math_verify",
+    "gateway",
 )
 
 
@@ -726,6 +763,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0, help="seconds to wait for the whole file (default: 600)")
     add_deprecated_flag(p, "--timeout", "--timeout-s", type=float)
     p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser(
+        "gateway", help="HTTP reward service for OpenRLHF (/openrlhf) and slime (/slime); prints its URL first"
+    )
+    _add_common(p)
+    p.add_argument(
+        "--scorer",
+        default=None,
+        help="the local workers' scorer, as for score (default: the config's, else rules)",
+    )
+    p.add_argument("--manager", default=None, help="the local workers' reward manager (default: the config's)")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="local worker processes (default: 0 with --redis, else the config's, else 2)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default: 8080)")
+    p.add_argument(
+        "--data-source",
+        default=None,
+        help="data_source of samples whose request names none (default: none, such a request is a 400)",
+    )
+    p.add_argument(
+        "--on-failure",
+        choices=("error", "zero"),
+        default="error",
+        help="a request with a failed sample: error = HTTP 503 naming it (default); zero = 0.0 for it, counted",
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=100.0, help="seconds a request may take before a 504 (default: 100)"
+    )
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB (default: 64; 413 over)")
+    p.add_argument(
+        "--max-samples", type=int, default=4096, help="most samples in one request (default: 4096; 413 over)"
+    )
+    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("status", help="streams, groups, workers, lag, throughput, dead letters, quota, open batches")
     _add_common(p, redis_required=True)

@@ -19,12 +19,14 @@ boundary where they happen, with ``raise ... from exc``::
     ├── RetryLater                  control flow: a verifier asked us to come back
     ├── BackpressureError           the stream is too far ahead of the consumers
     ├── CollectTimeoutError         a batch did not complete in time
+    │   └── RequestTimeoutError     a gateway request's batch did not (HTTP 504)
     ├── ResultTimeoutError          one sample's result did not land in time
     ├── PushConflictError           an index or uid already pushed with other content
     ├── BatchExistsError            a batch id reused while its results live
     ├── ProtocolMismatchError       the namespace speaks another protocol version
     ├── WorkersDiedError            a local pipeline's worker processes all exited
     ├── MissingExtraError           a feature needs an extra that is not installed ([trainer])
+    ├── BadRequestError             a gateway request refused before anything was enqueued (HTTP 400/413)
     └── BrokerError                 Redis is unreachable or refused a command
         ├── StateLostError          the namespace's state vanished (restart without persistence)
         └── EvictionPolicyError     Redis may evict keys (maxmemory-policy other than noeviction)
@@ -54,6 +56,7 @@ __all__ = [
     "RetryLater",
     "BackpressureError",
     "CollectTimeoutError",
+    "RequestTimeoutError",
     "ResultTimeoutError",
     "PushConflictError",
     "BrokerError",
@@ -63,6 +66,7 @@ __all__ = [
     "StateLostError",
     "WorkersDiedError",
     "MissingExtraError",
+    "BadRequestError",
     "ConfigDeprecationWarning",
 ]
 
@@ -199,6 +203,10 @@ class CollectTimeoutError(StreamRewardError, TimeoutError):
         self.size = size
 
 
+class RequestTimeoutError(CollectTimeoutError):
+    """A gateway request's samples were not all scored within its timeout (HTTP 504)."""
+
+
 class ResultTimeoutError(StreamRewardError, TimeoutError):
     """One sample's result did not land before the timeout (``score`` / ``result``)."""
 
@@ -274,6 +282,16 @@ class MissingExtraError(StreamRewardError, ImportError):
         )
         self.module = module
         self.extra = extra
+
+
+class BadRequestError(StreamRewardError, ValueError):
+    """A gateway request that cannot be scored as sent: malformed JSON, a missing or
+    mistyped field, lists of different lengths, a body over the limit. Refused whole,
+    before anything is enqueued; ``status`` is the HTTP code (400, or 413 for a size)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ConfigDeprecationWarning(FutureWarning):

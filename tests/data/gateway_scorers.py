@@ -1,0 +1,16 @@
+"""Scorers the gateway's tests run in real workers (loaded by file path)."""
+
+
+def echo(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """Exact match, and what reached the scorer as extra info; raises on the response
+    'raise' (a verifier that is down: the sample fails, it is not a wrong answer)."""
+    if solution_str == "raise":
+        raise ConnectionError("the verifier is down")
+    extra_info = extra_info or {}
+    return {
+        "score": float(solution_str.strip() == str(ground_truth).strip()),
+        "source": data_source,
+        "tag": extra_info.get("tag"),
+        "meta_k": (extra_info.get("metadata") or {}).get("k"),
+        "len": len(solution_str),
+    }

@@ -1,0 +1,127 @@
+"""``POST /openrlhf``: OpenRLHF's remote_url contract through a real gateway and real
+worker processes; failed samples are a 503 naming them (or 0.0 and counted with
+``on_failure="zero"``); a malformed request is a 400/413 and enqueues nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gateway_support import ECHO, enqueued, gateway, openrlhf_body, post
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_scores_come_back_in_order_with_numeric_extra_logs(redis_url, namespace, spawn_workers) -> None:
+    spawn_workers(1, "--scorer", ECHO)
+    body = openrlhf_body(["Q1: ", "Q2: ", "Q3: "], ["4", "5", "x"], ["4", "6", "x"])
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", body)
+    assert status == 200, reply
+    assert reply["rewards"] == [1.0, 0.0, 1.0] and reply["scores"] == reply["rewards"]
+    logs = reply["extra_logs"]
+    # Each value a list of numbers, one per sample (OpenRLHF makes tensors of them);
+    # the string columns (source) and the all-null one (tag) are left out.
+    assert logs["len"] == [1.0, 1.0, 1.0]
+    assert "source" not in logs and "tag" not in logs and "failed" not in logs
+
+
+async def test_a_failed_sample_is_a_503_naming_index_uid_and_reason(redis_url, namespace, spawn_workers) -> None:
+    spawn_workers(1, "--scorer", ECHO, "--retries", "0")
+    body = openrlhf_body(["a", "b", "c"], ["1", "raise", "3"], ["1", "2", "3"])
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", body)
+    assert status == 503, reply
+    assert "1 of 3 samples failed" in reply["error"]
+    [row] = reply["failed"]
+    assert row["index"] == 1 and row["uid"].endswith("/1") and row["reason"]
+    assert "rewards" not in reply  # no 0 the trainer could learn
+
+
+async def test_on_failure_zero_answers_zero_and_counts_it(redis_url, namespace, spawn_workers) -> None:
+    spawn_workers(1, "--scorer", ECHO, "--retries", "0")
+    body = openrlhf_body(["a", "b", "c"], ["1", "raise", "3"], ["1", "2", "3"])
+    async with gateway(redis_url, namespace, data_source="math", on_failure="zero") as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", body)
+        _, clean = await post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"]))
+    assert status == 200, reply
+    assert reply["rewards"] == [1.0, 0.0, 1.0]
+    logs = reply["extra_logs"]
+    assert logs["failed"] == [0.0, 1.0, 0.0]
+    [reason_key] = [k for k in logs if k.startswith("failed_")]
+    assert logs[reason_key] == [0.0, 1.0, 0.0]
+    assert clean["extra_logs"]["failed"] == [0.0]  # the column is there in every reply
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b"{not json", "malformed JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (json.dumps({"prompts": ["a"], "labels": ["1"]}).encode(), "missing field 'query'"),
+        (json.dumps({"query": ["a1"], "prompts": ["a"]}).encode(), "missing field 'labels'"),
+        (json.dumps({"query": "a1", "prompts": ["a"], "labels": ["1"]}).encode(), "must be a list"),
+        (json.dumps({"query": ["a1", 7], "prompts": ["a", "b"], "labels": [1, 2]}).encode(), "item 1 must be a string"),
+        (json.dumps({"query": ["a1", "b2"], "prompts": ["a"], "labels": [1, 2]}).encode(), "lengths differ"),
+        (json.dumps({"query": ["a1", "c2"], "prompts": ["a", "b"], "labels": [1, 2]}).encode(), "sample 1: query"),
+        (json.dumps({"query": ["a1"], "prompts": ["a"], "labels": [1], "data_source": 3}).encode(), "data_source"),
+    ],
+)
+async def test_malformed_requests_are_400_and_enqueue_nothing(redis_url, namespace, raw: bytes, says: str) -> None:
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        before = await enqueued(redis_url, namespace)
+        status, reply = await post(f"{gw.url}/openrlhf", None, raw=raw)
+        after = await enqueued(redis_url, namespace)
+    assert status == 400, reply
+    assert says in reply["error"] and "\n" not in reply["error"]
+    assert after == before
+
+
+async def test_no_data_source_anywhere_is_a_400(redis_url, namespace) -> None:
+    async with gateway(redis_url, namespace) as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"]))
+        assert (await enqueued(redis_url, namespace)) == (0, 0)
+    assert status == 400 and "--data-source" in reply["error"]
+
+
+async def test_over_size_bodies_and_sample_counts_are_413(redis_url, namespace) -> None:
+    async with gateway(redis_url, namespace, data_source="math", max_body_bytes=2000, max_samples=4) as gw:
+        big = openrlhf_body(["a"], ["x" * 5000], ["1"])
+        status_body, reply_body = await post(f"{gw.url}/openrlhf", big)
+        many = openrlhf_body(["a"] * 5, ["1"] * 5, ["1"] * 5)
+        status_many, reply_many = await post(f"{gw.url}/openrlhf", many)
+        assert (await enqueued(redis_url, namespace)) == (0, 0)
+    assert status_body == 413 and "2000 bytes" in reply_body["error"]
+    assert status_many == 413 and "5 samples" in reply_many["error"]
+
+
+async def test_a_request_nobody_scores_times_out_with_a_504(redis_url, namespace) -> None:
+    # No worker reads the group: the request must answer within its timeout, not hang.
+    async with gateway(redis_url, namespace, data_source="math", timeout_s=1.0) as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", openrlhf_body(["a", "b"], ["1", "2"], ["1", "2"]))
+    assert status == 504, reply
+    assert "timed out after 1s" in reply["error"] and "0 of 2" in reply["error"]
+
+
+async def test_redis_unreachable_is_a_503_naming_it_never_a_hang(namespace) -> None:
+    async with gateway("redis://127.0.0.1:1", namespace, data_source="math", timeout_s=3.0) as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"]))
+    assert status == 503, reply
+    assert reply["error"].startswith("Redis unavailable") and "127.0.0.1:1" in reply["error"]
+
+
+async def test_a_timeout_says_how_many_samples_were_done(redis_url, namespace, spawn_workers) -> None:
+    # One sample hangs past the request's timeout; the others are scored: the 504 counts them.
+    spawn_workers(1, "--scorer", "python:tests/data/scorers.py:async_exact", "--concurrency", "4")
+    body = openrlhf_body(["a", "b", "c"], ["1", "hang", "3"], ["1", "2", "3"])
+    async with gateway(redis_url, namespace, data_source="math", timeout_s=4.0) as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", body)
+    assert status == 504, reply
+    assert "2 of 3 samples scored" in reply["error"]
+
+
+async def test_an_empty_request_answers_empty_lists_and_opens_no_batch(redis_url, namespace) -> None:
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", {"query": [], "prompts": [], "labels": []})
+        assert (await enqueued(redis_url, namespace)) == (0, 0)
+    assert status == 200 and reply == {"rewards": [], "scores": [], "extra_logs": {}}

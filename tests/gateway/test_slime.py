@@ -1,0 +1,78 @@
+"""``POST /slime``: slime's remote_rm contract through a real gateway and real workers:
+one sample in, ``{"score", "status", ...extra}`` (or the bare float) out; the optional
+keys reach the scorer; a failed sample is a 503, or 0.0 marked failed."""
+
+from __future__ import annotations
+
+import pytest
+from gateway_support import ECHO, enqueued, gateway, post
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_one_sample_scores_with_its_extra_info(redis_url, namespace, spawn_workers) -> None:
+    spawn_workers(1, "--scorer", ECHO)
+    async with gateway(redis_url, namespace, data_source="default-src") as gw:
+        status, reply = await post(f"{gw.url}/slime", {"prompt": "What is 2+2?", "response": "4", "label": "4"})
+        _, wrong = await post(f"{gw.url}/slime", {"prompt": "What is 2+2?", "response": "5", "label": "4"})
+        _, bare = await post(f"{gw.url}/slime?reply=float", {"prompt": "q", "response": "4", "label": "4"})
+    assert status == 200
+    assert reply["score"] == 1.0 and reply["status"] == "ok" and reply["source"] == "default-src"
+    assert wrong["score"] == 0.0 and wrong["status"] == "ok"  # a wrong answer is a score, not a failure
+    assert bare == 1.0
+
+
+async def test_optional_keys_and_a_chat_prompt_are_honoured(redis_url, namespace, spawn_workers) -> None:
+    spawn_workers(1, "--scorer", ECHO)
+    body = {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+        "response": "4",
+        "label": "4",
+        "data_source": "own-src",
+        "extra_info": {"tag": "t1"},
+        "metadata": {"k": 7},
+    }
+    async with gateway(redis_url, namespace, data_source="default-src") as gw:
+        status, reply = await post(f"{gw.url}/slime", body)
+        _, from_meta = await post(f"{gw.url}/slime", {"response": "4", "label": "4", "metadata": {"data_source": "m"}})
+    assert status == 200, reply
+    assert (reply["source"], reply["tag"], reply["meta_k"]) == ("own-src", "t1", 7)
+    assert from_meta["source"] == "m"
+
+
+async def test_a_failed_sample_is_a_503_or_a_marked_zero(redis_url, namespace, spawn_workers) -> None:
+    spawn_workers(1, "--scorer", ECHO, "--retries", "0")
+    sample = {"prompt": "q", "response": "raise", "label": "4"}
+    async with gateway(redis_url, namespace, data_source="s") as gw:
+        status, reply = await post(f"{gw.url}/slime", sample)
+    async with gateway(redis_url, namespace, data_source="s", on_failure="zero") as gw:
+        status_zero, zero = await post(f"{gw.url}/slime", sample)
+    assert status == 503 and reply["failed"][0]["index"] == 0 and reply["failed"][0]["reason"]
+    assert "score" not in reply
+    assert status_zero == 200
+    assert zero["score"] == 0.0 and zero["status"] == "failed" and zero["failed"] == 1 and zero["reason"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"prompt": "q", "label": "4"}, "missing field 'response'"),
+        ({"prompt": "q", "response": 4}, "'response' must be a string"),
+        ({"prompt": 3, "response": "4"}, "'prompt' must be a string or a list"),
+        ({"prompt": [{"role": "user"}], "response": "4"}, "message 0"),
+        ({"response": "4", "metadata": "x"}, "'metadata' must be an object"),
+        ({"response": "4", "extra_info": [1]}, "'extra_info' must be an object"),
+        ([{"response": "4"}], "one sample"),
+    ],
+)
+async def test_malformed_samples_are_400_and_enqueue_nothing(redis_url, namespace, body, says: str) -> None:
+    async with gateway(redis_url, namespace, data_source="s") as gw:
+        status, reply = await post(f"{gw.url}/slime", body)
+        assert (await enqueued(redis_url, namespace)) == (0, 0)
+    assert status == 400 and says in reply["error"], reply
+
+
+async def test_an_unknown_reply_shape_is_a_400(redis_url, namespace) -> None:
+    async with gateway(redis_url, namespace, data_source="s") as gw:
+        status, reply = await post(f"{gw.url}/slime?reply=xml", {"response": "4"})
+    assert status == 400 and "reply" in reply["error"]
