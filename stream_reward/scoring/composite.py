@@ -12,7 +12,9 @@ score is the sum of ``weight * score`` over the components that ran; its extra i
 carries, for every component and every sample (missing values filled explicitly, as
 verl builds its columns from the first sample's keys), ``<name>``, ``<name>_status``
 (``ok``, ``failed``, ``timeout``, ``skipped``), ``<name>_latency_ms`` and the
-component's own extra keys as ``<name>/<key>``.
+component's own extra keys as ``<name>/<key>``: its declared ``columns`` (the built-in
+scorers' keys by default) from the first sample on, and any other key once seen (verl's
+reward loop keeps only the declared ones: ``stream_reward.verl.columns``).
 
 A required component that fails or times out fails the sample, with a reason naming
 it: a partial sum is never passed off as the reward. The failed sample still carries
