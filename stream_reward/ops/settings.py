@@ -8,7 +8,7 @@ with ``tomllib``, ``tomli`` before 3.11), YAML (``.yaml``/``.yml``) or JSON, wit
     [reward]       ManagerConfig, by verl's key names: manager, scorer, timeout,
                    retries, reward_kwargs, overlong_buffer_cfg, max_resp_len, ...
     [[reward.components]]  name, scorer, weight, timeout_s, required, skip_unless,
-                   quota, reward_kwargs, sandbox, retries: a composite reward
+                   quota, reward_kwargs, sandbox, retries, columns: a composite reward
     [quota]        max_concurrent, max_rpm, max_tpm, estimated_tokens_per_request, quota_key
     [consumer]     ConsumerConfig: concurrency, block_ms, reclaim_idle_ms, ...
     [policy]       BatchPolicy: on_failure, fallback_score, deadline_s

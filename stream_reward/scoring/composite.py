@@ -12,7 +12,9 @@ score is the sum of ``weight * score`` over the components that ran; its extra i
 carries, for every component and every sample (missing values filled explicitly, as
 verl builds its columns from the first sample's keys), ``<name>``, ``<name>_status``
 (``ok``, ``failed``, ``timeout``, ``skipped``), ``<name>_latency_ms`` and the
-component's own extra keys as ``<name>/<key>``.
+component's own extra keys as ``<name>/<key>``: its declared ``columns`` (the built-in
+scorers' keys by default) from the first sample on, and any other key once seen (verl's
+reward loop keeps only the declared ones: ``stream_reward.verl.columns``).
 
 A required component that fails or times out fails the sample, with a reason naming
 it: a partial sum is never passed off as the reward. The failed sample still carries
@@ -35,10 +37,11 @@ from typing import Any
 
 from stream_reward.config import ManagerConfig
 from stream_reward.errors import ConfigError, ScoringError
+from stream_reward.scoring.columns import default_columns, parse_columns
 from stream_reward.scoring.scorer import Scored, Scorer
 from stream_reward.wire.trajectory import Trajectory
 
-__all__ = ["Component", "CompositeScorer", "parse_components", "build_composite"]
+__all__ = ["Component", "CompositeScorer", "parse_components", "build_composite", "composite_columns"]
 
 _QUOTA_KEYS = ("max_concurrent", "max_rpm", "max_tpm", "estimated_tokens_per_request", "quota_key")
 _KEYS = (
@@ -52,6 +55,7 @@ _KEYS = (
     "reward_kwargs",
     "sandbox",
     "retries",
+    "columns",
 )
 _COLUMNS = ("", "_status", "_latency_ms")  # a component's columns in the extra info, after its name
 # Keys the managers put beside the components' columns: verl's loop logs the task score as
@@ -67,7 +71,10 @@ _PLAIN_SPECS = ("rules", "sandbox", "math-verify")
 class Component:
     """One ``[[reward.components]]`` entry. ``timeout_s`` and ``retries`` default to the
     reward's ``timeout`` and ``retries``; ``quota`` holds the keys of ``[quota]`` for a
-    limiter of the component's own (``quota_key`` defaults to the component's name)."""
+    limiter of the component's own (``quota_key`` defaults to the component's name).
+    ``columns`` are the scorer's own extra keys, declared: every sample carries each as
+    ``<name>/<key>`` (None where it has none); None means the built-in scorer's defaults
+    (``scoring.columns.default_columns``)."""
 
     name: str
     scorer: str
@@ -79,6 +86,20 @@ class Component:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     sandbox: dict[str, Any] = field(default_factory=dict)
     retries: int | None = None
+    columns: tuple[str, ...] | None = None
+
+    @property
+    def declared(self) -> tuple[str, ...]:
+        """The component's own extra keys that every sample carries."""
+        return self.columns if self.columns is not None else default_columns(self.scorer, self.reward_kwargs)
+
+
+def composite_columns(components: Sequence[Component]) -> list[str]:
+    """Every extra-info column a composite of ``components`` gives every sample, in order."""
+    out: list[str] = []
+    for c in components:
+        out += [f"{c.name}{suffix}" for suffix in _COLUMNS] + [f"{c.name}/{key}" for key in c.declared]
+    return out
 
 
 def _is_number(value: Any) -> bool:
@@ -139,6 +160,9 @@ def _parse_one(raw: Any, index: int, earlier: Sequence[str]) -> Component:
     quota = raw.get("quota")
     if quota is not None:
         quota = _parse_quota(quota, where)
+    declared = raw.get("columns")
+    if declared is not None:
+        declared = parse_columns(declared, f"{where}.columns")
     return Component(
         name=name,
         scorer=scorer,
@@ -150,6 +174,7 @@ def _parse_one(raw: Any, index: int, earlier: Sequence[str]) -> Component:
         reward_kwargs=dict(raw.get("reward_kwargs", {})),
         sandbox=dict(raw.get("sandbox", {})),
         retries=retries,
+        columns=declared,
     )
 
 
@@ -226,8 +251,10 @@ class CompositeScorer:
             raise ConfigError("reward.components", "needs at least one component")
         self.components = list(components)
         self.name = "composite(" + ",".join(c.name for c, _ in self.components) + ")"
-        # Each component's own extra keys seen so far: later samples carry them all, filled with None.
-        self._seen: dict[str, dict[str, None]] = {c.name: {} for c, _ in self.components}
+        # Each component's own extra keys: the declared ones from the first sample on, then any
+        # other seen so far (later samples carry them all, filled with None). Only the declared
+        # ones reach verl's reward loop (stream_reward.verl.columns).
+        self._seen: dict[str, dict[str, None]] = {c.name: dict.fromkeys(c.declared) for c, _ in self.components}
 
     async def score(self, traj: Trajectory) -> Scored:
         tasks: dict[str, asyncio.Task[_Outcome]] = {}

@@ -149,7 +149,8 @@ class ProcessPool:
                 raise
             self._idle.append(child)
         if not reply[0]:
-            raise ScoringError(f"{reply[1]}: {reply[2]}", reason="scorer_error")
+            reason = reply[3] if len(reply) > 3 and isinstance(reply[3], str) and reply[3] else "scorer_error"
+            raise ScoringError(f"{reply[1]}: {reply[2]}", reason=reason)
         return reply[1]
 
     async def score(self, traj: Trajectory) -> Scored:

@@ -103,7 +103,10 @@ def main() -> None:
             else:
                 _write(proto_out, [False, "ProtocolError", f"unknown request {kind!r}"])
         except Exception as exc:
-            _write(proto_out, [False, type(exc).__name__, str(exc)[:2000]])
+            # A ScoringError's reason (bad_score, no_score, ...) travels with it: the parent
+            # records the same reason as for a scorer on its own loop.
+            reason = exc.reason if isinstance(exc, ScoringError) else "scorer_error"
+            _write(proto_out, [False, type(exc).__name__, str(exc)[:2000], reason])
 
 
 if __name__ == "__main__":

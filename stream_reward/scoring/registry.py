@@ -48,6 +48,7 @@ from typing import Any
 
 from stream_reward.config import ManagerConfig, OverlongConfig
 from stream_reward.errors import ConfigError, ScorerTimeoutError, ScoringError
+from stream_reward.scoring.deadline import within
 from stream_reward.scoring.layers import (
     BatchCall,
     MicroBatchScorer,
@@ -146,9 +147,10 @@ class AsyncFunctionScorer:
 
     async def score(self, traj: Trajectory) -> Scored:
         try:
-            value = await asyncio.wait_for(
+            value = await within(
                 self._fn(traj.data_source, traj.response, traj.ground_truth, traj.extra_info, **self._kwargs),
                 self._timeout_s,
+                what=f"async scorer {getattr(self._fn, '__qualname__', self._fn)!r}",
             )
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
             raise ScorerTimeoutError(
@@ -272,7 +274,7 @@ def _dapo(config: ManagerConfig) -> Scorer:
 def _async_batch_call(fn: Callable[..., Any], config: ManagerConfig) -> BatchCall:
     async def call(trajs: list[Trajectory]) -> list[Scored | ScoringError]:
         try:
-            values = await asyncio.wait_for(
+            values = await within(
                 fn(
                     data_sources=[t.data_source for t in trajs],
                     solution_strs=[t.response for t in trajs],
@@ -281,6 +283,7 @@ def _async_batch_call(fn: Callable[..., Any], config: ManagerConfig) -> BatchCal
                     **config.reward_kwargs,
                 ),
                 config.timeout,
+                what=f"batched async scorer {config.scorer!r}",
             )
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on; not yet on 3.10
             raise ScorerTimeoutError(

@@ -41,6 +41,7 @@ from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.scoring.registry import build_scorer
 from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.loop_thread import LoopThread
+from stream_reward.verl.columns import VerlColumns, declared_columns
 from stream_reward.verl.options import LoopOptions
 from stream_reward.wire.codec import to_plain
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
@@ -50,7 +51,6 @@ __all__ = ["StreamRewardLoopManager", "decode_row"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_RETURNED_KEPT = 16384  # more samples than one actor's share of a verl batch
 
 
 class StreamRewardLoopManager:
@@ -84,9 +84,11 @@ class StreamRewardLoopManager:
         self._inbox: collections.deque[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future[Any]]] = collections.deque()
         self._drain_scheduled = False
         self._remote_scorer = self.options.manager.scorer.partition(":")[0] in ("http", "disrm", "genrm")
-        self._columns: dict[str, None] = {}  # reward_extra_info keys this manager has returned
-        # The reward_extra_info dicts returned lately, which verl may still hold (see _same_columns).
-        self._returned: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RETURNED_KEPT)
+        # The same reward_extra_info keys on every sample of every RewardLoopWorker actor.
+        self._columns = VerlColumns(
+            declared_columns(self.options.manager, self.options.extra_keys),
+            composite=bool(self.options.manager.components),
+        )
         # One private loop per manager owns its Redis clients: run_single may be awaited
         # from any loop (a Ray actor's, an agent loop's, successive asyncio.run calls).
         self._loop_thread = LoopThread("stream-reward-verl")
@@ -222,10 +224,9 @@ class StreamRewardLoopManager:
                 caller_loop.call_soon_threadsafe(_settle, items)
 
     def _verl_result(self, result: ScoreResult) -> dict[str, Any]:
-        """verl's per-sample dict. Every sample carries ``score``, ``acc``, ``reward_failed``
-        and ``reward_status``: verl's RewardLoopManager takes its columns from the first
-        sample's keys and indexes every other sample with them, and a failed sample must
-        not be the one that lacks a key."""
+        """verl's per-sample dict, its ``reward_extra_info`` holding exactly the declared
+        columns (``stream_reward.verl.columns``): ``score``, ``acc``, ``reward_failed``,
+        ``reward_status`` and the scorer's, None where a sample has none."""
         extra = dict(result.extra)
         if result.status == "ok":
             score = float(result.score)
@@ -247,27 +248,7 @@ class StreamRewardLoopManager:
             # What the scorer knew all the same (a composite's columns) stays on the failed sample.
             extra.update(score=score, acc=score, reward_failed=1.0, reward_status=result.reason or "failed")
             log.warning("sample %s failed (%s): %s", result.uid, result.reason, result.error)
-        self._same_columns(extra)
-        return {"reward_score": score, "reward_extra_info": extra}
-
-    def _same_columns(self, extra: dict[str, Any]) -> None:
-        """Give ``extra`` every column this manager has returned, None where it has none.
-
-        verl's RewardLoopManager takes its columns from the first sample's keys and indexes
-        every other sample with them: a key one sample lacks crashes it, a key the first
-        lacks is dropped. A column can first appear late (a composite's judge, skipped on
-        the first samples, has keys of its own once it runs), so it is also added, as None,
-        to the dicts returned before it: verl holds them until the whole batch is in.
-        """
-        new = [key for key in extra if key not in self._columns]
-        if new:
-            for earlier in self._returned:
-                for key in new:
-                    earlier.setdefault(key, None)
-            self._columns.update(dict.fromkeys(new))
-        for key in self._columns:
-            extra.setdefault(key, None)
-        self._returned.append(extra)
+        return {"reward_score": score, "reward_extra_info": self._columns.conform(extra)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 from stream_reward.config import BatchPolicy, ManagerConfig
 from stream_reward.errors import ConfigError
+from stream_reward.scoring.columns import parse_columns
 
 __all__ = ["LoopOptions"]
 
@@ -58,6 +59,9 @@ class LoopOptions:
       ``template``, ... see docs/remote.md);
     * ``max_rpm``, ``max_tpm``, ``max_concurrent``, ...: the global quota;
     * ``components``: a composite reward, the entries of ``[[reward.components]]``;
+    * ``extra_keys``: the keys a custom function's dict results carry besides ``score``,
+      the only ones that reach verl's ``reward_extra_info`` (``stream_reward.verl.columns``;
+      also read from ``reward.extra_keys``);
     * ``redis_url``, ``namespace``: an existing deployment (workers run anywhere);
     * ``num_workers``: local worker processes when no ``redis_url`` (default 2);
       ``concurrency``: samples in flight per worker process (default 256);
@@ -80,6 +84,7 @@ class LoopOptions:
     server_lease_s: float = 30.0
     custom_function: bool = False
     concurrency: int | None = None  # samples in flight per worker process (the workers' default: 256)
+    extra_keys: tuple[str, ...] = ()  # the scorer's own reward_extra_info keys (stream_reward.verl.columns)
 
     @classmethod
     def from_verl(cls, config: Any, *, reward_router_address: str | None = None) -> LoopOptions:
@@ -88,7 +93,7 @@ class LoopOptions:
         if not isinstance(kwargs, dict):
             raise ConfigError("reward.reward_kwargs", f"must be a mapping, got {type(kwargs).__name__}")
         known = {*_MANAGER_KEYS, "redis_url", "namespace", "num_workers", "on_failure", "fallback_score"}
-        known |= {"deadline_s", "server_host", "server_lease_s", "concurrency", "scorer_kwargs"}
+        known |= {"deadline_s", "server_host", "server_lease_s", "concurrency", "scorer_kwargs", "extra_keys"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(
@@ -155,6 +160,13 @@ class LoopOptions:
             fallback_score=float(kwargs.get("fallback_score") or 0.0),
             deadline_s=float(deadline) if deadline else None,
         )
+        extra_keys: tuple[str, ...] = ()
+        for where, value in (
+            ("reward.extra_keys", _get(reward, "extra_keys")),
+            ("reward.reward_kwargs.extra_keys", kwargs.get("extra_keys")),
+        ):
+            if value is not None:  # reward_kwargs wins where both are set
+                extra_keys = parse_columns(_container(value), where)
         num_workers = kwargs.get("num_workers")
         if num_workers is not None and int(num_workers) < 0:
             raise ConfigError("reward.reward_kwargs.num_workers", f"must be >= 0, got {num_workers}")
@@ -168,6 +180,7 @@ class LoopOptions:
             server_lease_s=float(kwargs.get("server_lease_s") or 30.0),
             custom_function=bool(path),
             concurrency=_positive_int(kwargs, "concurrency"),
+            extra_keys=extra_keys,
         )
 
     def worker_args(self) -> list[str]:

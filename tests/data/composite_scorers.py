@@ -25,3 +25,32 @@ async def no_score(data_source, solution_str, ground_truth, extra_info=None, **k
 async def broken_later(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     await asyncio.sleep(0.5)
     raise RuntimeError("the component's backend went down mid-sample")
+
+
+async def ignores_cancel(data_source, solution_str, ground_truth, extra_info=None, hold_s=5.0, **kwargs):
+    """Swallows its cancellation and keeps going for ``hold_s`` (a broad except around an await)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + hold_s
+    while loop.time() < end:
+        try:
+            await asyncio.sleep(end - loop.time())
+        except asyncio.CancelledError:
+            continue
+    return 1.0
+
+
+def sync_not_finite(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """A sync component (it runs in the scorer process pool) whose score is NaN."""
+    return float("nan")
+
+
+def sync_no_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return {"verdict": "yes"}
+
+
+async def with_undeclared(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """A declared key only on some samples, and one that is never declared."""
+    out = {"score": 1.0, "noise": 1}
+    if "####" in solution_str:
+        out["hit"] = True
+    return out

@@ -76,3 +76,27 @@ async def test_with_a_timeout_score_a_hung_call_is_the_samples_loss_not_a_failur
             await pool.score(Trajectory("ts", 2, "x", response="crash"))
     finally:
         await pool.aclose()
+
+
+@pytest.mark.parametrize(("function", "reason"), [("sync_not_finite", "bad_score"), ("sync_no_score", "no_score")])
+async def test_a_refusal_in_a_scorer_process_keeps_its_reason_alone_and_as_a_component(function, reason):
+    from stream_reward.config import ManagerConfig
+    from stream_reward.errors import ScoringError
+    from stream_reward.scoring.registry import build_scorer
+
+    spec = f"tests/data/composite_scorers.py:{function}"
+    traj = Trajectory("b", 0, "x", response="r", ground_truth="g", uid="u0")
+    pool = ProcessPool(spec, size=1, timeout_s=30)
+    try:
+        with pytest.raises(ScoringError) as alone:
+            await pool.score(traj)
+    finally:
+        await pool.aclose()
+    assert alone.value.reason == reason
+    composite = build_scorer(ManagerConfig(components=[{"name": "check", "scorer": spec}], num_processes=1, retries=0))
+    try:
+        with pytest.raises(ScoringError) as inside:
+            await composite.score(traj)
+    finally:
+        await composite.aclose()
+    assert inside.value.reason == f"check:{reason}"

@@ -62,7 +62,7 @@ def composite_worker(compose, tokenizer, tmp_path: Path) -> Iterator[Any]:
         server = VerifierServer(rule="rules", **server_options)
         url = loop.run_until_complete(server.start())
         components = (  # as a user types it on verl's command line
-            f"[{{name:format,scorer:'{fmt}:has_answer',weight:0.2}},{{name:correct,scorer:rules}},"
+            f"[{{name:format,scorer:'{fmt}:has_answer',weight:0.2,columns:[marks]}},{{name:correct,scorer:rules}},"
             f"{{name:judge,scorer:'http:{url}',weight:0.5,skip_unless:format,required:{str(judge_required).lower()},"
             "retries:0,timeout_s:10}]"
         )

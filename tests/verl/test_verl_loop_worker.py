@@ -143,6 +143,7 @@ def test_custom_reward_function_path(workers, tokenizer, custom_file) -> None:
         f"reward.custom_reward_function.path={custom_file}",
         "reward.custom_reward_function.name=compute_score",
         "+reward.custom_reward_function.reward_kwargs.bonus=0.5",
+        "+reward.reward_kwargs.extra_keys=[chars]",  # a custom function's keys are declared for verl's columns
     )
     theirs_worker, ours_worker = workers(*custom)
     data = make_batch(tokenizer, ROWS)
@@ -243,7 +244,8 @@ def test_reward_model_router_and_tokenizer_reach_compute_score(compose, tokenize
     asyncio.set_event_loop(loop)
     kwargs = {"reward_router_address": "127.0.0.1:8000", "reward_model_tokenizer": tokenizer}
     theirs = load_reward_manager(compose(*custom), tokenizer, **kwargs)
-    ours = load_reward_manager(compose(*custom, *STREAM_OVERRIDES), tokenizer, **kwargs)
+    declared = "+reward.reward_kwargs.extra_keys=[kwargs,router,tokenizer_decodes]"
+    ours = load_reward_manager(compose(*custom, *STREAM_OVERRIDES, declared), tokenizer, **kwargs)
     try:
         assert isinstance(ours, StreamRewardLoopManager)
         data = make_batch(tokenizer, ROWS[:2])
