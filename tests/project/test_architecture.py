@@ -14,8 +14,8 @@ LIBRARY = "stream_reward"
 
 # The stages, lowest first: a stage may import only from stages listed before it (and itself).
 # ``_version`` (a constant), ``errors`` and ``config`` are the base every stage stands on; the CLI and the verl
-# integration sit on top of everything.
-STAGES = ["_version", "errors", "config", "wire", "scoring", "trainer", "ops", "worker", "verl", "bench", "cli"]
+# integration (and the TRL front door) sit on top of everything.
+STAGES = ["_version", "errors", "config", "wire", "scoring", "trainer", "ops", "worker", "verl", "trl", "bench", "cli"]
 
 
 def _module_name(path: Path) -> str:
