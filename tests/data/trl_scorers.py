@@ -13,3 +13,10 @@ def echo(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
 def length(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """The response's length in characters: what text reached the scorer."""
     return float(len(solution_str))
+
+
+def length_plus(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """The response's length plus the ground truth as a number; raises on "boom"."""
+    if ground_truth == "boom":
+        raise RuntimeError("the scorer broke on this sample")
+    return float(len(solution_str)) + float(ground_truth)
