@@ -90,8 +90,7 @@ def reward_func(
         )
         if not trajs:
             return []
-        target = pool(key)
-        scores, failed = await run_on_loop(_score(target, trajs, policy, timeout_s))
+        scores, failed = await run_on_loop(_score(key, trajs, policy, timeout_s))
         if failed:
             reasons: dict[str, int] = {}
             for reason, _ in failed.values():
@@ -145,10 +144,15 @@ def _key(
 
 
 async def _score(
-    target: Pool, trajs: list[Trajectory], policy: BatchPolicy, timeout_s: float
+    key: PoolKey, trajs: list[Trajectory], policy: BatchPolicy, timeout_s: float
 ) -> tuple[list[float | None], dict[int, tuple[str, str]]]:
     """On the runtime's loop: one batch. Scores in order (None where failed) and the
     failed samples' ``index -> (reason, error)``."""
+    # The first call starts the server and workers, here on the runtime's thread: the
+    # kernel stops a child when the thread that started it ends (PR_SET_PDEATHSIG), and
+    # the caller's thread may be gone long before the trainer is (a thread of its own,
+    # asyncio.run's executor).
+    target: Pool = pool(key)
     producer, aggregator = target.clients()
     batch_id = f"trl-{os.getpid()}-{uuid.uuid4().hex[:8]}-{next(_ids)}"
     batch = [

@@ -149,12 +149,15 @@ class _Runtime:
             for p in pools:
                 with contextlib.suppress(Exception):
                     asyncio.run_coroutine_threadsafe(p.aclose(), loop_thread.loop).result(timeout=10)
-            loop_thread.stop()
+        # Workers, then their server, then the loop thread: they were started on that
+        # thread, and its end would SIGTERM them all at once (PR_SET_PDEATHSIG).
         for p in pools:
             if p.pipeline is not None:
                 p.pipeline.stop()
         if server is not None:
             server.stop()
+        if loop_thread is not None:
+            loop_thread.stop()
 
 
 _runtime = _Runtime()
