@@ -41,7 +41,7 @@ def msg(role: str, content: Any) -> dict[str, Any]:
 
 
 def test_string_and_conversational_completions_score_alike() -> None:
-    fn = reward_func(scorer="rules", data_source="openai/gsm8k")
+    fn = reward_func(scorer="rules", data_source="openai/gsm8k", processes=1)
     texts = ["so #### 42", "so #### 41", "#### 7"]
     truths = ["42", "42", "7"]
     plain = call(fn, ["q"] * 3, texts, solution=truths)
@@ -55,7 +55,7 @@ def test_string_and_conversational_completions_score_alike() -> None:
 
 
 def test_a_conversational_completion_is_scored_on_its_last_assistant_text() -> None:
-    fn = reward_func(scorer=LENGTH, data_source="any", ground_truth_key=None)
+    fn = reward_func(scorer=LENGTH, data_source="any", ground_truth_key=None, processes=1)
     completions = [
         [msg("assistant", "abc")],
         [msg("assistant", None), msg("tool", "ignored tool output"), msg("assistant", "abcde")],  # a tool turn
@@ -66,7 +66,7 @@ def test_a_conversational_completion_is_scored_on_its_last_assistant_text() -> N
 
 
 def test_a_scorer_that_raises_fails_that_sample_only_and_order_holds() -> None:
-    fn = reward_func(scorer=ECHO, data_source="any")
+    fn = reward_func(scorer=ECHO, data_source="any", processes=1)
     truths = [str(i) for i in range(24)]
     truths[5] = truths[17] = "boom"
     metrics: list[tuple[str, float]] = []
@@ -77,13 +77,13 @@ def test_a_scorer_that_raises_fails_that_sample_only_and_order_holds() -> None:
 
 
 def test_other_columns_reach_the_scorer_as_extra_info() -> None:
-    fn = reward_func(scorer=ECHO, data_source="any", ground_truth_key="answer")
+    fn = reward_func(scorer=ECHO, data_source="any", ground_truth_key="answer", processes=1)
     out = call(fn, ["q", "q"], ["a", "b"], answer=["1", "2"], bonus=[0.5, 0.25], log_extra=print)
     assert out == [1.5, 2.25]
 
 
 def test_the_data_source_column_routes_each_sample() -> None:
-    fn = reward_func(scorer="rules")
+    fn = reward_func(scorer="rules", processes=1)
     out = call(
         fn,
         ["q", "q"],
@@ -107,9 +107,10 @@ def test_the_prompt_reaches_the_sandbox() -> None:
     assert call(fn, prompts, [answer, answer], solution=[gt, gt]) == [1.0, 0.0]
 
 
-def test_the_pool_starts_once_across_calls_and_threads() -> None:
-    fn = reward_func(scorer=ECHO, data_source="any", processes=1, name="once")
-    other = reward_func(scorer=ECHO, data_source="any", processes=1, name="once_too")
+def test_the_pool_starts_once_across_calls_and_threads(namespace: str) -> None:
+    # A namespace of its own: a key no other test has started, so the four threads race to start it.
+    fn = reward_func(scorer=ECHO, data_source="any", processes=1, name="once", namespace=namespace)
+    other = reward_func(scorer=ECHO, data_source="any", processes=1, name="once_too", namespace=namespace)
     results: dict[int, list[float | None]] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(4)
@@ -130,14 +131,15 @@ def test_the_pool_starts_once_across_calls_and_threads() -> None:
     assert results == {k: [float(k), 1.0, 2.0] for k in range(4)}
     assert call(fn, ["q"], ["a"], solution=["9"]) == [9.0]
     runtime = trl_shared._current()
-    pools = [p for k, p in runtime.pools.items() if k.scorer == ECHO and k.processes == 1]
+    pools = [p for k, p in runtime.pools.items() if k.namespace == namespace]
     assert len(pools) == 1  # two functions with the same workers share them
     assert pools[0].pipeline is not None and len(pools[0].pipeline.workers) == 1
+    assert pools[0].url == runtime.server.url  # and every pool the one embedded server
     assert fn.__name__ == "once" and other.__name__ == "once_too"
 
 
 def test_called_from_inside_a_running_loop_and_from_sync_code() -> None:
-    fn = reward_func(scorer=ECHO, data_source="any")
+    fn = reward_func(scorer=ECHO, data_source="any", processes=1)
 
     async def inside() -> list[list[float | None]]:
         # Two calls at once on the caller's loop, which keeps running meanwhile.
@@ -171,12 +173,12 @@ def test_called_from_inside_a_running_loop_and_from_sync_code() -> None:
 
 
 def test_an_empty_call_returns_an_empty_list() -> None:
-    fn = reward_func(scorer=ECHO, data_source="any")
+    fn = reward_func(scorer=ECHO, data_source="any", processes=1)
     assert asyncio.run(fn([], [], completion_ids=[], solution=[])) == []
 
 
 def test_a_missing_ground_truth_column_names_it_and_the_columns_passed() -> None:
-    fn = reward_func(scorer=ECHO, data_source="any")
+    fn = reward_func(scorer=ECHO, data_source="any", processes=1)
     with pytest.raises(ConfigError) as info:
         call(fn, ["q"], ["a"], answer=["1"], level=[3])
     message = str(info.value)
@@ -185,7 +187,7 @@ def test_a_missing_ground_truth_column_names_it_and_the_columns_passed() -> None
 
 
 def test_columns_of_the_wrong_length_are_refused_before_anything_is_enqueued() -> None:
-    fn = reward_func(scorer=ECHO, data_source="any")
+    fn = reward_func(scorer=ECHO, data_source="any", processes=1)
     with pytest.raises(BadCallError, match=r"column 'solution' has 1 values for 2 completions"):
         call(fn, ["q", "q"], ["a", "b"], solution=["1"])
     with pytest.raises(BadCallError, match=r"2 prompts for 1 completions"):
@@ -195,7 +197,7 @@ def test_columns_of_the_wrong_length_are_refused_before_anything_is_enqueued() -
 
 
 def test_no_data_source_anywhere_is_refused() -> None:
-    fn = reward_func(scorer=ECHO)
+    fn = reward_func(scorer=ECHO, processes=1)
     with pytest.raises(ConfigError, match="no data_source column"):
         call(fn, ["q"], ["a"], solution=["1"])
 
