@@ -6,6 +6,7 @@ boundary where they happen, with ``raise ... from exc``::
 
     StreamRewardError
     ├── ConfigError                 invalid configuration, names the key
+    ├── BadCallError                a front door called with arguments it cannot use (TRL columns)
     ├── CodecError                  a payload that cannot be decoded
     │   ├── SchemaVersionError      written by another protocol version
     │   ├── BadInputError           decodes, but a field cannot be scored (e.g. a null response)
@@ -43,6 +44,7 @@ from typing import Any
 __all__ = [
     "StreamRewardError",
     "ConfigError",
+    "BadCallError",
     "CodecError",
     "SchemaVersionError",
     "BadInputError",
@@ -82,6 +84,12 @@ class ConfigError(StreamRewardError, ValueError):
         super().__init__(f"config {key!r}: {reason}")
         self.key = key
         self.reason = reason
+
+
+class BadCallError(StreamRewardError, ValueError):
+    """A front door (the TRL reward function) was called with arguments it cannot use:
+    columns of the wrong length, a completion of an unknown shape. The message names
+    the argument or column; nothing was enqueued."""
 
 
 class CodecError(StreamRewardError, ValueError):

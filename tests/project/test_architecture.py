@@ -14,7 +14,7 @@ LIBRARY = "stream_reward"
 
 # The stages, lowest first: a stage may import only from stages listed before it (and itself).
 # ``_version`` (a constant), ``errors`` and ``config`` are the base every stage stands on; the CLI and the verl
-# integration sit on top of everything.
+# integration (and the TRL front door, the gateway) sit on top of everything.
 STAGES = [
     "_version",
     "errors",
@@ -25,6 +25,7 @@ STAGES = [
     "ops",
     "worker",
     "verl",
+    "trl",
     "gateway",
     "bench",
     "cli",
