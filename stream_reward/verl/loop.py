@@ -44,6 +44,7 @@ from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.verl.columns import VerlColumns, declared_columns
 from stream_reward.verl.options import LoopOptions
 from stream_reward.wire.codec import to_plain
+from stream_reward.wire.connection import cancel_until_done
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
 
 __all__ = ["StreamRewardLoopManager", "decode_row"]
@@ -207,12 +208,13 @@ class StreamRewardLoopManager:
     def _deliver(self, replies: list[tuple[_Reply, ScoreResult | BaseException]]) -> None:
         """Results to their callers, one hop per caller loop for the whole list."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
+        errors = [outcome for _, outcome in replies if isinstance(outcome, BaseException)]
+        if errors:
+            # The pipeline failed these samples (Redis down, every worker gone): run_single
+            # raises, and verl fails its step. A 0.0 would reach rm_scores as a score, and
+            # verl would train on it.
+            log.error("%d samples not scored: %s", len(errors), errors[0])
         for reply, outcome in replies:
-            if isinstance(outcome, StreamRewardError):
-                # The sample could not reach the workers (Redis down, every worker gone):
-                # a flagged failure, not a crash of verl's whole step.
-                log.warning("sample not scored: %s", outcome)
-                outcome = ScoreResult("", "", 0, 0.0, "failed", reason="unreachable", error=str(outcome))
             item: tuple[Any, Any, BaseException | None]
             if isinstance(outcome, BaseException):
                 item = (reply.future, None, outcome)
@@ -349,9 +351,8 @@ class _Windows:
                     raise StreamRewardError("every local worker process exited; see the workers' stderr")
                 follow.result()
             finally:
-                for task in (follow, watch):
-                    task.cancel()
-                await asyncio.gather(follow, watch, return_exceptions=True)
+                # The follow is mostly inside a blocking read, where a cancel can be swallowed.
+                await cancel_until_done((follow, watch))
                 self._send_ready()
             # The stream ends at the batch deadline with samples missing.
             for i, reply in enumerate(replies):

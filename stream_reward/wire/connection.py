@@ -14,7 +14,7 @@ import random
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import redis.asyncio as aredis
@@ -55,6 +55,7 @@ __all__ = [
     "permanent_error",
     "LogLimiter",
     "with_reconnect",
+    "cancel_until_done",
     "TRANSIENT_ERRORS",
     "CLUSTER_ERRORS",
     "REDIS_ERRORS",
@@ -326,6 +327,25 @@ async def with_reconnect(
             if is_permanent(exc):  # NOAUTH / WRONGPASS / NOPERM arrive as a ResponseError
                 raise permanent_error(exc) from None
             raise
+
+
+async def cancel_until_done(tasks: Iterable[asyncio.Future[Any]], give_up_s: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait for them to end, cancelling again until it takes.
+
+    A cancel that lands inside a redis-py command can be swallowed on Python 3.11: the
+    task then runs on (a blocking read, a loop of them) as if never cancelled, and a
+    plain ``cancel(); await gather(...)`` waits for good. Bounded: a task that never
+    yields is left after ``give_up_s``."""
+    pending = {task for task in tasks if not task.done()}
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + give_up_s
+    while pending and loop.time() < give_up:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: its error is the caller's to read, not the loop's to log
 
 
 @contextlib.contextmanager
