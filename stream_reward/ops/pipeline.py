@@ -19,6 +19,7 @@ from stream_reward.config import DEFAULT_NAMESPACE
 from stream_reward.errors import WorkersDiedError
 from stream_reward.ops.embedded import EmbeddedServer, die_with_parent, own_group_and_die_with_parent
 from stream_reward.ops.worker_cli import worker_command
+from stream_reward.wire.connection import cancel_until_done
 
 __all__ = ["LocalPipeline", "spawn_worker"]
 
@@ -138,16 +139,8 @@ class LocalPipeline:
                 return main.result()
             return watch.result()  # raises WorkersDiedError
         finally:
-            watch.cancel()
-            # Cancel again until it takes: a cancel that lands inside a redis-py
-            # command can be swallowed on Python 3.11 (the blocking read then runs
-            # on to the collect timeout). Bounded: a task that never yields is left.
-            loop = asyncio.get_running_loop()
-            give_up = loop.time() + _CANCEL_WAIT_S
-            while not main.done() and loop.time() < give_up:
-                main.cancel()
-                await asyncio.wait({main}, timeout=0.1)
-            await asyncio.gather(watch, return_exceptions=True)
+            # The main task is mostly inside a blocking read, where a cancel can be swallowed.
+            await cancel_until_done((main, watch), _CANCEL_WAIT_S)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         for proc in self.workers:
