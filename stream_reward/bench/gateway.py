@@ -1,11 +1,14 @@
 """``stream-reward bench gateway``: OpenRLHF-format samples per second through the HTTP
-gateway, against the ``score`` path (produce the samples as one batch, collect it) on
-the same samples, the same server and the same workers, in the same run.
+gateway, against the ``score`` command's path on the same samples, the same server and
+the same workers, in the same run: read the samples' JSONL dump, produce it as one
+batch, collect it, write one JSON line per sample (what ``stream-reward score FILE
+--out OUT`` does once its process is up; neither side's process start is counted).
 
 The gateway runs as its own process (``stream-reward gateway --redis URL --processes
 0``), as it is deployed; this process is the trainer side: it sends ``--n`` samples as
 requests of ``--request-size`` samples, ``--concurrency`` at once, in OpenRLHF's wire
-format (``query`` = prompt + response), and checks every reply. Runs alternate
+format (``query`` = prompt + response; encoding them and reading the replies is
+counted, as an OpenRLHF client pays it), and checks every reply. Runs alternate
 (score, gateway, ...) ``--repeats`` times; the medians are reported.
 """
 
@@ -17,6 +20,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -64,24 +68,51 @@ def _start_gateway(url: str) -> tuple[subprocess.Popen[str], str]:
     return proc, base
 
 
-async def _score_side(url: str, pool: list[dict[str, Any]], n: int, run: int) -> tuple[float, int]:
-    """The ``score`` command's path: one batch, produced then collected. (seconds, ok)."""
+async def _score_side(url: str, pool: list[dict[str, Any]], n: int, run: int, workdir: str) -> tuple[float, int]:
+    """What ``stream-reward score FILE --out OUT`` does once its process is up (its start
+    and torch's import are not counted, as the gateway's are not): read the JSONL dump,
+    produce it as one batch, collect it, write one JSON line per sample. (seconds, ok)."""
+    import json
+    import os
+
+    from stream_reward.config import ProducerConfig
+    from stream_reward.trainer.aggregator import RewardAggregator
+    from stream_reward.trainer.rollouts import produce_rollouts, read_rollouts, result_rows
+
+    batch = f"score-{run}-{time.time_ns()}"
+    dump, out = os.path.join(workdir, f"{batch}.jsonl"), os.path.join(workdir, f"{batch}.out.jsonl")
+    with open(dump, "w", encoding="utf-8") as handle:
+        for i in range(n):
+            row = pool[i % len(pool)]
+            line = {"data_source": DATA_SOURCE, "response": row["response"], "ground_truth": row["ground_truth"]}
+            handle.write(json.dumps({**line, "prompt": row["prompt"]}) + "\n")
+    started = time.perf_counter()
+    rollouts = read_rollouts(dump, batch)
+    await produce_rollouts(url, rollouts, 1, ProducerConfig(namespace=NAMESPACE))
+    async with RewardAggregator(url, namespace=NAMESPACE) as agg:
+        rewards = await agg.collect(batch, timeout_s=600)
+    with open(out, "w", encoding="utf-8") as handle:
+        for result in result_rows(rewards):
+            handle.write(json.dumps(result, default=repr) + "\n")
+    seconds = time.perf_counter() - started
+    os.unlink(dump)
+    os.unlink(out)
+    return seconds, rewards.status.count("ok")
+
+
+async def _bare_side(url: str, pool: list[dict[str, Any]], n: int, run: int) -> tuple[float, int]:
+    """The pipeline alone: trajectories built in memory, produced as one batch, collected;
+    no file, no HTTP, no JSON. What the gateway adds shows against this. (seconds, ok)."""
     from stream_reward.config import ProducerConfig
     from stream_reward.trainer.aggregator import RewardAggregator
     from stream_reward.trainer.rollouts import Rollouts, produce_rollouts
     from stream_reward.wire.trajectory import Trajectory
 
-    batch = f"score-{run}-{time.time_ns()}"
+    batch = f"bare-{run}-{time.time_ns()}"
+    rows = [pool[i % len(pool)] for i in range(n)]
     trajs = [
-        Trajectory(
-            batch,
-            i,
-            DATA_SOURCE,
-            response=pool[i % len(pool)]["response"],
-            ground_truth=pool[i % len(pool)]["ground_truth"],
-            prompt=pool[i % len(pool)]["prompt"],
-        )
-        for i in range(n)
+        Trajectory(batch, i, DATA_SOURCE, response=r["response"], ground_truth=r["ground_truth"], prompt=r["prompt"])
+        for i, r in enumerate(rows)
     ]
     started = time.perf_counter()
     await produce_rollouts(url, Rollouts(batch, trajs, {}), 1, ProducerConfig(namespace=NAMESPACE))
@@ -126,8 +157,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     pool = gsm8k_pool(random.Random(args.seed), 1024, args.response_bytes)
     score_rates: list[float] = []
     gateway_rates: list[float] = []
+    bare_rates: list[float] = []
     all_ok = True
-    with quiet_server() as server:
+    with quiet_server() as server, tempfile.TemporaryDirectory(prefix="bench-gateway-") as workdir:
         with LocalPipeline(
             server.url, processes=args.processes, namespace=NAMESPACE, worker_args=["--scorer", "rules"]
         ):
@@ -135,12 +167,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 # A warm-up of each side: the workers' imports and each side's first batch are not the steady state.
                 await _gateway_side(base, pool, argparse.Namespace(**{**vars(args), "n": min(args.n, 64)}))
-                await _score_side(server.url, pool, min(args.n, 64), -1)
+                await _score_side(server.url, pool, min(args.n, 64), -1, workdir)
                 for run_no in range(args.repeats):
-                    seconds, ok = await _score_side(server.url, pool, args.n, run_no)
+                    seconds, ok = await _score_side(server.url, pool, args.n, run_no, workdir)
                     score_rates.append(args.n / seconds)
                     all_ok = all_ok and ok == args.n
                     say(args, f"score:   {args.n / seconds:,.0f} samples/s")
+                    seconds, ok = await _bare_side(server.url, pool, args.n, run_no)
+                    bare_rates.append(args.n / seconds)
+                    all_ok = all_ok and ok == args.n
+                    say(args, f"bare:    {args.n / seconds:,.0f} samples/s")
                     seconds, answered = await _gateway_side(base, pool, args)
                     gateway_rates.append(args.n / seconds)
                     all_ok = all_ok and answered == args.n
@@ -158,8 +194,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "gateway_samples_per_s": round(gateway_rate, 1),
         "score_samples_per_s": round(score_rate, 1),
         "ratio": round(gateway_rate / score_rate, 3),
+        # Against the pipeline alone (no file, HTTP or JSON on either end): the gateway's own cost.
+        "bare_samples_per_s": round(statistics.median(bare_rates), 1),
+        "ratio_vs_bare": round(gateway_rate / statistics.median(bare_rates), 3),
         "runs_gateway_samples_per_s": [round(r, 1) for r in gateway_rates],
         "runs_score_samples_per_s": [round(r, 1) for r in score_rates],
+        "runs_bare_samples_per_s": [round(r, 1) for r in bare_rates],
         "all_answered": all_ok,
     }
 

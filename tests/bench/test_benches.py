@@ -216,9 +216,14 @@ def test_math_verify_bench_scores_the_same_samples_through_the_pool_and_in_a_loo
 def test_gateway(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--n", "512", "--request-size", "64", "--concurrency", "4", "--repeats", "1"]
     r = run_json(capsys, gateway, argv)
-    for key in ("gateway_samples_per_s", "score_samples_per_s", "ratio"):
+    for key in ("gateway_samples_per_s", "score_samples_per_s", "ratio", "bare_samples_per_s", "ratio_vs_bare"):
         assert is_num(r[key]) and r[key] > 0, key
     assert (r["n"], r["request_size"], r["concurrency"]) == (512, 64, 4)
-    assert len(r["runs_gateway_samples_per_s"]) == len(r["runs_score_samples_per_s"]) == 1
+    assert (
+        len(r["runs_gateway_samples_per_s"])
+        == len(r["runs_score_samples_per_s"])
+        == len(r["runs_bare_samples_per_s"])
+        == 1
+    )
     assert r["all_answered"] is True
     assert set(r["goals"]) == {"ratio >= 0.8", "every sample answered"}
