@@ -530,8 +530,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from stream_reward.gateway.serve import serve_forever
     from stream_reward.gateway.service import GatewayConfig
     from stream_reward.ops.pipeline import LocalPipeline
+    from stream_reward.scoring.columns import parse_columns
 
     settings = _settings(args)
+    extra_logs = parse_columns(args.extra_logs.split(",") if args.extra_logs else [], "--extra-logs")
     # With --redis the workers are the cluster's: none here unless asked for.
     processes = args.processes if args.processes is not None else (0 if args.redis else _processes(args))
     with LocalPipeline(
@@ -546,6 +548,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             timeout_s=args.timeout_s,
             max_body_bytes=int(args.max_body_mb * 1024 * 1024),
             max_samples=args.max_samples,
+            extra_logs=extra_logs,
         )
         probed = copy.deepcopy(settings)
         probed.values["connection"]["redis"] = pipeline.url
@@ -792,6 +795,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("error", "zero"),
         default="error",
         help="a request with a failed sample: error = HTTP 503 naming it (default); zero = 0.0 for it, counted",
+    )
+    p.add_argument(
+        "--extra-logs",
+        default=None,
+        metavar="KEY[,KEY...]",
+        help="the scorer's numeric extra-info keys /openrlhf replies carry in extra_logs, in every reply "
+        "(OpenRLHF needs the same keys in each; e.g. acc for --scorer rules; default: none)",
     )
     p.add_argument(
         "--timeout-s", type=float, default=100.0, help="seconds a request may take before a 504 (default: 100)"

@@ -10,7 +10,12 @@ What OpenRLHF 0.11 sends and reads (``openrlhf/utils/agent.py``,
 * reply ``{"rewards": [float], "scores": [float], "extra_logs": {key: [float]}}``: it
   reads ``rewards`` and ``scores`` (falling back to ``rewards``), and turns each
   ``extra_logs`` value into ``torch.tensor([value])``, so every value here is a list of
-  numbers, one per sample. Non-numeric extra info (a reason string) is left out.
+  numbers, one per sample. OpenRLHF then merges a step's samples key by key
+  (``Experience._merge_item``) and checks each key holds one value per sample
+  (``split_experience_batch``): a key one reply lacks fails the step. So the keys are
+  the same in every reply: ``failed`` and ``failed_<class>`` (``FAILURE_CLASSES``), and
+  the scorer's numeric keys the operator declared (``--extra-logs``; 0.0 where a sample
+  has none or a non-number); an undeclared key is left out, with one warning.
 * any non-2xx answer is retried (5 attempts, 1 s apart) and then the sample gets no
   reward: a failed sample answers 503 by default, so it is never learnt as a 0.
 
@@ -20,6 +25,7 @@ per sample); without them the gateway's ``--data-source``.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -32,6 +38,27 @@ from stream_reward.gateway.service import Outcome, Sample
 __all__ = ["add_routes", "parse_request", "reply_body", "failure_body"]
 
 ROUTE = "/openrlhf"
+
+log = logging.getLogger(__name__)
+
+# A failed sample's reason, by what the operator does about it: a column each in every
+# reply (the exact reason is in the 503 body, the gateway's log and /metrics). Reasons not
+# listed (a composite's "<component>:<reason>" is classed by its reason) are "other".
+FAILURE_CLASSES: dict[str, tuple[str, ...]] = {
+    "timeout": ("timeout", "deadline"),
+    "verifier": (
+        "verifier_unavailable", "bad_reply", "unparseable_verdict", "no_verdict", "bad_json",
+        "sandbox_unavailable", "sandbox_error", "host_resources", "checker_crashed",
+    ),
+    "scorer": ("scorer_error", "scorer_crashed", "scorer_load", "scorer_start", "no_score", "bad_score", "config"),
+    "input": (
+        "bad_input", "malformed", "too_large", "schema_version", "unknown_data_source", "bad_ground_truth",
+        "bad_tests", "no_response_length", "max_deliveries", "never_pushed", "produce_failed",
+    ),
+}  # fmt: skip
+_CLASS_OF = {reason: name for name, reasons in FAILURE_CLASSES.items() for reason in reasons}
+FAILURE_COLUMNS = ("failed", *(f"failed_{name}" for name in FAILURE_CLASSES), "failed_other")
+_warned: set[str] = set()
 
 
 def add_routes(app: web.Application) -> None:
@@ -92,35 +119,36 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _extra_logs(outcome: Outcome) -> dict[str, list[float]]:
-    """Every numeric extra-info key of the scored samples, as one number per sample
-    (0.0 where a sample lacks it: OpenRLHF's tensors need a value in every row). A key
-    with any other value in a scored sample (a string, a list) is left out."""
-    ok = [at for at, state in enumerate(outcome.status) if state == "ok"]
+def failure_class(reason: str | None) -> str:
+    """``failed_<class>``'s class of a failure reason (a composite's ``judge:timeout``: ``timeout``)."""
+    code = (reason or "").rpartition(":")[2]
+    return _CLASS_OF.get(code, "other")
+
+
+def _extra_logs(outcome: Outcome, declared: tuple[str, ...]) -> dict[str, list[float]]:
+    """The declared keys, one number per sample: the scored sample's value where it is a
+    number, else 0.0 (OpenRLHF's tensors need a value in every row, in every reply)."""
+    for key in outcome.extra_info:
+        if key not in declared and key not in _warned:
+            _warned.add(key)
+            log.warning("extra-info key %r is left out of OpenRLHF's extra_logs; declare it with --extra-logs", key)
     logs: dict[str, list[float]] = {}
-    for key, values in outcome.extra_info.items():
-        present = [values[at] for at in ok if values[at] is not None]
-        numbers = [_number(v) for v in present]
-        if not present or any(v is None for v in numbers):
-            continue
-        row = [0.0] * outcome.n
-        for at in ok:
-            row[at] = _number(values[at]) or 0.0
-        logs[key] = row
+    for key in declared:
+        values = outcome.extra_info.get(key) or [None] * outcome.n
+        logs[key] = [(_number(value) or 0.0) if state == "ok" else 0.0 for value, state in zip(values, outcome.status)]
     return logs
 
 
-def reply_body(outcome: Outcome, *, count_failed: bool = False) -> dict[str, Any]:
-    """The 200 reply. With ``count_failed`` (``--on-failure zero``) failed samples are 0.0,
-    and ``extra_logs`` always has ``failed`` (1.0 for a failed sample: its sum is the
-    count, its mean the rate), plus ``failed_<reason>`` for each reason in this request."""
+def reply_body(outcome: Outcome, declared: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The 200 reply: a failed sample (``--on-failure zero``) is 0.0, and ``extra_logs``
+    has, in every reply, ``failed`` (1.0 for a failed sample: its mean is the rate) and
+    ``failed_<class>`` (``FAILURE_CLASSES``), then the ``declared`` keys."""
     rewards = [float(score) if state == "ok" else 0.0 for score, state in zip(outcome.scores, outcome.status)]
-    logs = _extra_logs(outcome)
-    if count_failed or outcome.failed:
-        logs["failed"] = [0.0 if state == "ok" else 1.0 for state in outcome.status]
-        for result in outcome.failed:
-            column = logs.setdefault(f"failed_{result.reason or 'unknown'}", [0.0] * outcome.n)
-            column[result.index] = 1.0
+    logs = {column: [0.0] * outcome.n for column in FAILURE_COLUMNS}
+    for result in outcome.failed:
+        logs["failed"][result.index] = 1.0
+        logs[f"failed_{failure_class(result.reason)}"][result.index] = 1.0
+    logs.update(_extra_logs(outcome, declared))
     return {"rewards": rewards, "scores": list(rewards), "extra_logs": logs}
 
 
@@ -138,4 +166,4 @@ async def handle(request: web.Request) -> web.Response:
     outcome = await service.score(samples, route="openrlhf")
     if outcome.failed and service.config.on_failure == "error":
         return json_reply(failure_body(outcome), 503)
-    return json_reply(reply_body(outcome, count_failed=service.config.on_failure == "zero"))
+    return json_reply(reply_body(outcome, service.config.extra_logs))

@@ -48,6 +48,9 @@ class GatewayConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     max_samples: int = 4096  # per request
     max_requests: int = 256  # scored at once; more wait their turn (bounded memory)
+    # The scorer's numeric extra-info keys OpenRLHF's replies carry (openrlhf.py): declared,
+    # since OpenRLHF needs the same keys in every reply of a step.
+    extra_logs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("error", "zero"):
@@ -110,7 +113,9 @@ class GatewayService:
         # One producer and one aggregator for every request: pushes of concurrent requests
         # share round trips (the producer's coalescer), and collects share the connection pool.
         self._producer = RolloutProducer(self.config.redis_url, self.config.producer)
-        self._aggregator = RewardAggregator(self.config.redis_url, namespace=self.config.namespace)
+        self._aggregator = RewardAggregator(
+            self.config.redis_url, namespace=self.config.namespace, allow_eviction=self.config.producer.allow_eviction
+        )
         self._slots = asyncio.Semaphore(self.config.max_requests)
         return self
 

@@ -51,6 +51,11 @@ def test_prints_its_url_first_scores_and_stops_cleanly_on_sigterm(namespace) -> 
         assert url.startswith("http://127.0.0.1:")
         status, reply = asyncio.run(post(f"{url}/slime", {"prompt": "q", "response": "4", "label": "4"}))
         assert status == 200 and reply["score"] == 1.0
+        # SandboxFusion's route on the same gateway: a program run on this host's sandbox.
+        ran = {"code": "print(int(input()) * 2)", "language": "python", "stdin": "21"}
+        status, reply = asyncio.run(post(f"{url}/run_code", ran))
+        assert status == 200 and reply["status"] == "Success", reply
+        assert reply["run_result"]["stdout"] == "42\n"
     finally:
         code, out, err = stop(proc)
     assert code == 143 and "Traceback" not in err, err
@@ -70,3 +75,10 @@ def test_with_redis_it_starts_no_workers(redis_url, namespace) -> None:
         code, _, err = stop(proc)
     assert status == 503 and "no worker heartbeat" in json.loads(text)["reason"]
     assert code == 143 and "Traceback" not in err, err
+
+
+def test_a_bad_extra_logs_flag_is_one_line_before_anything_starts(namespace) -> None:
+    proc = start_gateway("--processes", "1", "--extra-logs", "acc,,x y", "--namespace", namespace)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "--extra-logs" in err and "Traceback" not in err, err

@@ -9,21 +9,44 @@ import json
 import pytest
 from gateway_support import ECHO, enqueued, gateway, openrlhf_body, post
 
+from stream_reward.gateway.openrlhf import FAILURE_COLUMNS
+
 pytestmark = pytest.mark.anyio
 
 
-async def test_scores_come_back_in_order_with_numeric_extra_logs(redis_url, namespace, spawn_workers) -> None:
+async def test_scores_come_back_in_order_with_the_declared_extra_logs(redis_url, namespace, spawn_workers) -> None:
     spawn_workers(1, "--scorer", ECHO)
     body = openrlhf_body(["Q1: ", "Q2: ", "Q3: "], ["4", "5", "x"], ["4", "6", "x"])
-    async with gateway(redis_url, namespace, data_source="math") as gw:
+    async with gateway(redis_url, namespace, data_source="math", extra_logs=("len", "tag")) as gw:
         status, reply = await post(f"{gw.url}/openrlhf", body)
     assert status == 200, reply
     assert reply["rewards"] == [1.0, 0.0, 1.0] and reply["scores"] == reply["rewards"]
     logs = reply["extra_logs"]
-    # Each value a list of numbers, one per sample (OpenRLHF makes tensors of them);
-    # the string columns (source) and the all-null one (tag) are left out.
-    assert logs["len"] == [1.0, 1.0, 1.0]
-    assert "source" not in logs and "tag" not in logs and "failed" not in logs
+    # Each value a list of numbers, one per sample (OpenRLHF makes tensors of them): the
+    # declared keys (an all-null one as 0.0), the failure columns; the undeclared
+    # string column (source) is left out.
+    assert logs["len"] == [1.0, 1.0, 1.0] and logs["tag"] == [0.0, 0.0, 0.0]
+    assert set(logs) == {"len", "tag", *FAILURE_COLUMNS}
+    assert logs["failed"] == [0.0, 0.0, 0.0]
+
+
+async def test_every_reply_has_the_same_extra_logs_keys_as_openrlhf_merges_them(
+    redis_url, namespace, spawn_workers
+) -> None:
+    """OpenRLHF 0.11 sends one sample per request and merges a step's replies key by key,
+    failing when a key is missing from one (its split_experience_batch length check):
+    a failed sample's reply has the same keys as a scored one's."""
+    spawn_workers(1, "--scorer", ECHO, "--retries", "0")
+    async with gateway(redis_url, namespace, data_source="math", on_failure="zero", extra_logs=("len",)) as gw:
+        replies = [
+            (await post(f"{gw.url}/openrlhf", openrlhf_body(["q"], [response], ["1"])))[1]
+            for response in ("1", "raise", "2")
+        ]
+    keys = [set(r["extra_logs"]) for r in replies]
+    assert keys[0] == keys[1] == keys[2], keys
+    merged = {k: [v for r in replies for v in r["extra_logs"][k]] for k in keys[0]}
+    assert all(len(values) == 3 for values in merged.values())
+    assert merged["failed"] == [0.0, 1.0, 0.0] and merged["failed_scorer"] == [0.0, 1.0, 0.0]
 
 
 async def test_a_failed_sample_is_a_503_naming_index_uid_and_reason(redis_url, namespace, spawn_workers) -> None:
@@ -48,8 +71,9 @@ async def test_on_failure_zero_answers_zero_and_counts_it(redis_url, namespace, 
     assert reply["rewards"] == [1.0, 0.0, 1.0]
     logs = reply["extra_logs"]
     assert logs["failed"] == [0.0, 1.0, 0.0]
-    [reason_key] = [k for k in logs if k.startswith("failed_")]
-    assert logs[reason_key] == [0.0, 1.0, 0.0]
+    # The scorer raised: its class column marks the sample; the other classes are 0.
+    assert logs["failed_scorer"] == [0.0, 1.0, 0.0]
+    assert all(logs[k] == [0.0] * 3 for k in FAILURE_COLUMNS if k not in ("failed", "failed_scorer"))
     assert clean["extra_logs"]["failed"] == [0.0]  # the column is there in every reply
 
 
@@ -124,4 +148,4 @@ async def test_an_empty_request_answers_empty_lists_and_opens_no_batch(redis_url
     async with gateway(redis_url, namespace, data_source="math") as gw:
         status, reply = await post(f"{gw.url}/openrlhf", {"query": [], "prompts": [], "labels": []})
         assert (await enqueued(redis_url, namespace)) == (0, 0)
-    assert status == 200 and reply == {"rewards": [], "scores": [], "extra_logs": {}}
+    assert status == 200 and reply == {"rewards": [], "scores": [], "extra_logs": {k: [] for k in FAILURE_COLUMNS}}
