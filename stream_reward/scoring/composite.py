@@ -61,6 +61,7 @@ _COLUMNS = ("", "_status", "_latency_ms")  # a component's columns in the extra 
 # Keys the managers put beside the components' columns: verl's loop logs the task score as
 # "score", dapo its penalty as "overlong_reward" and "overlong".
 _RESERVED = ("score", "overlong", "overlong_reward")
+_SEEN_KEYS_MAX = 64  # a component's undeclared keys carried on every later sample, at most
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # Specs whose head is known without importing anything; anything else must be FILE:FUNC or module:FUNC.
 _SPEC_HEADS = ("http", "disrm", "genrm", "sandbox-fusion")
@@ -326,9 +327,15 @@ class CompositeScorer:
             extra[f"{name}_status"] = outcome.status
             extra[f"{name}_latency_ms"] = round(outcome.latency_ms, 3)
             seen = self._seen[name]
-            seen.update(dict.fromkeys(outcome.extra))
+            for key in outcome.extra:
+                # Bounded: a scorer whose keys come from the data (one per test case, say)
+                # would otherwise make every later sample carry every key ever seen.
+                if key not in seen and len(seen) < _SEEN_KEYS_MAX:
+                    seen[key] = None
             for key in seen:
                 extra[f"{name}/{key}"] = outcome.extra.get(key)
+            for key in outcome.extra:
+                extra.setdefault(f"{name}/{key}", outcome.extra[key])
         if not math.isfinite(total):  # finite weights and scores can still overflow the sum
             raise ScoringError(f"the weighted sum of the components is not finite ({total})", reason="bad_score")
         return Scored(total, extra)

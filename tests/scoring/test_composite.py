@@ -81,6 +81,14 @@ async def test_every_sample_carries_the_same_keys() -> None:
 
 
 # ---------------------------------------------------------------------- failures
+async def test_keys_that_come_from_the_data_do_not_pile_up_on_every_sample() -> None:
+    cases = {"name": "cases", "scorer": f"{DATA}:key_per_sample"}
+    scored = await scored_by([cases], *(traj(i, f"r{i}") for i in range(300)))
+    widest = max(len(s.extra) for s in scored)
+    assert widest <= 3 + 64 + 1, widest  # its 3 columns, the keys carried (bounded), the sample's own
+    assert scored[-1].extra["cases/case_r299"] == 1  # a sample's own key is never lost
+
+
 async def test_hung_required_judge_fails_the_sample_naming_it() -> None:
     async with VerifierServer(timeout_rate=1.0, hang_s=30) as srv:
         with pytest.raises(ScoringError) as info:
