@@ -842,17 +842,17 @@ async def test_a_stop_in_one_group_releases_nothing_of_another_group_on_the_same
     stop1, stop2 = asyncio.Event(), asyncio.Event()
     r1, r2 = asyncio.ensure_future(w1.run(stop1)), asyncio.ensure_future(w2.run(stop2))
     try:
-        await asyncio.wait_for(asyncio.gather(s1.started.wait(), s2.started.wait()), 5)
+        await asyncio.wait_for(asyncio.gather(s1.started.wait(), s2.started.wait()), 30)
         await asyncio.sleep(0.1)
         stop1.set()
-        await asyncio.wait_for(r1, 10)
+        await asyncio.wait_for(r1, 30)
         g1 = await pending_rows(client, keys, "g1")
         g2 = await pending_rows(client, keys, "g2")
         assert g1 and all(idle >= _RELEASED_IDLE_MS // 2 for _, _, idle, _ in g1), g1
         assert g2 and all(idle < 5_000 for _, _, idle, _ in g2), f"g2's live entries were released: {g2}"
         await asyncio.sleep(1.2)
         stop2.set()
-        await asyncio.wait_for(r2, 10)
+        await asyncio.wait_for(r2, 30)
         got = Counter(r.index for r in await results(client, keys, "G", "g2"))
         assert got == {0: 1, 1: 1} and set(s2.calls.values()) == {1}, (got, s2.calls)
     finally:
