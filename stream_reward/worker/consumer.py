@@ -202,6 +202,8 @@ class Worker(Reading, Reclaiming, Stopping):
                 return True
             if (beat.get("host"), beat.get("pid"), beat.get("started")) == me:
                 return True
+            if beat.get("group", self.config.group) != self.config.group:
+                return True  # names are per group: another group's worker holds none of our entries
             if first_seen is None:
                 first_seen = seen
                 # Its interval, not ours: a twin that beats less often than this worker

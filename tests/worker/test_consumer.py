@@ -33,6 +33,7 @@ from helpers import (
     push_exact,
     running_worker,
     score_batch,
+    started,
     stop_config,
     unsettled,
     wait_until,
@@ -290,6 +291,34 @@ async def test_a_live_twin_with_a_longer_heartbeat_interval_is_refused(redis_url
         await asyncio.wait_for(a_run, 15)
         await a.aclose()
         await client.aclose()
+
+
+async def test_a_live_worker_of_another_group_does_not_hold_the_name(redis_url, namespace) -> None:
+    """Consumer names are per group in Redis: a live worker named w1 in group g1 holds no
+    pending list of g2's. A g2 worker named w1 starts and scores beside it, not refused
+    as its twin (a refusal that depended on whether g1's heartbeat moved meanwhile)."""
+    await push_exact(redis_url, namespace, "N", 1)
+    a_scorer = Counting(first=8.0)
+    a = Worker(redis_url, a_scorer, stop_config(namespace, "w1", group="g1", heartbeat_interval_s=0.2))
+    a_stop = asyncio.Event()
+    a_run = asyncio.ensure_future(a.run(a_stop))
+    client = connect(redis_url)
+    try:
+        await asyncio.wait_for(a_scorer.started.wait(), 30)
+        await wait_until(lambda: client.hexists(Keys(namespace).workers(), "w1"), timeout_s=30)
+        b_scorer = Counting(first=0.0)
+        async with started(Worker(redis_url, b_scorer, stop_config(namespace, "w1", group="g2"))) as b:
+            await wait_until(lambda: _settled(b), timeout_s=30)
+        assert not a_run.done()
+    finally:
+        a_stop.set()
+        await asyncio.wait_for(a_run, 30)
+        await a.aclose()
+        await client.aclose()
+
+
+async def _settled(worker: Worker) -> bool:
+    return worker.stats.scored == 1
 
 
 async def test_a_restart_after_a_graceful_stop_is_not_delayed(redis_url, namespace) -> None:
