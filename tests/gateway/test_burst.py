@@ -1,10 +1,15 @@
-"""Requests are independent batches: a burst of 64 concurrent OpenRLHF requests of 256
-samples each completes, every reward right, with one global quota held across the
-worker processes (a real verifier on loopback counts the requests in flight)."""
+"""Requests are independent batches: a burst of 64 concurrent OpenRLHF requests
+completes, every reward right, with one global quota held across the worker processes
+(a real verifier on loopback counts the requests in flight).
+
+64 samples a request here (a verifier call per sample costs ~1 ms of CPU on each side:
+the suite's share stays under 10 s). The issue's full size, 64 requests of 256:
+``STREAM_REWARD_TEST_BURST_SAMPLES=256 pytest tests/gateway/test_burst.py`` (~30 s)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from gateway_support import gateway, post
@@ -13,11 +18,12 @@ from stream_reward.bench.verifier_server import VerifierServer
 
 pytestmark = pytest.mark.anyio
 
-REQUESTS, SAMPLES, MAX_CONCURRENT = 64, 256, 6
+REQUESTS, MAX_CONCURRENT = 64, 6
+SAMPLES = int(os.environ.get("STREAM_REWARD_TEST_BURST_SAMPLES", "64"))
 
 
 @pytest.mark.timeout(400)
-async def test_a_burst_of_64_requests_of_256_holds_the_quota(redis_url, namespace, spawn_workers) -> None:
+async def test_a_burst_of_64_requests_holds_the_quota(redis_url, namespace, spawn_workers) -> None:
     async with VerifierServer() as verifier:
         spawn_workers(
             2,
