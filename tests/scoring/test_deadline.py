@@ -19,7 +19,7 @@ from stream_reward.scoring.registry import build_scorer
 pytestmark = pytest.mark.anyio
 
 DATA = str(Path(__file__).resolve().parent.parent / "data" / "composite_scorers.py")
-HOLD_S = 6.0  # how long the component keeps running after its cancellation
+HOLD_S = 3.5  # how long the component keeps running after its cancellation
 TIMEOUT_S = 0.3
 BOUND_S = 3.0  # timeout + grace is 0.55 s: generous for a loaded machine, well under HOLD_S
 
