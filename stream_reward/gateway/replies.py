@@ -42,5 +42,7 @@ async def read_json(request: web.Request) -> Any:
         ) from exc
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:  # the parser recurses per level: a body nested past it is the client's
+        raise BadRequestError("malformed JSON: nested too deeply for the parser") from None
+    except ValueError as exc:  # bad syntax, bad UTF-8, an integer past Python's 4300 digits
         raise BadRequestError(f"malformed JSON: {exc}") from None

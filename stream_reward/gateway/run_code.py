@@ -150,7 +150,9 @@ async def _run_code(request: web.Request) -> web.Response:
         return _refuse(413, f"request body over {cfg.max_body_bytes} bytes")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except RecursionError:  # nested past the parser's recursion: the client's fault, not a 500
+        return _refuse(400, "request body is not JSON: nested too deeply for the parser")
+    except ValueError as exc:  # bad syntax, bad UTF-8, an integer past Python's 4300 digits
         return _refuse(400, f"request body is not JSON: {exc}")
     try:
         req = parse_request(body, default_run_timeout_s=cfg.default_run_timeout_s, max_files_bytes=cfg.max_files_bytes)

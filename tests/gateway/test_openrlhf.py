@@ -89,6 +89,13 @@ async def test_on_failure_zero_answers_zero_and_counts_it(redis_url, namespace, 
         (json.dumps({"query": ["a1", "b2"], "prompts": ["a"], "labels": [1, 2]}).encode(), "lengths differ"),
         (json.dumps({"query": ["a1", "c2"], "prompts": ["a", "b"], "labels": [1, 2]}).encode(), "sample 1: query"),
         (json.dumps({"query": ["a1"], "prompts": ["a"], "labels": [1], "data_source": 3}).encode(), "data_source"),
+        # JSON Python's parser refuses past its own limits (its recursion, its integer
+        # digits): the client's fault, never a 500.
+        (
+            b'{"query": ["a1"], "prompts": ["a"], "labels": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}",
+            "malformed JSON",
+        ),
+        (b'{"query": ["a1"], "prompts": ["a"], "labels": [' + b"9" * 5000 + b"]}", "malformed JSON"),
     ],
 )
 async def test_malformed_requests_are_400_and_enqueue_nothing(redis_url, namespace, raw: bytes, says: str) -> None:

@@ -191,13 +191,20 @@ def test_unreadable_or_oversize_body_is_refused_before_anything_runs():
         return [
             await post(None, raw=b'{"code": "print(1)", "language": '),
             await post(None, raw=b"\xff\xfe"),
-            await post(python("#" * 5000)),
+            await post(python("#" * 9000)),
+            # Past the JSON parser's own limits (its recursion, its integer digits).
+            await post(
+                None, raw=b'{"code": "print(1)", "language": "python", "files": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+            ),
+            await post(None, raw=b'{"code": "print(1)", "language": "python", "run_timeout": ' + b"9" * 4400 + b"}"),
         ]
 
-    (bad, binary, big) = serve(test, max_body_bytes=4096)
+    (bad, binary, big, deep, digits) = serve(test, max_body_bytes=8192)
     assert bad[0] == 400 and "not JSON" in bad[1]["error"]
     assert binary[0] == 400
-    assert big[0] == 413 and "4096" in big[1]["error"]
+    assert deep[0] == 400 and "not JSON" in deep[1]["error"]
+    assert digits[0] == 400 and "not JSON" in digits[1]["error"]
+    assert big[0] == 413 and "8192" in big[1]["error"]
 
 
 def test_request_fields_that_are_optional_in_sandbox_fusion_take_its_defaults():

@@ -76,3 +76,11 @@ async def test_an_unknown_reply_shape_is_a_400(redis_url, namespace) -> None:
     async with gateway(redis_url, namespace, data_source="s") as gw:
         status, reply = await post(f"{gw.url}/slime?reply=xml", {"response": "4"})
     assert status == 400 and "reply" in reply["error"]
+
+
+async def test_metadata_nested_past_the_json_parsers_depth_is_a_400(redis_url, namespace) -> None:
+    raw = b'{"response": "4", "metadata": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}"
+    async with gateway(redis_url, namespace, data_source="s") as gw:
+        status, reply = await post(f"{gw.url}/slime", None, raw=raw)
+        assert (await enqueued(redis_url, namespace)) == (0, 0)
+    assert status == 400 and "malformed JSON" in reply["error"], reply
