@@ -156,3 +156,26 @@ async def test_an_empty_request_answers_empty_lists_and_opens_no_batch(redis_url
         status, reply = await post(f"{gw.url}/openrlhf", {"query": [], "prompts": [], "labels": []})
         assert (await enqueued(redis_url, namespace)) == (0, 0)
     assert status == 200 and reply == {"rewards": [], "scores": [], "extra_logs": {k: [] for k in FAILURE_COLUMNS}}
+
+
+@pytest.mark.parametrize(
+    ("query", "label", "status"),
+    [
+        # JSON the parser takes that the stream cannot carry: a lone surrogate (not UTF-8),
+        # an integer past 64 bits, a sample over the message limit (4 MiB).
+        ('"a\\udc00"', '"1"', 400),
+        ('"a1"', "1180591620717411303424", 400),
+        ('"a' + "x" * (5 << 20) + '"', '"1"', 413),
+    ],
+)
+async def test_a_sample_the_stream_cannot_carry_is_refused_naming_it_and_nothing_is_queued(
+    redis_url, namespace, query: str, label: str, status: int
+) -> None:
+    # A good sample first: the refusal names the bad one, and neither is queued.
+    raw = f'{{"query": ["q1", {query}], "prompts": ["q", "a"], "labels": ["1", {label}]}}'
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        code, reply = await post(f"{gw.url}/openrlhf", None, raw=raw.encode())
+        entries, _ = await enqueued(redis_url, namespace)
+    assert code == status, reply
+    assert reply["error"].startswith("sample 1: ") and "\n" not in reply["error"]
+    assert entries == 0
