@@ -37,7 +37,8 @@ def message_text(content: Any) -> str:
         texts = []
         for part in content:
             if isinstance(part, Mapping) and part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
+                text = part.get("text")
+                texts.append(text if isinstance(text, str) else "")  # a null text is no text, not "None"
             elif isinstance(part, str):
                 texts.append(part)
         return "".join(texts)

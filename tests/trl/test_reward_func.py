@@ -258,3 +258,9 @@ print(" ".join(map(str, pids)))
             pass
     assert alive == []
     assert "Traceback" not in out.stderr and "WARNING" not in out.stderr, out.stderr
+
+
+def test_a_text_part_without_text_is_no_text() -> None:
+    fn = reward_func(scorer=LENGTH, data_source="any", ground_truth_key=None, processes=1)
+    parts = [{"type": "text", "text": None}, {"type": "text", "text": "ab"}]
+    assert call(fn, ["q"], [[msg("assistant", parts)]]) == [2.0]
