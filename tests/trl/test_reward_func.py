@@ -260,6 +260,18 @@ print(" ".join(map(str, pids)))
     assert "Traceback" not in out.stderr and "WARNING" not in out.stderr, out.stderr
 
 
+def test_a_sample_the_stream_cannot_carry_is_none_and_the_others_are_scored() -> None:
+    """A column value over the message limit (a code dataset's test cases, say) or one
+    msgpack cannot hold (an integer past 64 bits) fails its own sample, named in the
+    warning, as the score command fails an oversized line: no exception out of the
+    trainer's step, no batch left open until its deadline."""
+    fn = reward_func(scorer=ECHO, data_source="any", processes=1, timeout_s=30)
+    scores = call(
+        fn, ["q"] * 3, ["a", "b", "c"], solution=["1", "2", "3"], tests=["x", "y" * (5 << 20), "z"], big=[0, 0, 2**70]
+    )
+    assert scores == [1.0, None, None]
+
+
 def test_a_text_part_without_text_is_no_text() -> None:
     fn = reward_func(scorer=LENGTH, data_source="any", ground_truth_key=None, processes=1)
     parts = [{"type": "text", "text": None}, {"type": "text", "text": "ab"}]
