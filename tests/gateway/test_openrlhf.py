@@ -179,3 +179,24 @@ async def test_a_sample_the_stream_cannot_carry_is_refused_naming_it_and_nothing
     assert code == status, reply
     assert reply["error"].startswith("sample 1: ") and "\n" not in reply["error"]
     assert entries == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "query"),
+    [
+        # OpenRLHF's query is tokenizer.decode(prompt tokens + response tokens), its prompt
+        # the raw text: a tokenizer that normalizes (NFC/NFKC) or cleans up spaces before
+        # punctuation (clean_up_tokenization_spaces) gives back another prompt text.
+        ("Caf\u0065\u0301? ", "Caf\u00e9? 42"),
+        ("Say hi ! Is it ok ? Answer: ", "Say hi! Is it ok? Answer: 42"),
+    ],
+)
+async def test_a_prompt_the_tokenizer_gave_back_normalized_still_yields_the_response(
+    redis_url, namespace, spawn_workers, prompt: str, query: str
+) -> None:
+    spawn_workers(1, "--scorer", ECHO)
+    body = {"query": [query], "prompts": [prompt], "labels": ["42"]}
+    async with gateway(redis_url, namespace, data_source="math", extra_logs=("len",)) as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", body)
+    assert status == 200, reply
+    assert reply["rewards"] == [1.0] and reply["extra_logs"]["len"] == [2.0]
