@@ -194,6 +194,8 @@ def test_columns_of_the_wrong_length_are_refused_before_anything_is_enqueued() -
         asyncio.run(fn(["q", "q"], ["a"], solution=["1"]))
     with pytest.raises(BadCallError, match=r"completions\[0\] is a list, but not of \{'role', 'content'\} messages"):
         asyncio.run(fn(["q"], [["just text"]], solution=["1"]))
+    with pytest.raises(BadCallError, match=r"completion_ids\[1\] is a NoneType, not a list of token ids"):
+        asyncio.run(fn(["q", "q"], ["a", "b"], completion_ids=[[1], None], solution=["1", "2"]))
 
 
 def test_no_data_source_anywhere_is_refused() -> None:
