@@ -187,8 +187,8 @@ class GatewayService:
                 outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
             except RequestTimeoutError:
                 raise  # its own count of what was done (a TimeoutError too, from 3.11 on asyncio's)
-            except asyncio.TimeoutError:
-                raise RequestTimeoutError(batch_id, 0, len(trajs)) from None
+            except asyncio.TimeoutError:  # the outer bound: a Redis call that never returned
+                raise RequestTimeoutError(batch_id, 0, len(trajs), stalled=True) from None
         self.metrics.observe_samples(route, outcome.n, outcome.failed)
         return outcome
 

@@ -4,12 +4,17 @@ worker processes; failed samples are a 503 naming them (or 0.0 and counted with
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import time
 
 import pytest
 from gateway_support import ECHO, enqueued, gateway, openrlhf_body, post
 
 from stream_reward.gateway.openrlhf import FAILURE_COLUMNS
+from stream_reward.ops.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 
@@ -200,3 +205,36 @@ async def test_a_prompt_the_tokenizer_gave_back_normalized_still_yields_the_resp
         status, reply = await post(f"{gw.url}/openrlhf", body)
     assert status == 200, reply
     assert reply["rewards"] == [1.0] and reply["extra_logs"]["len"] == [2.0]
+
+
+async def test_redis_that_stops_answering_mid_request_is_a_504_naming_it_and_the_gateway_recovers(
+    namespace, spawn_workers
+) -> None:
+    """A Redis that hangs (SIGSTOP: connections open, no answers) while requests wait:
+    each answers 504 within its timeout plus slack, saying Redis did not answer (not
+    "0 samples scored", which blames the workers); once it answers again, so does the gateway."""
+    with EmbeddedServer() as server:
+        assert server.pid is not None
+        spawn_workers(1, "--scorer", "python:tests/data/scorers.py:async_exact", url=server.url)
+        body = openrlhf_body(["a"], ["hang"], ["1"])  # in flight when Redis stops
+        async with gateway(server.url, namespace, data_source="math", timeout_s=3.0) as gw:
+            in_flight = asyncio.create_task(post(f"{gw.url}/openrlhf", body))
+            for _ in range(600):  # until its sample is in Redis: the request is collecting
+                if (await enqueued(server.url, namespace))[0]:
+                    break
+                await asyncio.sleep(0.01)
+            os.kill(server.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                later, first = await asyncio.gather(
+                    post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"])), in_flight
+                )
+                elapsed = time.monotonic() - started
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            after = await post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"]))
+    for status, reply in (first, later):
+        assert status == 504, reply
+        assert "Redis did not answer" in reply["error"] and "\n" not in reply["error"]
+    assert elapsed < 3.0 + 10  # the request's bound, with slack for a loaded machine: never a hang
+    assert after[0] == 200 and after[1]["rewards"] == [1.0]
