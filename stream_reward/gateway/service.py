@@ -177,18 +177,23 @@ class GatewayService:
         if not trajs:
             return Outcome(batch_id, [], [], {}, [])
         started = time.monotonic()
-        async with self._slots:
-            remaining = self.config.timeout_s - (time.monotonic() - started)
-            if remaining <= 0:
-                raise RequestTimeoutError(batch_id, 0, len(trajs))
-            try:
-                # The collect has its own bound; this one covers Redis calls that retry
-                # past it (a server that stopped answering), so no request ever hangs.
-                outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
-            except RequestTimeoutError:
-                raise  # its own count of what was done (a TimeoutError too, from 3.11 on asyncio's)
-            except asyncio.TimeoutError:  # the outer bound: a Redis call that never returned
-                raise RequestTimeoutError(batch_id, 0, len(trajs), stalled=True) from None
+        try:
+            async with self._slots:
+                remaining = self.config.timeout_s - (time.monotonic() - started)
+                if remaining <= 0:
+                    raise RequestTimeoutError(batch_id, 0, len(trajs))
+                try:
+                    # The collect has its own bound; this one covers Redis calls that retry
+                    # past it (a server that stopped answering), so no request ever hangs.
+                    outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
+                except RequestTimeoutError:
+                    raise  # its own count of what was done (a TimeoutError too, from 3.11 on asyncio's)
+                except asyncio.TimeoutError:  # the outer bound: a Redis call that never returned
+                    raise RequestTimeoutError(batch_id, 0, len(trajs), stalled=True) from None
+        except RequestTimeoutError as exc:
+            # No sample of it got a score: failed, so that /metrics' failure rate counts them.
+            self.metrics.observe_unanswered(route, len(trajs), "redis_stalled" if exc.stalled else "request_timeout")
+            raise
         self.metrics.observe_samples(route, outcome.n, outcome.failed)
         return outcome
 
