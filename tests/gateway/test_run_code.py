@@ -331,3 +331,21 @@ def test_sandbox_fusion_client_scores_every_form_through_run_code():
             ]
 
     assert serve(test) == [expected for _, _, expected in cases]
+
+
+def test_bodies_held_waiting_for_a_slot_are_bounded_over_it_a_retryable_504():
+    """More requests than slots wait their turn, each holding its body (up to
+    max_body_bytes): past max_queued_bytes held at once, a request is refused at once
+    with a 504, the status SandboxFusion clients retry (verl retries only a 504), not
+    queued until the gateway runs out of memory."""
+    code = "#" + "x" * 20_000 + "\nimport time\ntime.sleep(2)\nprint('done')"
+
+    async def test(post: Post, _url: str) -> list[tuple[int, dict[str, Any]]]:
+        return await asyncio.gather(*(post(python(code)) for _ in range(6)))
+
+    replies = serve(test, max_body_bytes=32_000, max_queued_bytes=64_000)
+    refused = [reply for status, reply in replies if status == 504]
+    ran = [reply for status, reply in replies if status == 200]
+    assert len(refused) + len(ran) == 6 and refused and len(ran) >= 2
+    assert all(r["status"] == "Success" and r["run_result"]["stdout"] == "done\n" for r in ran)
+    assert all("64000" in r["error"] and "\n" not in r["error"] for r in refused)
