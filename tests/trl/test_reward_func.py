@@ -278,3 +278,23 @@ def test_a_text_part_without_text_is_no_text() -> None:
     fn = reward_func(scorer=LENGTH, data_source="any", ground_truth_key=None, processes=1)
     parts = [{"type": "text", "text": None}, {"type": "text", "text": "ab"}]
     assert call(fn, ["q"], [[msg("assistant", parts)]]) == [2.0]
+
+
+def test_two_functions_with_different_scorers_called_at_once_score_each_with_its_own() -> None:
+    """TRL's async path awaits every reward function of a step together: an accuracy and
+    a length function, each on its own pool, never score each other's samples."""
+    accuracy = reward_func(scorer=ECHO, data_source="any", processes=1, name="accuracy")
+    length = reward_func(scorer=LENGTH, data_source="any", processes=1, name="length")
+    completions = ["aaaa", "bbbbb", "cccccc"] * 20  # lengths 4-6, answers 1-3: a mix-up shows
+
+    async def step() -> list[list[float | None]]:
+        columns = {"solution": ["1", "2", "3"] * 20, "trainer_state": object()}
+        return list(
+            await asyncio.gather(
+                *(fn(prompts=["q"] * 60, completions=completions, **columns) for fn in (accuracy, length, accuracy))
+            )
+        )
+
+    first, lengths, again = asyncio.run(step())
+    assert first == again == [1.0, 2.0, 3.0] * 20
+    assert lengths == [4.0, 5.0, 6.0] * 20
