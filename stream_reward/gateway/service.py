@@ -66,6 +66,13 @@ class GatewayConfig:
         for name in ("timeout_s", "max_body_bytes", "max_samples", "max_requests"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"gateway.{name}", f"must be > 0, got {getattr(self, name)}")
+        for key in self.extra_logs:
+            # openrlhf.FAILURE_COLUMNS: a declared key of that name would overwrite the
+            # failure marker with the scorer's value, hiding the failure.
+            if key == "failed" or key.startswith("failed_"):
+                raise ConfigError(
+                    "gateway.extra_logs", f"{key!r} is the name of a failure column of the gateway's own; rename it"
+                )
 
     @property
     def namespace(self) -> str:

@@ -13,7 +13,9 @@ import time
 import pytest
 from gateway_support import ECHO, enqueued, gateway, openrlhf_body, post
 
+from stream_reward.errors import ConfigError
 from stream_reward.gateway.openrlhf import FAILURE_COLUMNS
+from stream_reward.gateway.service import GatewayConfig
 from stream_reward.ops.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
@@ -238,3 +240,11 @@ async def test_redis_that_stops_answering_mid_request_is_a_504_naming_it_and_the
         assert "Redis did not answer" in reply["error"] and "\n" not in reply["error"]
     assert elapsed < 3.0 + 10  # the request's bound, with slack for a loaded machine: never a hang
     assert after[0] == 200 and after[1]["rewards"] == [1.0]
+
+
+@pytest.mark.parametrize("key", ["failed", "failed_timeout"])
+def test_an_extra_logs_key_that_would_overwrite_a_failure_column_is_refused(key: str) -> None:
+    """A declared key named like the gateway's own failure columns would overwrite them
+    with the scorer's value: a failed sample marked 0 there, the failure hidden."""
+    with pytest.raises(ConfigError, match=f"{key!r}.*failure column"):
+        GatewayConfig("redis://127.0.0.1:1", extra_logs=("acc", key))
