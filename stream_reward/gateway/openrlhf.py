@@ -60,6 +60,7 @@ FAILURE_CLASSES: dict[str, tuple[str, ...]] = {
 _CLASS_OF = {reason: name for name, reasons in FAILURE_CLASSES.items() for reason in reasons}
 FAILURE_COLUMNS = ("failed", *(f"failed_{name}" for name in FAILURE_CLASSES), "failed_other")
 _warned: set[str] = set()
+_MAX_WARNED = 64  # undeclared keys named in a warning each; then one line for the rest
 
 
 def add_routes(app: web.Application) -> None:
@@ -161,6 +162,13 @@ def _extra_logs(outcome: Outcome, declared: tuple[str, ...]) -> dict[str, list[f
     number, else 0.0 (OpenRLHF's tensors need a value in every row, in every reply)."""
     for key in outcome.extra_info:
         if key not in declared and key not in _warned:
+            if len(_warned) >= _MAX_WARNED:
+                # Keys from the data (one per sample) would be a warning each and a set
+                # of every key ever seen, for the gateway's lifetime.
+                if len(_warned) == _MAX_WARNED:
+                    _warned.add("")  # "" is no key: the marker that this line was said
+                    log.warning("more undeclared extra-info keys are left out of extra_logs, not named one by one")
+                break
             _warned.add(key)
             log.warning("extra-info key %r is left out of OpenRLHF's extra_logs; declare it with --extra-logs", key)
     logs: dict[str, list[float]] = {}

@@ -248,3 +248,19 @@ def test_an_extra_logs_key_that_would_overwrite_a_failure_column_is_refused(key:
     with the scorer's value: a failed sample marked 0 there, the failure hidden."""
     with pytest.raises(ConfigError, match=f"{key!r}.*failure column"):
         GatewayConfig("redis://127.0.0.1:1", extra_logs=("acc", key))
+
+
+async def test_undeclared_keys_from_the_data_are_warned_about_a_bounded_number_of_times(
+    redis_url, namespace, spawn_workers, caplog
+) -> None:
+    """A scorer whose extra-info keys come from the data (a key per sample) must not make
+    a warning per sample and a set of every key ever seen, for the gateway's lifetime."""
+    spawn_workers(1, "--scorer", ECHO)
+    n = 300
+    body = openrlhf_body(["q"] * n, [f"key-{namespace}-{i}" for i in range(n)], ["1"] * n)
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        with caplog.at_level("WARNING", logger="stream_reward.gateway.openrlhf"):
+            status, reply = await post(f"{gw.url}/openrlhf", body)
+    assert status == 200, reply
+    warnings = [r for r in caplog.records if r.name == "stream_reward.gateway.openrlhf"]
+    assert len(warnings) <= 65  # 64 keys named, then one line for the rest
