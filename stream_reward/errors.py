@@ -212,7 +212,12 @@ class CollectTimeoutError(StreamRewardError, TimeoutError):
 
 
 class RequestTimeoutError(CollectTimeoutError):
-    """A gateway request's samples were not all scored within its timeout (HTTP 504)."""
+    """A gateway request's samples were not all scored within its timeout (HTTP 504).
+    ``stalled``: Redis stopped answering, so how far the batch got is unknown."""
+
+    def __init__(self, batch_id: str, done: int, size: int, *, stalled: bool = False) -> None:
+        super().__init__(batch_id, done, size)
+        self.stalled = stalled
 
 
 class ResultTimeoutError(StreamRewardError, TimeoutError):

@@ -59,12 +59,8 @@ async def _answers(request: web.Request, handler: Callable[[web.Request], Awaita
             reply = json_reply({"error": str(exc)}, exc.status)
         except RequestTimeoutError as exc:
             timeout = request.app[SERVICE].config.timeout_s
-            reply = json_reply(
-                {
-                    "error": f"request timed out after {timeout:g}s (--timeout-s): {exc.done} of {exc.size} samples scored"
-                },
-                504,
-            )
+            got = "Redis did not answer in time" if exc.stalled else f"{exc.done} of {exc.size} samples scored"
+            reply = json_reply({"error": f"request timed out after {timeout:g}s (--timeout-s): {got}"}, 504)
         except BrokerError as exc:
             reply = json_reply({"error": f"Redis unavailable: {exc}"}, 503)
         except web.HTTPException as exc:

@@ -64,6 +64,11 @@ class GatewayMetrics:
         if count:
             self.samples.labels(route, "failed").inc(count)
 
+    def observe_unanswered(self, route: str, n: int, reason: str) -> None:
+        """``n`` samples of a request that got no scores (a 504): failed, for ``reason``."""
+        self.failures.labels(route, reason).inc(n)
+        self.samples.labels(route, "failed").inc(n)
+
     def observe_request(self, route: str, code: int, seconds: float) -> None:
         self.requests.labels(route, str(code)).inc()
         self.latency.labels(route).observe(seconds)

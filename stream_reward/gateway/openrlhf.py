@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import unicodedata
 from typing import Any
 
 from aiohttp import web
@@ -59,6 +60,7 @@ FAILURE_CLASSES: dict[str, tuple[str, ...]] = {
 _CLASS_OF = {reason: name for name, reasons in FAILURE_CLASSES.items() for reason in reasons}
 FAILURE_COLUMNS = ("failed", *(f"failed_{name}" for name in FAILURE_CLASSES), "failed_other")
 _warned: set[str] = set()
+_MAX_WARNED = 64  # undeclared keys named in a warning each; then one line for the rest
 
 
 def add_routes(app: web.Application) -> None:
@@ -93,10 +95,40 @@ def parse_request(body: Any) -> list[Sample]:
     sources = _sources(body, len(queries))
     samples = []
     for i, (query, prompt, label) in enumerate(zip(queries, prompts, labels)):
-        if not query.startswith(prompt):
-            raise BadRequestError(f"sample {i}: query does not start with its prompt")
-        samples.append(Sample(response=query[len(prompt) :], ground_truth=label, prompt=prompt, data_source=sources[i]))
+        response = query[len(prompt) :] if query.startswith(prompt) else response_after(query, prompt)
+        if response is None:
+            raise BadRequestError(
+                f"sample {i}: query does not start with its prompt, even up to Unicode NFC and whitespace "
+                "(a prompt OpenRLHF truncated to fit its max length is not a prefix of the query)"
+            )
+        samples.append(Sample(response=response, ground_truth=label, prompt=prompt, data_source=sources[i]))
     return samples
+
+
+def response_after(query: str, prompt: str) -> str | None:
+    """The response in ``query`` when its prompt is not a plain prefix, None if it is not
+    there at all. OpenRLHF's query is ``tokenizer.decode(prompt tokens + response tokens)``
+    and its prompt the raw text, so the query's copy of the prompt is the tokenizer's: in
+    NFC/NFKC form for a tokenizer that normalizes, without the space before punctuation
+    for one that cleans up tokenization spaces. Matched in NFC, ignoring whitespace; the
+    response is then the NFC query's rest (after the prompt's own trailing whitespace)."""
+    q, p = unicodedata.normalize("NFC", query), unicodedata.normalize("NFC", prompt)
+    if q.startswith(p):
+        return q[len(p) :]
+    at = 0
+    for char in p:
+        if char.isspace():
+            continue
+        while at < len(q) and q[at].isspace():
+            at += 1
+        if at >= len(q) or q[at] != char:
+            return None
+        at += 1
+    trailing = len(p) - len(p.rstrip())
+    end = at
+    while end < len(q) and end - at < trailing and q[end].isspace():
+        end += 1
+    return q[end:]
 
 
 def _sources(body: dict[str, Any], n: int) -> list[str | None]:
@@ -130,6 +162,13 @@ def _extra_logs(outcome: Outcome, declared: tuple[str, ...]) -> dict[str, list[f
     number, else 0.0 (OpenRLHF's tensors need a value in every row, in every reply)."""
     for key in outcome.extra_info:
         if key not in declared and key not in _warned:
+            if len(_warned) >= _MAX_WARNED:
+                # Keys from the data (one per sample) would be a warning each and a set
+                # of every key ever seen, for the gateway's lifetime.
+                if len(_warned) == _MAX_WARNED:
+                    _warned.add("")  # "" is no key: the marker that this line was said
+                    log.warning("more undeclared extra-info keys are left out of extra_logs, not named one by one")
+                break
             _warned.add(key)
             log.warning("extra-info key %r is left out of OpenRLHF's extra_logs; declare it with --extra-logs", key)
     logs: dict[str, list[float]] = {}

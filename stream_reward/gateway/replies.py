@@ -4,6 +4,7 @@ JSON body reader (refusals as BadRequestError) and the JSON reply."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from stream_reward.errors import BadRequestError
 from stream_reward.gateway.metrics import GatewayMetrics
 from stream_reward.gateway.service import GatewayService
 
-__all__ = ["RouteSet", "HealthCheck", "SERVICE", "METRICS", "HEALTH", "read_json", "json_reply"]
+__all__ = ["RouteSet", "HealthCheck", "SERVICE", "METRICS", "HEALTH", "read_json", "json_reply", "finite"]
 
 # A route set: ``add_routes(app)`` adds its routes; it finds what it needs under the keys below.
 RouteSet = Callable[[web.Application], None]
@@ -42,5 +43,19 @@ async def read_json(request: web.Request) -> Any:
         ) from exc
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:  # the parser recurses per level: a body nested past it is the client's
+        raise BadRequestError("malformed JSON: nested too deeply for the parser") from None
+    except ValueError as exc:  # bad syntax, bad UTF-8, an integer past Python's 4300 digits
         raise BadRequestError(f"malformed JSON: {exc}") from None
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity in it as None: a scorer's extra info may hold
+    them, and a reply that carries a scored sample must still be JSON its client reads."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    return value

@@ -57,6 +57,9 @@ class RunCodeConfig:
     max_output_bytes: int = 4 * 1024 * 1024
     max_body_bytes: int = 16 * 1024 * 1024
     max_files_bytes: int = 8 * 1024 * 1024  # a request's files, decoded; they live in the program's /tmp
+    # Bodies held at once by requests running or waiting for a slot; past it a request is
+    # refused with a 504 (SandboxFusion clients retry it) instead of queued without bound.
+    max_queued_bytes: int = 256 * 1024 * 1024
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self) -> None:
@@ -68,9 +71,12 @@ class RunCodeConfig:
             "max_output_bytes",
             "max_body_bytes",
             "max_files_bytes",
+            "max_queued_bytes",
         ):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"run_code.{key}", "must be > 0")
+        if self.max_queued_bytes < self.max_body_bytes:
+            raise ConfigError("run_code.max_queued_bytes", "must be >= max_body_bytes, or a largest body never runs")
 
     def sandbox_config(self) -> SandboxConfig:
         return dataclasses.replace(
@@ -93,6 +99,7 @@ class _Runner:
         self.config = config
         self.scorer: SandboxScorer | None = None
         self.unavailable = ""
+        self.held = 0  # body bytes of the requests being read, waiting or running
 
     async def start(self) -> None:
         try:
@@ -130,27 +137,60 @@ def _refuse(status: int, reason: str, detail: object = None) -> web.Response:
     return web.json_response(body, status=status)
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes | None:
-    """The body, or None past ``limit`` bytes (chunked bodies too)."""
+class _Busy(Exception):
+    """The bodies held at once would pass ``max_queued_bytes``."""
+
+
+async def _read_body(request: web.Request, runner: _Runner, held: list[int]) -> bytes | None:
+    """The body, or None past ``max_body_bytes`` (chunked bodies too). Its bytes are
+    counted in ``runner.held`` as they arrive (``held[0]``: this request's share, for the
+    caller to give back); _Busy past ``max_queued_bytes``."""
+    limit, budget = runner.config.max_body_bytes, runner.config.max_queued_bytes
     if request.content_length is not None and request.content_length > limit:
         return None
+
+    def hold(n: int) -> None:
+        if runner.held + n > budget:
+            raise _Busy
+        runner.held += n
+        held[0] += n
+
+    if request.content_length is not None:
+        hold(request.content_length)
     data = bytearray()
     async for chunk in request.content.iter_any():
         data += chunk
         if len(data) > limit:
             return None
+        if len(data) > held[0]:  # chunked, or longer than announced
+            hold(len(data) - held[0])
     return bytes(data)
 
 
 async def _run_code(request: web.Request) -> web.Response:
     runner = request.app[_RUNNER]
+    held = [0]
+    try:
+        return await _serve(request, runner, held)
+    except _Busy:
+        budget = runner.config.max_queued_bytes
+        reply = _refuse(504, f"busy: request bodies held at once would pass {budget} bytes (max_queued_bytes); retry")
+        reply.headers["Retry-After"] = "1"
+        return reply
+    finally:
+        runner.held -= held[0]
+
+
+async def _serve(request: web.Request, runner: _Runner, held: list[int]) -> web.Response:
     cfg = runner.config
-    raw = await _read_body(request, cfg.max_body_bytes)
+    raw = await _read_body(request, runner, held)
     if raw is None:
         return _refuse(413, f"request body over {cfg.max_body_bytes} bytes")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except RecursionError:  # nested past the parser's recursion: the client's fault, not a 500
+        return _refuse(400, "request body is not JSON: nested too deeply for the parser")
+    except ValueError as exc:  # bad syntax, bad UTF-8, an integer past Python's 4300 digits
         return _refuse(400, f"request body is not JSON: {exc}")
     try:
         req = parse_request(body, default_run_timeout_s=cfg.default_run_timeout_s, max_files_bytes=cfg.max_files_bytes)

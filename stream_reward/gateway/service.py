@@ -19,10 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from stream_reward.config import BatchPolicy, ProducerConfig
-from stream_reward.errors import BadRequestError, CollectTimeoutError, ConfigError, RequestTimeoutError
+from stream_reward.errors import (
+    BadRequestError,
+    CodecError,
+    CollectTimeoutError,
+    ConfigError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+)
 from stream_reward.gateway.metrics import GatewayMetrics
 from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.wire.codec import encode_trajectory
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
 __all__ = ["GatewayConfig", "Sample", "Outcome", "GatewayService"]
@@ -58,6 +66,13 @@ class GatewayConfig:
         for name in ("timeout_s", "max_body_bytes", "max_samples", "max_requests"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"gateway.{name}", f"must be > 0, got {getattr(self, name)}")
+        for key in self.extra_logs:
+            # openrlhf.FAILURE_COLUMNS: a declared key of that name would overwrite the
+            # failure marker with the scorer's value, hiding the failure.
+            if key == "failed" or key.startswith("failed_"):
+                raise ConfigError(
+                    "gateway.extra_logs", f"{key!r} is the name of a failure column of the gateway's own; rename it"
+                )
 
     @property
     def namespace(self) -> str:
@@ -169,18 +184,23 @@ class GatewayService:
         if not trajs:
             return Outcome(batch_id, [], [], {}, [])
         started = time.monotonic()
-        async with self._slots:
-            remaining = self.config.timeout_s - (time.monotonic() - started)
-            if remaining <= 0:
-                raise RequestTimeoutError(batch_id, 0, len(trajs))
-            try:
-                # The collect has its own bound; this one covers Redis calls that retry
-                # past it (a server that stopped answering), so no request ever hangs.
-                outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
-            except RequestTimeoutError:
-                raise  # its own count of what was done (a TimeoutError too, from 3.11 on asyncio's)
-            except asyncio.TimeoutError:
-                raise RequestTimeoutError(batch_id, 0, len(trajs)) from None
+        try:
+            async with self._slots:
+                remaining = self.config.timeout_s - (time.monotonic() - started)
+                if remaining <= 0:
+                    raise RequestTimeoutError(batch_id, 0, len(trajs))
+                try:
+                    # The collect has its own bound; this one covers Redis calls that retry
+                    # past it (a server that stopped answering), so no request ever hangs.
+                    outcome = await asyncio.wait_for(self._run(batch_id, trajs, remaining), remaining + 1.0)
+                except RequestTimeoutError:
+                    raise  # its own count of what was done (a TimeoutError too, from 3.11 on asyncio's)
+                except asyncio.TimeoutError:  # the outer bound: a Redis call that never returned
+                    raise RequestTimeoutError(batch_id, 0, len(trajs), stalled=True) from None
+        except RequestTimeoutError as exc:
+            # No sample of it got a score: failed, so that /metrics' failure rate counts them.
+            self.metrics.observe_unanswered(route, len(trajs), "redis_stalled" if exc.stalled else "request_timeout")
+            raise
         self.metrics.observe_samples(route, outcome.n, outcome.failed)
         return outcome
 
@@ -191,7 +211,12 @@ class GatewayService:
         # as failed in Redis too, so nothing of a given-up request stays open.
         policy = BatchPolicy(on_failure="mask", deadline_s=timeout_s)
         await self._producer.open_batch(batch_id, len(trajs), _RESPONSE_LEN, policy=policy)
-        await self._producer.push_many(trajs)
+        try:
+            # push_many encodes every sample before it sends any: a refusal queues none.
+            await self._producer.push_many(trajs)
+        except CodecError as exc:
+            await self._give_up(batch_id)
+            raise _refusal(trajs, exc, self.config.producer.max_message_bytes) from None
         try:
             rewards = await self._aggregator.collect(batch_id, timeout_s=max(0.001, end - time.monotonic()))
         except CollectTimeoutError as exc:
@@ -214,3 +239,17 @@ class GatewayService:
             await asyncio.wait_for(
                 self._aggregator.collect(batch_id, timeout_s=0.001, on_timeout="resolve"), _GIVE_UP_S
             )
+
+
+def _refusal(trajs: list[Trajectory], exc: CodecError, max_bytes: int) -> BadRequestError:
+    """The request's refusal for a sample the stream cannot carry (JSON that parsed but
+    that msgpack cannot hold: a lone surrogate, an integer past 64 bits, a sample over
+    the message limit), naming the first such sample: encoding again only on this path
+    keeps the good path at one encoding a sample."""
+    for traj in trajs:
+        try:
+            encode_trajectory(traj, max_bytes)
+        except CodecError as bad:
+            status = 413 if isinstance(bad, PayloadTooLargeError) else 400
+            return BadRequestError(f"sample {traj.index}: cannot be queued: {bad}", status=status)
+    return BadRequestError(f"a sample cannot be queued: {exc}")

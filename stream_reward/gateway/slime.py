@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from stream_reward.errors import BadRequestError
-from stream_reward.gateway.replies import SERVICE, json_reply, read_json
+from stream_reward.gateway.replies import SERVICE, finite, json_reply, read_json
 from stream_reward.gateway.service import Outcome, Sample
 
 __all__ = ["add_routes", "parse_request", "reply_body"]
@@ -85,8 +85,9 @@ def parse_request(body: Any) -> Sample:
 
 
 def reply_body(outcome: Outcome) -> dict[str, Any]:
-    """The 200 reply of the one sample; a failed one (``--on-failure zero``) says so."""
-    body: dict[str, Any] = outcome.extra_of(0)
+    """The 200 reply of the one sample; a failed one (``--on-failure zero``) says so.
+    Extra info that is not finite (NaN, inf) is null: the score still reaches slime."""
+    body: dict[str, Any] = finite(outcome.extra_of(0))
     if not outcome.failed:
         body.update(score=float(outcome.scores[0]), status="ok")
     else:

@@ -37,7 +37,8 @@ def message_text(content: Any) -> str:
         texts = []
         for part in content:
             if isinstance(part, Mapping) and part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
+                text = part.get("text")
+                texts.append(text if isinstance(text, str) else "")  # a null text is no text, not "None"
             elif isinstance(part, str):
                 texts.append(part)
         return "".join(texts)
@@ -104,6 +105,9 @@ def trajectories(
     if len(prompts) != n:
         raise BadCallError(f"TRL passed {len(prompts)} prompts for {n} completions")
     ids = None if completion_ids is None else _column("completion_ids", completion_ids, n)
+    for i, one in enumerate(ids or ()):
+        if isinstance(one, (str, bytes)) or not hasattr(one, "__len__"):  # a list, or an array / tensor row
+            raise BadCallError(f"completion_ids[{i}] is a {type(one).__name__}, not a list of token ids")
     data = {key: value for key, value in columns.items() if key not in TRL_KWARGS}
     if ground_truth_key is None:
         truths: list[Any] = [None] * n

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from stream_reward.config import DEFAULT_NAMESPACE, BatchPolicy, check_namespace
-from stream_reward.errors import ConfigError
+from stream_reward.errors import CodecError, ConfigError
 from stream_reward.trl.columns import trajectories
 from stream_reward.trl.shared import Pool, PoolKey, pool, run_on_loop
+from stream_reward.wire.codec import encode_trajectory
 from stream_reward.wire.trajectory import Trajectory, default_uid
 
 __all__ = ["reward_func", "TRLRewardFunc"]
@@ -163,7 +164,10 @@ async def _score(
 
     async def run() -> Any:
         await producer.open_batch(batch_id, len(batch), width, policy=policy)
-        await producer.push_many(batch)
+        try:
+            await producer.push_many(batch)
+        except CodecError:  # push_many encodes all before it sends any: nothing is queued
+            await _push_each(producer, batch)
         return await aggregator.collect(batch_id, timeout_s=timeout_s + _COLLECT_SLACK_S, on_timeout="resolve")
 
     rewards = await target.guard(run())
@@ -176,3 +180,19 @@ async def _score(
             scores.append(None)
             failed[i] = (rewards.results[i].reason or "failed", rewards.errors[i] or "")
     return scores, failed
+
+
+async def _push_each(producer: Any, batch: list[Trajectory]) -> None:
+    """Push the samples the stream can carry; fail the others, each on its own (a column
+    over the message limit, an integer msgpack cannot hold), as the ``score`` command
+    fails an oversized line: the step goes on, those samples are None."""
+    good = []
+    for traj in batch:
+        try:
+            encode_trajectory(traj, producer.config.max_message_bytes)
+        except CodecError as exc:
+            error = f"cannot be queued: {exc}"
+            await producer.fail(traj.batch_id, traj.index, reason="bad_input", error=error, uid=traj.uid)
+        else:
+            good.append(traj)
+    await producer.push_many(good)

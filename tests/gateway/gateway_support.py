@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,8 +31,8 @@ async def gateway(redis_url: str, namespace: str, **cfg: Any) -> AsyncIterator[R
 
 async def post(url: str, body: Any, *, raw: bytes | None = None) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as session:
-        data = raw if raw is not None else None
-        kwargs: dict[str, Any] = {"data": data} if raw is not None else {"json": body}
+        # A file object, as aiohttp asks of a large body (raw bytes it warns about).
+        kwargs: dict[str, Any] = {"data": io.BytesIO(raw)} if raw is not None else {"json": body}
         async with session.post(url, **kwargs) as resp:
             text = await resp.text()
             try:

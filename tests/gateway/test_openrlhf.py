@@ -4,12 +4,19 @@ worker processes; failed samples are a 503 naming them (or 0.0 and counted with
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import time
 
 import pytest
 from gateway_support import ECHO, enqueued, gateway, openrlhf_body, post
 
+from stream_reward.errors import ConfigError
 from stream_reward.gateway.openrlhf import FAILURE_COLUMNS
+from stream_reward.gateway.service import GatewayConfig
+from stream_reward.ops.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.anyio
 
@@ -89,6 +96,13 @@ async def test_on_failure_zero_answers_zero_and_counts_it(redis_url, namespace, 
         (json.dumps({"query": ["a1", "b2"], "prompts": ["a"], "labels": [1, 2]}).encode(), "lengths differ"),
         (json.dumps({"query": ["a1", "c2"], "prompts": ["a", "b"], "labels": [1, 2]}).encode(), "sample 1: query"),
         (json.dumps({"query": ["a1"], "prompts": ["a"], "labels": [1], "data_source": 3}).encode(), "data_source"),
+        # JSON Python's parser refuses past its own limits (its recursion, its integer
+        # digits): the client's fault, never a 500.
+        (
+            b'{"query": ["a1"], "prompts": ["a"], "labels": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}",
+            "malformed JSON",
+        ),
+        (b'{"query": ["a1"], "prompts": ["a"], "labels": [' + b"9" * 5000 + b"]}", "malformed JSON"),
     ],
 )
 async def test_malformed_requests_are_400_and_enqueue_nothing(redis_url, namespace, raw: bytes, says: str) -> None:
@@ -149,3 +163,104 @@ async def test_an_empty_request_answers_empty_lists_and_opens_no_batch(redis_url
         status, reply = await post(f"{gw.url}/openrlhf", {"query": [], "prompts": [], "labels": []})
         assert (await enqueued(redis_url, namespace)) == (0, 0)
     assert status == 200 and reply == {"rewards": [], "scores": [], "extra_logs": {k: [] for k in FAILURE_COLUMNS}}
+
+
+@pytest.mark.parametrize(
+    ("query", "label", "status"),
+    [
+        # JSON the parser takes that the stream cannot carry: a lone surrogate (not UTF-8),
+        # an integer past 64 bits, a sample over the message limit (4 MiB).
+        ('"a\\udc00"', '"1"', 400),
+        ('"a1"', "1180591620717411303424", 400),
+        ('"a' + "x" * (5 << 20) + '"', '"1"', 413),
+    ],
+)
+async def test_a_sample_the_stream_cannot_carry_is_refused_naming_it_and_nothing_is_queued(
+    redis_url, namespace, query: str, label: str, status: int
+) -> None:
+    # A good sample first: the refusal names the bad one, and neither is queued.
+    raw = f'{{"query": ["q1", {query}], "prompts": ["q", "a"], "labels": ["1", {label}]}}'
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        code, reply = await post(f"{gw.url}/openrlhf", None, raw=raw.encode())
+        entries, _ = await enqueued(redis_url, namespace)
+    assert code == status, reply
+    assert reply["error"].startswith("sample 1: ") and "\n" not in reply["error"]
+    assert entries == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "query"),
+    [
+        # OpenRLHF's query is tokenizer.decode(prompt tokens + response tokens), its prompt
+        # the raw text: a tokenizer that normalizes (NFC/NFKC) or cleans up spaces before
+        # punctuation (clean_up_tokenization_spaces) gives back another prompt text.
+        ("Caf\u0065\u0301? ", "Caf\u00e9? 42"),
+        ("Say hi ! Is it ok ? Answer: ", "Say hi! Is it ok? Answer: 42"),
+    ],
+)
+async def test_a_prompt_the_tokenizer_gave_back_normalized_still_yields_the_response(
+    redis_url, namespace, spawn_workers, prompt: str, query: str
+) -> None:
+    spawn_workers(1, "--scorer", ECHO)
+    body = {"query": [query], "prompts": [prompt], "labels": ["42"]}
+    async with gateway(redis_url, namespace, data_source="math", extra_logs=("len",)) as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", body)
+    assert status == 200, reply
+    assert reply["rewards"] == [1.0] and reply["extra_logs"]["len"] == [2.0]
+
+
+async def test_redis_that_stops_answering_mid_request_is_a_504_naming_it_and_the_gateway_recovers(
+    namespace, spawn_workers
+) -> None:
+    """A Redis that hangs (SIGSTOP: connections open, no answers) while requests wait:
+    each answers 504 within its timeout plus slack, saying Redis did not answer (not
+    "0 samples scored", which blames the workers); once it answers again, so does the gateway."""
+    with EmbeddedServer() as server:
+        assert server.pid is not None
+        spawn_workers(1, "--scorer", "python:tests/data/scorers.py:async_exact", url=server.url)
+        body = openrlhf_body(["a"], ["hang"], ["1"])  # in flight when Redis stops
+        async with gateway(server.url, namespace, data_source="math", timeout_s=3.0) as gw:
+            in_flight = asyncio.create_task(post(f"{gw.url}/openrlhf", body))
+            for _ in range(600):  # until its sample is in Redis: the request is collecting
+                if (await enqueued(server.url, namespace))[0]:
+                    break
+                await asyncio.sleep(0.01)
+            os.kill(server.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                later, first = await asyncio.gather(
+                    post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"])), in_flight
+                )
+                elapsed = time.monotonic() - started
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            after = await post(f"{gw.url}/openrlhf", openrlhf_body(["a"], ["1"], ["1"]))
+    for status, reply in (first, later):
+        assert status == 504, reply
+        assert "Redis did not answer" in reply["error"] and "\n" not in reply["error"]
+    assert elapsed < 3.0 + 10  # the request's bound, with slack for a loaded machine: never a hang
+    assert after[0] == 200 and after[1]["rewards"] == [1.0]
+
+
+@pytest.mark.parametrize("key", ["failed", "failed_timeout"])
+def test_an_extra_logs_key_that_would_overwrite_a_failure_column_is_refused(key: str) -> None:
+    """A declared key named like the gateway's own failure columns would overwrite them
+    with the scorer's value: a failed sample marked 0 there, the failure hidden."""
+    with pytest.raises(ConfigError, match=f"{key!r}.*failure column"):
+        GatewayConfig("redis://127.0.0.1:1", extra_logs=("acc", key))
+
+
+async def test_undeclared_keys_from_the_data_are_warned_about_a_bounded_number_of_times(
+    redis_url, namespace, spawn_workers, caplog
+) -> None:
+    """A scorer whose extra-info keys come from the data (a key per sample) must not make
+    a warning per sample and a set of every key ever seen, for the gateway's lifetime."""
+    spawn_workers(1, "--scorer", ECHO)
+    n = 300
+    body = openrlhf_body(["q"] * n, [f"key-{namespace}-{i}" for i in range(n)], ["1"] * n)
+    async with gateway(redis_url, namespace, data_source="math") as gw:
+        with caplog.at_level("WARNING", logger="stream_reward.gateway.openrlhf"):
+            status, reply = await post(f"{gw.url}/openrlhf", body)
+    assert status == 200, reply
+    warnings = [r for r in caplog.records if r.name == "stream_reward.gateway.openrlhf"]
+    assert len(warnings) <= 65  # 64 keys named, then one line for the rest

@@ -47,3 +47,17 @@ async def test_metrics_count_requests_samples_and_failures(redis_url, namespace,
     failures = [v for (name, _), v in samples.items() if name == "stream_reward_gateway_failures_total"]
     assert failures == [1.0]
     assert metric_value(samples, "stream_reward_gateway_request_seconds_count", route="slime") == 1
+
+
+async def test_metrics_count_the_samples_of_a_timed_out_request_as_failed(redis_url, namespace) -> None:
+    """A 504's samples got no score: they are failed samples in /metrics (an operator's
+    failure rate from samples_total must not leave them out), by the timeout's reason."""
+    async with gateway(redis_url, namespace, data_source="s", timeout_s=1.0) as gw:  # no worker reads
+        status, _ = await post(f"{gw.url}/openrlhf", openrlhf_body(["a", "b"], ["1", "2"], ["1", "2"]))
+        _, text = await get(f"{gw.url}/metrics")
+    assert status == 504
+    samples = metric_samples(text)
+    assert metric_value(samples, "stream_reward_gateway_samples_total", route="openrlhf", status="failed") == 2
+    assert (
+        metric_value(samples, "stream_reward_gateway_failures_total", route="openrlhf", reason="request_timeout") == 2
+    )

@@ -191,13 +191,20 @@ def test_unreadable_or_oversize_body_is_refused_before_anything_runs():
         return [
             await post(None, raw=b'{"code": "print(1)", "language": '),
             await post(None, raw=b"\xff\xfe"),
-            await post(python("#" * 5000)),
+            await post(python("#" * 9000)),
+            # Past the JSON parser's own limits (its recursion, its integer digits).
+            await post(
+                None, raw=b'{"code": "print(1)", "language": "python", "files": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+            ),
+            await post(None, raw=b'{"code": "print(1)", "language": "python", "run_timeout": ' + b"9" * 4400 + b"}"),
         ]
 
-    (bad, binary, big) = serve(test, max_body_bytes=4096)
+    (bad, binary, big, deep, digits) = serve(test, max_body_bytes=8192)
     assert bad[0] == 400 and "not JSON" in bad[1]["error"]
     assert binary[0] == 400
-    assert big[0] == 413 and "4096" in big[1]["error"]
+    assert deep[0] == 400 and "not JSON" in deep[1]["error"]
+    assert digits[0] == 400 and "not JSON" in digits[1]["error"]
+    assert big[0] == 413 and "8192" in big[1]["error"]
 
 
 def test_request_fields_that_are_optional_in_sandbox_fusion_take_its_defaults():
@@ -324,3 +331,21 @@ def test_sandbox_fusion_client_scores_every_form_through_run_code():
             ]
 
     assert serve(test) == [expected for _, _, expected in cases]
+
+
+def test_bodies_held_waiting_for_a_slot_are_bounded_over_it_a_retryable_504():
+    """More requests than slots wait their turn, each holding its body (up to
+    max_body_bytes): past max_queued_bytes held at once, a request is refused at once
+    with a 504, the status SandboxFusion clients retry (verl retries only a 504), not
+    queued until the gateway runs out of memory."""
+    code = "#" + "x" * 20_000 + "\nimport time\ntime.sleep(2)\nprint('done')"
+
+    async def test(post: Post, _url: str) -> list[tuple[int, dict[str, Any]]]:
+        return await asyncio.gather(*(post(python(code)) for _ in range(6)))
+
+    replies = serve(test, max_body_bytes=32_000, max_queued_bytes=64_000)
+    refused = [reply for status, reply in replies if status == 504]
+    ran = [reply for status, reply in replies if status == 200]
+    assert len(refused) + len(ran) == 6 and refused and len(ran) >= 2
+    assert all(r["status"] == "Success" and r["run_result"]["stdout"] == "done\n" for r in ran)
+    assert all("64000" in r["error"] and "\n" not in r["error"] for r in refused)

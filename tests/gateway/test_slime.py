@@ -76,3 +76,24 @@ async def test_an_unknown_reply_shape_is_a_400(redis_url, namespace) -> None:
     async with gateway(redis_url, namespace, data_source="s") as gw:
         status, reply = await post(f"{gw.url}/slime?reply=xml", {"response": "4"})
     assert status == 400 and "reply" in reply["error"]
+
+
+async def test_metadata_nested_past_the_json_parsers_depth_is_a_400(redis_url, namespace) -> None:
+    raw = b'{"response": "4", "metadata": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}"
+    async with gateway(redis_url, namespace, data_source="s") as gw:
+        status, reply = await post(f"{gw.url}/slime", None, raw=raw)
+        assert (await enqueued(redis_url, namespace)) == (0, 0)
+    assert status == 400 and "malformed JSON" in reply["error"], reply
+
+
+async def test_a_scored_sample_whose_extra_info_is_not_finite_answers_its_score(
+    redis_url, namespace, spawn_workers
+) -> None:
+    """The score is fine; extra info JSON cannot hold (NaN, inf) is null, not a 500 that
+    slime retries and then raises on."""
+    spawn_workers(1, "--scorer", ECHO)
+    async with gateway(redis_url, namespace, data_source="s") as gw:
+        status, reply = await post(f"{gw.url}/slime", {"prompt": "q", "response": "nan-extra", "label": "x"})
+    assert status == 200, reply
+    assert reply["score"] == 1.0 and reply["status"] == "ok"
+    assert reply["ratio"] is None and reply["spread"] == [1.0, None]

@@ -194,6 +194,8 @@ def test_columns_of_the_wrong_length_are_refused_before_anything_is_enqueued() -
         asyncio.run(fn(["q", "q"], ["a"], solution=["1"]))
     with pytest.raises(BadCallError, match=r"completions\[0\] is a list, but not of \{'role', 'content'\} messages"):
         asyncio.run(fn(["q"], [["just text"]], solution=["1"]))
+    with pytest.raises(BadCallError, match=r"completion_ids\[1\] is a NoneType, not a list of token ids"):
+        asyncio.run(fn(["q", "q"], ["a", "b"], completion_ids=[[1], None], solution=["1", "2"]))
 
 
 def test_no_data_source_anywhere_is_refused() -> None:
@@ -258,3 +260,41 @@ print(" ".join(map(str, pids)))
             pass
     assert alive == []
     assert "Traceback" not in out.stderr and "WARNING" not in out.stderr, out.stderr
+
+
+def test_a_sample_the_stream_cannot_carry_is_none_and_the_others_are_scored() -> None:
+    """A column value over the message limit (a code dataset's test cases, say) or one
+    msgpack cannot hold (an integer past 64 bits) fails its own sample, named in the
+    warning, as the score command fails an oversized line: no exception out of the
+    trainer's step, no batch left open until its deadline."""
+    fn = reward_func(scorer=ECHO, data_source="any", processes=1, timeout_s=30)
+    scores = call(
+        fn, ["q"] * 3, ["a", "b", "c"], solution=["1", "2", "3"], tests=["x", "y" * (5 << 20), "z"], big=[0, 0, 2**70]
+    )
+    assert scores == [1.0, None, None]
+
+
+def test_a_text_part_without_text_is_no_text() -> None:
+    fn = reward_func(scorer=LENGTH, data_source="any", ground_truth_key=None, processes=1)
+    parts = [{"type": "text", "text": None}, {"type": "text", "text": "ab"}]
+    assert call(fn, ["q"], [[msg("assistant", parts)]]) == [2.0]
+
+
+def test_two_functions_with_different_scorers_called_at_once_score_each_with_its_own() -> None:
+    """TRL's async path awaits every reward function of a step together: an accuracy and
+    a length function, each on its own pool, never score each other's samples."""
+    accuracy = reward_func(scorer=ECHO, data_source="any", processes=1, name="accuracy")
+    length = reward_func(scorer=LENGTH, data_source="any", processes=1, name="length")
+    completions = ["aaaa", "bbbbb", "cccccc"] * 20  # lengths 4-6, answers 1-3: a mix-up shows
+
+    async def step() -> list[list[float | None]]:
+        columns = {"solution": ["1", "2", "3"] * 20, "trainer_state": object()}
+        return list(
+            await asyncio.gather(
+                *(fn(prompts=["q"] * 60, completions=completions, **columns) for fn in (accuracy, length, accuracy))
+            )
+        )
+
+    first, lengths, again = asyncio.run(step())
+    assert first == again == [1.0, 2.0, 3.0] * 20
+    assert lengths == [4.0, 5.0, 6.0] * 20
