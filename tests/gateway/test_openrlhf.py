@@ -150,7 +150,10 @@ async def test_redis_unreachable_is_a_503_naming_it_never_a_hang(namespace) -> N
 
 async def test_a_timeout_says_how_many_samples_were_done(redis_url, namespace, spawn_workers) -> None:
     # One sample hangs past the request's timeout; the others are scored: the 504 counts them.
-    spawn_workers(1, "--scorer", "python:tests/data/scorers.py:async_exact", "--concurrency", "4")
+    # No drain at the test's end: the hung sample would hold the worker's stop for its 10 s.
+    spawn_workers(
+        1, "--scorer", "python:tests/data/scorers.py:async_exact", "--concurrency", "4", "--drain-timeout-s", "0"
+    )
     body = openrlhf_body(["a", "b", "c"], ["1", "hang", "3"], ["1", "2", "3"])
     async with gateway(redis_url, namespace, data_source="math", timeout_s=4.0) as gw:
         status, reply = await post(f"{gw.url}/openrlhf", body)
@@ -217,7 +220,10 @@ async def test_redis_that_stops_answering_mid_request_is_a_504_naming_it_and_the
     "0 samples scored", which blames the workers); once it answers again, so does the gateway."""
     with EmbeddedServer() as server:
         assert server.pid is not None
-        spawn_workers(1, "--scorer", "python:tests/data/scorers.py:async_exact", url=server.url)
+        # No drain at the test's end: a stopped Redis would hold the worker's stop for its 10 s.
+        spawn_workers(
+            1, "--scorer", "python:tests/data/scorers.py:async_exact", "--drain-timeout-s", "0", url=server.url
+        )
         body = openrlhf_body(["a"], ["hang"], ["1"])  # in flight when Redis stops
         async with gateway(server.url, namespace, data_source="math", timeout_s=3.0) as gw:
             in_flight = asyncio.create_task(post(f"{gw.url}/openrlhf", body))
