@@ -186,9 +186,12 @@ def test_cancelled_run_leaves_nothing_behind(backend, open_scorer):
                 break
             await asyncio.sleep(0.05)
         assert sandboxed_processes() != []
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        # Cancelled until it takes: Python 3.11's wait_for can lose a cancel that lands as
+        # its inner wait completes; what is pinned here is what a cancelled run leaves.
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.5)
+        assert task.cancelled()
 
     asyncio.run(go())  # the autouse fixture checks nothing is left, right away
 
