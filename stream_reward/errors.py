@@ -266,13 +266,16 @@ class ProtocolMismatchError(StreamRewardError):
 
 
 class StateLostError(BrokerError):
-    """The namespace's epoch vanished: Redis restarted without persistence, was
-    flushed, or failed over to an empty replica. Queued trajectories and stored
-    results of the batches named in ``batches`` are gone; rerun them."""
+    """State the pipeline wrote is gone: the namespace's epoch vanished (Redis restarted
+    without persistence, was flushed, or failed over to an empty replica), or a key of
+    a batch did (deleted, evicted, or lost in a failover to a replica that lagged;
+    ``key`` names it). Queued trajectories and stored results of the batches named in
+    ``batches`` are gone; rerun them."""
 
-    def __init__(self, message: str, batches: list[str] | None = None) -> None:
+    def __init__(self, message: str, batches: list[str] | None = None, *, key: str | None = None) -> None:
         super().__init__(message)
         self.batches = list(batches or [])
+        self.key = key
 
 
 class EvictionPolicyError(BrokerError):

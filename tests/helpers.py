@@ -369,6 +369,27 @@ class CutProxy:
             self.tasks.discard(task)
 
 
+class FailoverProxy(CutProxy):
+    """TCP in front of a unix-socket server that can fail over, as a cluster's address does
+    after a promotion: ``fail_over(path)`` cuts every open connection, and new ones go to
+    the server at ``path``."""
+
+    async def fail_over(self, path: str) -> None:
+        self.path = path
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def free_tcp_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now (for a replica to reach its primary)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def backlog_traj(batch: str, i: int) -> Trajectory:
     # A GRPO group each: with several partitions the samples spread over them.
     return Trajectory(batch, i, "test/exact", response=str(i), ground_truth=str(i), group=f"{batch}-{i}")

@@ -36,6 +36,7 @@ from stream_reward.config import DEFAULT_NAMESPACE
 from stream_reward.errors import CollectTimeoutError, ConfigError, StateLostError
 from stream_reward.trainer.listener import ResultListener, acquire_listener, release_listener
 from stream_reward.trainer.tensors import import_torch
+from stream_reward.trainer.watch import BatchWatch, ServerClock, Watches, check_written, lost_key, server_time
 from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.codec import stored_record
 from stream_reward.wire.connection import (
@@ -46,7 +47,7 @@ from stream_reward.wire.connection import (
     with_reconnect,
 )
 from stream_reward.wire.entries import read_streams
-from stream_reward.wire.eviction import check_eviction
+from stream_reward.wire.eviction import check_eviction, eviction_note
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import done_rows
 from stream_reward.wire.namespace import check_protocol
@@ -188,6 +189,8 @@ class RewardAggregator:
         self.block_ms = block_ms
         self.allow_eviction = allow_eviction  # see wire/eviction.py
         self._epoch: str | None = None  # the namespace epoch this aggregator last saw
+        self._clock: ServerClock | None = None  # the server's time, read with the last batch meta
+        self._watches = Watches()  # what this aggregator read of its recent batches (see watch.py)
         self._listener: ResultListener | None = None  # the process's result listener, on first result()
 
     @property
@@ -223,20 +226,43 @@ class RewardAggregator:
         return meta
 
     async def _meta(self, batch_id: str) -> BatchMeta:
+        try:
+            return await self._read_meta(batch_id)
+        except StateLostError as exc:
+            raise await self._noted(exc) from None
+
+    async def _noted(self, exc: StateLostError) -> StateLostError:
+        """``exc`` with what the server says of evictions, when it evicts (see eviction_note)."""
+        note = await eviction_note(self.client)
+        return StateLostError(f"{exc}; {note}", exc.batches, key=exc.key) if note else exc
+
+    async def _read_meta(self, batch_id: str) -> BatchMeta:
         keys = Keys(self._namespace)
+
+        cluster = is_cluster(self.client)
 
         async def read() -> list[Any]:
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.hgetall(keys.batch_meta(batch_id))
                 pipe.hmget(keys.namespace_info(), ["protocol", "epoch"])
                 pipe.zscore(keys.history(), batch_id)
-                return await pipe.execute()  # type: ignore[no-any-return]
+                pipe.exists(keys.lengths(batch_id))
+                if not cluster:  # (a cluster pipeline takes keyed commands only: TIME apart, below)
+                    pipe.time()
+                replies = await pipe.execute()
+            if cluster:
+                replies.append(await self.client.time())
+            replies.append(asyncio.get_running_loop().time())
+            return replies  # type: ignore[no-any-return]
 
         await with_reconnect(
             lambda: check_eviction(self.client, f"aggregator on {mask_url(self._url)}", allow=self.allow_eviction),
             what="read maxmemory-policy",
         )
-        raw, (protocol, epoch), opened = await with_reconnect(read, what="read batch meta")
+        raw, (protocol, epoch), opened, lengths_kept, now, read_at = await with_reconnect(read, what="read batch meta")
+        if isinstance(now, dict):  # a cluster client's TIME of some node
+            now = next(iter(now.values()))
+        self._clock = ServerClock(server_time(now), read_at)
         check_protocol(keys, protocol)
         if raw and epoch is not None and raw.get(b"epoch") == epoch:
             # A batch of the current epoch: whatever this aggregator saw before, this batch is whole.
@@ -244,6 +270,11 @@ class RewardAggregator:
         else:
             self._notice_epoch(epoch, batch_id)
         if not raw:
+            watch = self._watches.get(batch_id)
+            if lengths_kept or (watch is not None and not watch.ended):
+                # Its lengths hash lives exactly as long as the record (same TTL, both set at open
+                # and at collect), and this aggregator was reading it: the record was taken.
+                raise lost_key(batch_id, keys.batch_meta(batch_id), "its batch record is gone, its other keys are not")
             if opened is not None:
                 raise ConfigError(
                     "batch_id",
@@ -264,19 +295,35 @@ class RewardAggregator:
             raise StateLostError(
                 f"namespace {self._namespace!r} lost its state (epoch {seen} is "
                 f"{'gone' if now is None else 'replaced by ' + now}): Redis restarted without persistence, was "
-                f"flushed or failed over to an empty replica. Batch {batch_id!r} lost its queued trajectories and "
+                f"flushed, evicted it or failed over to an empty replica. Batch {batch_id!r} lost its queued trajectories and "
                 "results: open it again under a new id and push it again",
                 [batch_id],
             )
 
-    async def _check_epoch(self, batch_id: str) -> None:
-        """Called while waiting idle for results: a vanished epoch ends the wait at once."""
-        if self._epoch is None:
-            return
-        epoch = await with_reconnect(
-            lambda: self.client.hget(Keys(self._namespace).namespace_info(), "epoch"), what="read namespace epoch"
-        )
-        self._notice_epoch(epoch, batch_id)
+    async def _check_state(self, batch_id: str, watch: BatchWatch) -> None:
+        """Called while waiting idle for results, and before a deadline or timeout resolves
+        what is missing: a vanished epoch, a batch record that is gone or a done stream that
+        went backwards (see watch.py) ends the wait at once. Never on a page of results:
+        a busy batch pays nothing for it."""
+        keys = Keys(self._namespace)
+        try:
+            if self._epoch is not None:
+                epoch = await with_reconnect(
+                    lambda: self.client.hget(keys.namespace_info(), "epoch"), what="read namespace epoch"
+                )
+                self._notice_epoch(epoch, batch_id)
+            await with_reconnect(
+                lambda: check_written(self.client, batch_id, keys.batch_meta(batch_id), watch),
+                what="check batch state",
+            )
+        except StateLostError as exc:
+            raise await self._noted(exc) from None
+
+    def _server_clock(self) -> ServerClock:
+        if self._clock is None:  # (meta() reads it; a caller that built its own meta has none yet)
+            loop_now = asyncio.get_running_loop().time()
+            return ServerClock(time.time(), loop_now)
+        return self._clock
 
     async def result(self, batch_id: str, uid: str, *, timeout_s: float | None = None) -> ScoreResult:
         """One sample's result, as soon as it lands (at once if it already has), whoever pushed it.
@@ -311,10 +358,11 @@ class RewardAggregator:
         says whether the batch deadline (rather than ``timeout_s``) was the limit."""
         keys = Keys(self._namespace, self._partitions or meta.partitions)
         loop = asyncio.get_running_loop()
-        # Both limits on the monotonic clock; the deadline is converted once, so a
-        # wall-clock step during the wait cannot change which limit ended it.
+        # Both limits on the monotonic clock; the deadline (the server's time, see
+        # watch.py) is converted once, with the server time read with the meta: neither
+        # this host's clock nor a wall-clock step during the wait moves it.
         timeout_end = loop.time() + timeout_s if timeout_s is not None else None
-        deadline_end = loop.time() + (meta.deadline - time.time()) if meta.deadline else None
+        deadline_end = self._server_clock().to_loop(meta.deadline) if meta.deadline else None
         end = min((e for e in (timeout_end, deadline_end) if e is not None), default=None)
         if ended is not None:
             ended["deadline"] = deadline_end is not None and deadline_end == end
@@ -323,10 +371,11 @@ class RewardAggregator:
         filled: set[int] = set()  # indices resolved: the batch is complete when all are
         if meta.size <= 0:
             return
+        watch = self._watches.of(batch_id)
         if len(done) > 1 and is_cluster(self.client):
-            pages = self._pages_apart(batch_id, done, end)
+            pages = self._pages_apart(batch_id, done, end, watch)
         else:
-            pages = self._pages_together(batch_id, done, end)
+            pages = self._pages_together(batch_id, done, end, watch)
         try:
             async for entries in pages:
                 page: list[tuple[ResultRecord, dict[str, Any]]] = []
@@ -389,42 +438,51 @@ class RewardAggregator:
         return max(1, min(self.block_ms, int(left * 1000))) if left > 0 else None
 
     async def _pages_together(
-        self, batch_id: str, done: list[str], end: float | None
+        self, batch_id: str, done: list[str], end: float | None, watch: BatchWatch
     ) -> AsyncGenerator[list[Any], None]:
         """Entries of every done stream, one XREAD over all of them (a single node).
 
         Past ``end`` it still reads, without blocking, until the streams are drained:
         a deadline resolves only what is missing, never a result already stored."""
         cursors = {name: "0-0" for name in done}
+        read = dict.fromkeys(done, 0)
         while True:
             block = self._block_ms(end)
             reply = await with_reconnect(partial(self._read, cursors, block), what="read results")
             if not reply:
                 if block is None:
                     return
-                await self._check_epoch(batch_id)
+                await self._check_state(batch_id, watch)
                 continue
             for stream, entries in reply:
-                cursors[stream.decode()] = entries[-1][0]
+                name = stream.decode()
+                cursors[name] = entries[-1][0]
+                read[name] += len(entries)
+                watch.saw(name, read[name])
                 yield entries
 
-    async def _pages_apart(self, batch_id: str, done: list[str], end: float | None) -> AsyncGenerator[list[Any], None]:
+    async def _pages_apart(
+        self, batch_id: str, done: list[str], end: float | None, watch: BatchWatch
+    ) -> AsyncGenerator[list[Any], None]:
         """The same from a cluster, where the done streams of a batch live in
         different slots: one blocking reader per partition, merged as they land."""
         queue: asyncio.Queue[list[Any]] = asyncio.Queue()
 
         async def follow(name: str) -> None:
             cursor = "0-0"
+            read = 0
             while True:
                 block = self._block_ms(end)
                 reply = await with_reconnect(partial(self._read, {name: cursor}, block), what="read results")
                 if not reply:
                     if block is None:
                         return
-                    await self._check_epoch(batch_id)
+                    await self._check_state(batch_id, watch)
                     continue
                 for _stream, entries in reply:
                     cursor = entries[-1][0]
+                    read += len(entries)
+                    watch.saw(name, read)
                     queue.put_nowait(entries)
 
         readers = [asyncio.create_task(follow(name)) for name in done]
@@ -471,6 +529,8 @@ class RewardAggregator:
                 by_index[record[2]] = record
                 extras[record[2]] = extra
         if len(by_index) < meta.size:
+            # What is missing may have been lost rather than late: say so, not "deadline".
+            await self._check_state(batch_id, self._watches.of(batch_id))
             overdue = ended["deadline"]
             if not overdue and on_timeout == "raise":
                 raise CollectTimeoutError(batch_id, len(by_index), meta.size)
@@ -538,12 +598,14 @@ class RewardAggregator:
                     pipe.delete(keys.done(batch_id, p, meta.group), keys.claims(batch_id, p))
                     pipe.expire(keys.results(batch_id, p, meta.group), self.collected_ttl_s)
                 pipe.delete(keys.lengths(batch_id))
-                pipe.hset(keys.batch_meta(batch_id), "forgotten", time.time())
+                now = self._server_clock().now()  # the server's: status compares it with other hosts'
+                pipe.hset(keys.batch_meta(batch_id), "forgotten", now)
                 if not meta.collected:
-                    pipe.hset(keys.batch_meta(batch_id), "collected", time.time())
+                    pipe.hset(keys.batch_meta(batch_id), "collected", now)
                 pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
+        self._watches.of(batch_id).ended = True  # its keys go by TTL (or went) from here on
 
     async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
         keys = Keys(self._namespace, self._partitions or meta.partitions)
@@ -554,11 +616,12 @@ class RewardAggregator:
                     pipe.expire(keys.done(batch_id, p, meta.group), self.collected_ttl_s)
                     pipe.expire(keys.claims(batch_id, p), self.collected_ttl_s)
                 if not meta.collected:  # reopening the id is refused while the meta lives; it says when
-                    pipe.hset(keys.batch_meta(batch_id), "collected", time.time())
+                    pipe.hset(keys.batch_meta(batch_id), "collected", self._server_clock().now())
                 pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
                 pipe.expire(keys.lengths(batch_id), self.collected_ttl_s)
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
+        self._watches.of(batch_id).ended = True  # its keys go by TTL (or went) from here on
 
 
 def build_rewards(batch_id: str, meta: BatchMeta, results: list[ScoreResult]) -> BatchRewards:

@@ -34,12 +34,22 @@ _HISTORY_KEEP_S = 7 * 86400  # how long a batch id is remembered, to tell "expir
 
 # Create a batch unless its id exists, atomically (two producers racing on an id
 # cannot both win); returns the existing meta, or an empty list when created.
+# ``created`` and ``deadline`` are the server's time (TIME), never the producer's: the
+# aggregator that enforces the deadline compares it with the server's time too, so no
+# client clock moves a deadline (a producer an hour behind would never reach its own).
 _OPEN_SCRIPT = """
 local existing = redis.call('HGETALL', KEYS[1])
 if #existing > 0 then
   return existing
 end
-local ttl, now, keep, batch = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local ttl, deadline_s, keep, batch = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local deadline = 0
+if deadline_s > 0 then
+  deadline = now + deadline_s
+end
+redis.call('HSET', KEYS[1], 'created', string.format('%.6f', now), 'deadline', string.format('%.6f', deadline))
 redis.call('HSET', KEYS[1], unpack(ARGV, 5))
 redis.call('ZADD', KEYS[2], now, batch)
 -- A batch that is never collected must not stay forever; collect shortens these
@@ -143,16 +153,16 @@ class _BatchLayer:
         if response_len < 1:
             raise ConfigError("response_len", f"must be >= 1, got {response_len}")
         policy = policy or BatchPolicy()
-        now = time.time()
         meta = BatchMeta(
             size=size,
             response_len=response_len,
             policy=policy,
-            created=now,
-            deadline=now + policy.deadline_s if policy.deadline_s else 0,
+            created=0.0,  # stamped by the script, in the server's time
+            deadline=0.0,
             partitions=self.keys.partitions,
             group=self.config.group,
         ).fields()
+        del meta["created"], meta["deadline"]
         # redis-py resends a command whose reply was lost (as does a caller retrying a call that
         # raised): the resend carries the same token, and finding it means the open was ours.
         meta["opener"] = self._opening.setdefault(batch_id, uuid.uuid4().hex)
@@ -164,7 +174,7 @@ class _BatchLayer:
             if self._open_script is None:
                 self._open_script = self.client.register_script(_OPEN_SCRIPT)
             meta["epoch"] = self._epoch or ""
-            args: list[Any] = [self.config.result_ttl_s, now, _HISTORY_KEEP_S, batch_id]
+            args: list[Any] = [self.config.result_ttl_s, policy.deadline_s or 0, _HISTORY_KEEP_S, batch_id]
             for key, value in meta.items():
                 args += [key, value]
             keys = self.keys

@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 
 from stream_reward.errors import EvictionPolicyError
 
-__all__ = ["check_eviction", "ALLOW_EVICTION_HINT"]
+__all__ = ["check_eviction", "eviction_note", "ALLOW_EVICTION_HINT"]
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +68,21 @@ def _policies(info: Any) -> list[str]:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def eviction_note(client: Any) -> str:
+    """A sentence for a lost-state message when the server evicts keys ('' when it does not,
+    or will not say): the cause an operator looks for first. Only on an error path: two
+    INFO round trips."""
+    try:
+        policies = _policies(await client.info("memory"))
+        stats = await client.info("stats")
+    except Exception:  # best effort: the error it goes into matters more than this note
+        return ""
+    nodes = [stats] if isinstance(stats, dict) and "evicted_keys" in stats else list(stats.values())
+    evicted = sum(int(node.get("evicted_keys", 0)) for node in nodes if isinstance(node, dict))
+    evicting = sorted({p for p in policies if p != "noeviction"})
+    if not evicting and not evicted:
+        return ""
+    policy = f"maxmemory-policy {', '.join(evicting) or 'noeviction'}"
+    return f"the server has evicted {evicted} keys since it started ({policy}), the likely cause"

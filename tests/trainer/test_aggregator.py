@@ -22,12 +22,12 @@ from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
-from helpers import ok, producer_and_aggregator
+from helpers import ok, producer_and_aggregator, wait_until
 from trainer_support import garbage_row, record
 
 from stream_reward import BatchPolicy, BatchRewards, RewardAggregator, RolloutProducer, Trajectory
 from stream_reward.config import ConsumerConfig, ProducerConfig
-from stream_reward.errors import BatchExistsError, CollectTimeoutError, ConfigError, VerifierError
+from stream_reward.errors import BatchExistsError, CollectTimeoutError, ConfigError, StateLostError, VerifierError
 from stream_reward.scoring.scorer import Scored
 from stream_reward.trainer.aggregator import BatchMeta, build_rewards
 from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result
@@ -731,3 +731,180 @@ async def test_a_forgotten_batch_keeps_under_a_kilobyte_per_sample_and_is_refuse
                 await producer.open_batch("b0", 1, 8)  # the id is still refused while its meta lives
     finally:
         await admin.aclose()
+
+
+@pytest.mark.parametrize("shift_s", [-3600.0, 3600.0])
+async def test_an_aggregator_clock_an_hour_off_ends_the_collect_at_the_deadline(
+    redis_url: str, namespace: str, shift_s: float
+) -> None:
+    """The aggregator compares the deadline with the server's time (read once per collect), not its own."""
+    real_time = time.time
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
+        await producer.open_batch("b", 2, RESPONSE_LEN, policy=BatchPolicy(deadline_s=1.0))
+        await producer.push_many([Trajectory("b", i, "test", response="a", ground_truth="a") for i in range(2)])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(time, "time", lambda: real_time() + shift_s)  # this process's clock only
+            began = time.monotonic()
+            rewards = await agg.collect("b", timeout_s=15, on_timeout="resolve")
+            elapsed = time.monotonic() - began
+    assert [r.reason for r in rewards.results] == ["deadline", "deadline"]
+    assert 0.8 <= elapsed < 10
+
+
+async def test_a_batch_record_deleted_mid_collect_is_state_lost_naming_the_batch_and_the_key(
+    redis_url: str, namespace: str
+) -> None:
+    """An operator's DEL (or an eviction) of the batch record while a collect waits: a
+    StateLostError naming the batch and the key within a few seconds, not a deadline or
+    timeout an hour later."""
+    keys = Keys(namespace)
+    admin = connect(redis_url)
+    try:
+        async with producer_and_aggregator(redis_url, namespace) as (producer, agg), worker(redis_url, namespace):
+            await producer.open_batch("b", 3, RESPONSE_LEN)
+            await producer.push_many(
+                [Trajectory("b", i, "test", response=r, ground_truth="a") for i, r in enumerate(["a", "a", "hang"])]
+            )
+            results = agg.stream("b", timeout_s=30)
+            assert [(await anext(results)).index for _ in range(2)]  # the collect is under way
+            await admin.delete(keys.batch_meta("b"))
+            began = time.monotonic()
+            with pytest.raises(StateLostError) as info:
+                await anext(results)
+            elapsed = time.monotonic() - began
+    finally:
+        await admin.aclose()
+    assert info.value.batches == ["b"] and info.value.key == keys.batch_meta("b")
+    assert "batch 'b'" in str(info.value) and "batch record" in str(info.value)
+    assert elapsed < 10, f"noticed after {elapsed:.1f}s"
+
+
+async def test_a_done_stream_deleted_mid_collect_is_state_lost_naming_the_stream(
+    redis_url: str, namespace: str
+) -> None:
+    keys = Keys(namespace)
+    admin = connect(redis_url)
+    try:
+        async with producer_and_aggregator(redis_url, namespace) as (producer, agg), worker(redis_url, namespace):
+            await producer.open_batch("b", 3, RESPONSE_LEN)
+            await producer.push_many(
+                [Trajectory("b", i, "test", response=r, ground_truth="a") for i, r in enumerate(["a", "a", "hang"])]
+            )
+            results = agg.stream("b", timeout_s=30)
+            assert [(await anext(results)).index for _ in range(2)]
+            done = keys.done("b", 0, "scorers")
+            assert await admin.delete(done) == 1
+            began = time.monotonic()
+            with pytest.raises(StateLostError) as info:
+                await anext(results)
+            elapsed = time.monotonic() - began
+    finally:
+        await admin.aclose()
+    assert info.value.batches == ["b"] and info.value.key == done
+    assert "results stream holds 0 entries" in str(info.value)
+    assert elapsed < 10, f"noticed after {elapsed:.1f}s"
+
+
+async def test_a_batch_record_deleted_before_its_collect_is_state_lost_not_expired(
+    redis_url: str, namespace: str
+) -> None:
+    keys = Keys(namespace)
+    admin = connect(redis_url)
+    try:
+        async with producer_and_aggregator(redis_url, namespace) as (producer, _):
+            await producer.open_batch("b", 2, RESPONSE_LEN)
+            await producer.push_many([Trajectory("b", i, "test", response="a", ground_truth="a") for i in range(2)])
+        await admin.delete(keys.batch_meta("b"))
+        async with RewardAggregator(redis_url, namespace=namespace) as fresh:
+            with pytest.raises(StateLostError) as info:
+                await fresh.collect("b", timeout_s=5)
+    finally:
+        await admin.aclose()
+    assert info.value.batches == ["b"] and info.value.key == keys.batch_meta("b")
+    assert "expired" not in str(info.value) and "never opened" not in str(info.value)
+
+
+async def test_an_eviction_mid_collect_is_state_lost_naming_the_batch_and_the_eviction(own_url: str) -> None:
+    """A server that evicts (allkeys-lru, run with --allow-eviction) drops the batch under
+    memory pressure: the collect says the batch lost its state, and that the server evicted keys."""
+    admin = connect(own_url)
+    try:
+        async with (
+            RolloutProducer(own_url, ProducerConfig(namespace="ns", allow_eviction=True)) as producer,
+            RewardAggregator(own_url, namespace="ns", allow_eviction=True) as agg,
+        ):
+            await producer.open_batch("b", 2, RESPONSE_LEN)
+            await producer.push_many([Trajectory("b", i, "test", response="a", ground_truth="a") for i in range(2)])
+            await agg.meta("b")
+            collect = asyncio.create_task(agg.collect("b", timeout_s=30))
+            await admin.config_set("maxmemory-policy", "allkeys-lru")
+            await admin.config_set("maxmemory", "1")  # memory pressure: everything goes
+            began = time.monotonic()
+            await wait_until(lambda: _evicted_all(admin))
+            await admin.config_set("maxmemory", "0")
+            with pytest.raises(StateLostError) as info:
+                await collect
+            elapsed = time.monotonic() - began
+    finally:
+        await admin.aclose()
+    assert info.value.batches == ["b"]
+    said = str(info.value).lower()
+    assert "batch 'b'" in said and "evicted" in said and "allkeys-lru" in said
+    assert elapsed < 10, f"noticed after {elapsed:.1f}s"
+
+
+async def _evicted_all(client) -> bool:
+    return (await client.info("stats"))["evicted_keys"] > 0 and await client.dbsize() == 0
+
+
+async def test_a_failover_to_a_lagging_replica_is_state_lost_naming_the_batch() -> None:
+    """The replica promoted had not received the last results: the count the aggregator
+    read went backwards on the server it now reads. Reported, not waited out."""
+    from helpers import FailoverProxy, free_tcp_port
+
+    from stream_reward.ops.embedded import EmbeddedServer
+
+    p_port, r_port = free_tcp_port(), free_tcp_port()
+    tcp = ["--bind", "127.0.0.1"]
+    with (
+        EmbeddedServer(extra_args=["--port", str(p_port), *tcp]) as primary,
+        EmbeddedServer(extra_args=["--port", str(r_port), *tcp]) as replica,
+    ):
+        p, r = connect(primary.url), connect(replica.url)
+        keys = Keys("ns")
+        done = keys.done("b", 0, "scorers")
+        writer = LedgerWriter(p, keys, "scorers", result_ttl_s=3600)
+
+        async def result(i: int) -> None:
+            record = encode_result(ScoreResult(f"u{i}", "b", i, 1.0))
+            await writer.write(0, [LedgerItem("", "b", f"u{i}", record)])
+
+        async def replicated() -> bool:
+            return await r.exists(done) == 1 and await r.xlen(done) == 2
+
+        try:
+            await r.execute_command("REPLICAOF", "127.0.0.1", p_port)
+            async with (
+                FailoverProxy(primary.socket_path) as proxy,
+                RolloutProducer(primary.url, ProducerConfig(namespace="ns")) as producer,
+                RewardAggregator(proxy.url, namespace="ns") as agg,
+            ):
+                await producer.open_batch("b", 4, RESPONSE_LEN)
+                await result(0)
+                await result(1)
+                await wait_until(replicated)
+                await r.execute_command("REPLICAOF", "NO", "ONE")  # promoted, without what comes next
+                await result(2)
+                results = agg.stream("b", timeout_s=30)
+                assert sorted([(await anext(results)).index for _ in range(3)]) == [0, 1, 2]
+                await proxy.fail_over(replica.socket_path)
+                began = time.monotonic()
+                with pytest.raises(StateLostError) as info:
+                    await anext(results)
+                elapsed = time.monotonic() - began
+        finally:
+            await p.aclose()
+            await r.aclose()
+    assert info.value.batches == ["b"] and info.value.key == done
+    assert "holds 2 entries, 3 were read" in str(info.value)
+    assert elapsed < 10, f"noticed after {elapsed:.1f}s"

@@ -6,8 +6,10 @@ open, uncollected batch of the same size, width and policy, and refuses any othe
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from helpers import WIDTH, CutProxy, samples, worker
+from helpers import WIDTH, CutProxy, producer_and_aggregator, samples, worker
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer
 from stream_reward.config import ProducerConfig
@@ -55,3 +57,24 @@ async def test_open_batch_whose_reply_was_lost_succeeds_on_its_retry(redis_url: 
                 await other.open_batch("cut-open", 2, WIDTH)
             with pytest.raises(BatchExistsError, match="opened"):
                 await producer.open_batch("cut-open", 2, WIDTH)  # opened: a second open is a reuse
+
+
+@pytest.mark.parametrize("shift_s", [-3600.0, 3600.0])
+async def test_a_producer_clock_an_hour_off_neither_misses_its_deadline_nor_hits_it_at_once(
+    redis_url: str, namespace: str, shift_s: float
+) -> None:
+    """The deadline is the server's time: a producer an hour behind would never reach it
+    on its own clock, one an hour ahead would be past it at once."""
+    real_time = time.time
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(
+                time, "time", lambda: real_time() + shift_s
+            )  # this process's clock only; the server keeps its own
+            await producer.open_batch("b", 2, WIDTH, policy=BatchPolicy(deadline_s=1.0))
+            await producer.push_many(samples("b", ["a", "a"]))  # no worker: neither is ever scored
+        began = time.monotonic()
+        rewards = await agg.collect("b", timeout_s=15, on_timeout="resolve")
+        elapsed = time.monotonic() - began
+    assert [r.reason for r in rewards.results] == ["deadline", "deadline"]  # not "timeout": the deadline fired
+    assert 0.8 <= elapsed < 10  # and not at once
