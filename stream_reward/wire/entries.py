@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from stream_reward.wire.lane import Lane
 
 __all__ = [
+    "read_place",
+    "refused_uid",
     "group_state",
     "ensure_group",
     "entry_fields",
@@ -242,6 +244,45 @@ def read_header(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
     except Exception:  # any garbage (or several headers): the header is only a best effort
         return None, -1, None
     return (batch, index, uid) if _names_a_sample(batch, index, uid) else (None, -1, None)
+
+
+# Payloads larger than this are not unpacked to find their place: a refused entry's
+# dead-letter path must stay cheap however big what it refuses.
+_PLACE_MAX_BYTES = 1 << 20
+
+
+def refused_uid(index: int) -> str:
+    """The uid a refused sample's result goes by when its entry names none: its index's,
+    never a producer's (a producer's uid is a string it chose, and none looks like this)."""
+    return f"<no uid>#{index}"
+
+
+def read_place(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
+    """Where an entry's only sample belongs, for a refused entry's `failed` result:
+    (batch id, index, uid) as ``read_header``, but a batch and index are kept when the
+    uid is missing or not a string (uid None then), and are taken from the payload's own
+    map when the header names none. (None, -1, None) when neither names a batch and index."""
+    batch, index, uid = read_header(fields)
+    if batch is not None:
+        return batch, index, uid
+    for raw in (fields.get(FIELD_HEADER, fields.get("h")), fields.get(FIELD_PAYLOAD, fields.get("d"))):
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > _PLACE_MAX_BYTES:
+            continue
+        try:
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception:  # garbage, or several values: nothing to place it by
+            continue
+        found: tuple[Any, Any, Any]
+        if isinstance(obj, (list, tuple)) and len(obj) == 4:
+            found = (obj[0], obj[1], obj[2])
+        elif isinstance(obj, dict):
+            found = (obj.get("b"), obj.get("i"), obj.get("u"))
+        else:
+            continue
+        at_batch, at_index, named = found
+        if type(at_batch) is str and type(at_index) is int and at_index >= 0:
+            return at_batch, at_index, named if type(named) is str else None
+    return None, -1, None
 
 
 # A stop gives a worker's unfinished entries back to its group: marked idle for ever, so

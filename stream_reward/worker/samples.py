@@ -17,7 +17,7 @@ from typing import cast
 from stream_reward.errors import CodecError, ScoringError
 from stream_reward.wire.codec import decode_trajectory, encode_result
 from stream_reward.wire.deadletter import encode_dead_letter
-from stream_reward.wire.entries import read_header
+from stream_reward.wire.entries import read_place, refused_uid
 from stream_reward.wire.ledger import LedgerItem
 from stream_reward.wire.trajectory import ScoreResult, Trajectory
 from stream_reward.worker.members import Member
@@ -156,7 +156,13 @@ class SampleStarting(ResultWriting):
         """Resolve an entry that cannot be scored: dead-letter it and, when its
         batch is known from the entry's plain fields, record a `failed` result so
         the batch still completes."""
-        batch, index, uid = read_header(fields)
+        batch, index, uid = read_place(fields)
+        if batch is not None and uid is None:
+            # Its batch and index are known, its uid is not: the result goes by a uid made of
+            # its index (the same for a redelivery, so it is written once), so the batch
+            # completes rather than wait for its deadline. The aggregator counts by index.
+            uid = refused_uid(index)
+            error = f"{error} (the entry names no usable uid)"
         dead = encode_dead_letter(
             reason=reason,
             error=error,
