@@ -372,6 +372,8 @@ class RewardAggregator:
         if meta.size <= 0:
             return
         watch = self._watches.of(batch_id)
+        for p, name in enumerate(done):
+            watch.ledgers[name] = keys.results(batch_id, p, meta.group)
         if len(done) > 1 and is_cluster(self.client):
             pages = self._pages_apart(batch_id, done, end, watch)
         else:

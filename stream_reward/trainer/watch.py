@@ -62,10 +62,11 @@ class ServerClock:
 class BatchWatch:
     """What one aggregator has read of one batch: done-stream entries per stream."""
 
-    __slots__ = ("entries", "ended")
+    __slots__ = ("entries", "ledgers", "ended")
 
     def __init__(self) -> None:
         self.entries: dict[str, int] = {}
+        self.ledgers: dict[str, str] = {}  # done stream -> the write-once ledger written with it
         self.ended = False  # collected or forgotten here: its keys may go by TTL from now on
 
     def saw(self, stream: str, count: int) -> None:
@@ -109,20 +110,24 @@ async def check_written(client: Any, batch_id: str, meta_key: str, watch: BatchW
     holds fewer entries than this aggregator read from it (results went backwards)."""
     if watch is not None and watch.ended:
         return  # collected or forgotten: its keys go by their TTL now, which is no loss
-    streams = list(watch.entries) if watch is not None else []
+    streams = [s for s, n in watch.entries.items() if n > 0] if watch is not None else []
     async with client.pipeline(transaction=False) as pipe:
         pipe.exists(meta_key)
         for stream in streams:
             pipe.xlen(stream)
-        exists, *lengths = await pipe.execute()
+            pipe.exists(watch.ledgers[stream])  # type: ignore[union-attr]
+        exists, *replies = await pipe.execute()
     if not exists:
         raise lost_key(batch_id, meta_key, "its batch record is gone while it was being collected")
-    assert watch is not None or not lengths
-    for stream, length in zip(streams, lengths):
+    for at, stream in enumerate(streams):
+        length, ledger_kept = int(replies[2 * at]), replies[2 * at + 1]
         had = watch.entries[stream]  # type: ignore[union-attr]
-        if int(length) < had:
+        if length < had:
             raise lost_key(
-                batch_id,
-                stream,
-                f"its results stream holds {int(length)} entries, {had} were read from it before",
+                batch_id, stream, f"its results stream holds {length} entries, {had} were read from it before"
             )
+        if not ledger_kept:
+            # Written with the stream's first entry, expiring with it: gone, a redelivered
+            # sample would be scored and counted again.
+            ledger = watch.ledgers[stream]  # type: ignore[union-attr]
+            raise lost_key(batch_id, ledger, "its write-once result ledger is gone, its results stream is not")

@@ -779,10 +779,13 @@ async def test_a_batch_record_deleted_mid_collect_is_state_lost_naming_the_batch
     assert elapsed < 10, f"noticed after {elapsed:.1f}s"
 
 
-async def test_a_done_stream_deleted_mid_collect_is_state_lost_naming_the_stream(
-    redis_url: str, namespace: str
+@pytest.mark.parametrize("lost", ["results stream", "result ledger"])
+async def test_a_results_key_deleted_mid_collect_is_state_lost_naming_the_key(
+    redis_url: str, namespace: str, lost: str
 ) -> None:
+    """The done stream (the results in landing order) or the write-once ledger written with it."""
     keys = Keys(namespace)
+    key = keys.done("b", 0, "scorers") if lost == "results stream" else keys.results("b", 0, "scorers")
     admin = connect(redis_url)
     try:
         async with producer_and_aggregator(redis_url, namespace) as (producer, agg), worker(redis_url, namespace):
@@ -792,16 +795,15 @@ async def test_a_done_stream_deleted_mid_collect_is_state_lost_naming_the_stream
             )
             results = agg.stream("b", timeout_s=30)
             assert [(await anext(results)).index for _ in range(2)]
-            done = keys.done("b", 0, "scorers")
-            assert await admin.delete(done) == 1
+            assert await admin.delete(key) == 1
             began = time.monotonic()
             with pytest.raises(StateLostError) as info:
                 await anext(results)
             elapsed = time.monotonic() - began
     finally:
         await admin.aclose()
-    assert info.value.batches == ["b"] and info.value.key == done
-    assert "results stream holds 0 entries" in str(info.value)
+    assert info.value.batches == ["b"] and info.value.key == key
+    assert lost in str(info.value)
     assert elapsed < 10, f"noticed after {elapsed:.1f}s"
 
 
