@@ -25,7 +25,7 @@ import asyncio
 from collections import OrderedDict
 from typing import Any
 
-from stream_reward.errors import StateLostError
+from stream_reward.errors import ConfigError, StateLostError
 
 __all__ = ["ServerClock", "BatchWatch", "Watches", "server_time", "lost_key", "check_written"]
 
@@ -112,13 +112,19 @@ async def check_written(client: Any, batch_id: str, meta_key: str, watch: BatchW
         return  # collected or forgotten: its keys go by their TTL now, which is no loss
     streams = [s for s, n in watch.entries.items() if n > 0] if watch is not None else []
     async with client.pipeline(transaction=False) as pipe:
-        pipe.exists(meta_key)
+        pipe.hmget(meta_key, ["size", "forgotten"])
         for stream in streams:
             pipe.xlen(stream)
             pipe.exists(watch.ledgers[stream])  # type: ignore[union-attr]
-        exists, *replies = await pipe.execute()
-    if not exists:
+        (size, forgotten), *replies = await pipe.execute()
+    if size is None:
         raise lost_key(batch_id, meta_key, "its batch record is gone while it was being collected")
+    if forgotten:  # another caller's forget() dropped its results: no loss, and no waiting for them
+        raise ConfigError(
+            "batch_id",
+            f"batch {batch_id!r} was forgotten while being collected (RewardAggregator.forget): its results "
+            "were dropped then",
+        )
     for at, stream in enumerate(streams):
         length, ledger_kept = int(replies[2 * at]), replies[2 * at + 1]
         had = watch.entries[stream]  # type: ignore[union-attr]

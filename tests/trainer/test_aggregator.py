@@ -910,3 +910,19 @@ async def test_a_failover_to_a_lagging_replica_is_state_lost_naming_the_batch() 
     assert info.value.batches == ["b"] and info.value.key == done
     assert "holds 2 entries, 3 were read" in str(info.value)
     assert elapsed < 10, f"noticed after {elapsed:.1f}s"
+
+
+async def test_a_batch_forgotten_by_another_aggregator_mid_collect_says_forgotten_not_lost(
+    redis_url: str, namespace: str
+) -> None:
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg), worker(redis_url, namespace):
+        await producer.open_batch("b", 3, RESPONSE_LEN)
+        await producer.push_many(
+            [Trajectory("b", i, "test", response=r, ground_truth="a") for i, r in enumerate(["a", "a", "hang"])]
+        )
+        results = agg.stream("b", timeout_s=30)
+        assert [(await anext(results)).index for _ in range(2)]
+        async with RewardAggregator(redis_url, namespace=namespace) as other:
+            await other.forget("b")
+        with pytest.raises(ConfigError, match="forgotten while being collected"):
+            await anext(results)
