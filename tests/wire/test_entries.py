@@ -143,3 +143,18 @@ def test_a_sample_map_nested_in_junk_is_not_taken_for_a_sample(anyio_backend) ->
     p1, p2 = encode_trajectory(gsm(1)), encode_trajectory(gsm(2))
     parts = members_from_payloads(junk + p1 + p2)
     assert named(parts) == [("m", 1, "m/1"), ("m", 2, "m/2")], f"split of junk+m/1+m/2: {named(parts)}"
+
+
+def test_the_place_of_a_refused_entry_is_its_batch_and_index_without_a_usable_uid(anyio_backend) -> None:
+    from stream_reward.wire.entries import read_place
+
+    payload = msgpack.packb({"b": "m", "i": 4, "u": 9, "r": "x"})
+    assert read_place({b"d": b"x", b"h": entry_header("m", 4, "m/4", 1)}) == ("m", 4, "m/4")
+    assert read_place({b"d": payload, b"h": entry_header("m", 4, None, len(payload))}) == ("m", 4, None)  # type: ignore[arg-type]
+    assert read_place({b"d": payload}) == ("m", 4, None)  # no header: the payload's own map
+    assert read_place({b"d": payload, b"h": b"\xc1garbled"}) == ("m", 4, None)
+    # Nothing names a batch and index (or a negative index): no place, as before.
+    assert read_place({b"d": b"\xc1junk"}) == (None, -1, None)
+    assert read_place({b"d": msgpack.packb({"b": "m", "i": -1})}) == (None, -1, None)
+    big = msgpack.packb({"b": "m", "i": 4, "r": "x" * (2 << 20)})
+    assert read_place({b"d": big}) == (None, -1, None)  # too big to unpack on the dead-letter path
