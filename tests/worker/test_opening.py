@@ -5,7 +5,9 @@ payloads without letting a garbled one take its innocent neighbours; of a redeli
 entry, the samples with a result already are not scored again (and all are, if Redis fails
 the lookup); samples a worker has no room for are handed back as entries of their own and
 scored once, across SIGKILLs, lost replies, two partitions and a cluster; each consumer
-group scores its own samples only, redriven dead letters included.
+group scores its own samples only, redriven dead letters included. A refused sample
+(stream_reward.worker.samples) whose entry names its batch and index but no usable uid is
+still a failed result of that index, so its batch completes.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from collections import Counter
 import msgpack
 import pytest
 from helpers import (
+    WIDTH,
     Counting,
+    Exact,
     Timed,
     _letter_of_first_sample,
     exact_traj,
     identity_score,
+    producer_and_aggregator,
     quick_worker,
     running_worker,
+    samples,
     samples_of,
     stop_config,
     wait_until,
@@ -48,7 +54,7 @@ from stream_reward.ops.deadletters import list_dead_letters, redrive_dead_letter
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.codec import encode_trajectory
 from stream_reward.wire.connection import connect
-from stream_reward.wire.entries import FIELD_HANDED_BACK, ensure_group
+from stream_reward.wire.entries import FIELD_HANDED_BACK, ensure_group, entry_header
 from stream_reward.wire.keys import Keys
 from stream_reward.worker.consumer import Worker
 
@@ -949,3 +955,39 @@ async def test_a_dead_lettered_copy_redriven_is_scored_by_its_group_only_and_kee
         assert set(g2.calls.values()) == {1}, dict(g2.calls)
     finally:
         await client.aclose()
+
+
+def _payload_of_r2(uid: object) -> bytes:
+    """Sample 2 of batch "r" as a producer encodes it, its uid replaced (``...``: left out)."""
+    fields = msgpack.unpackb(encode_trajectory(samples("r", ["a", "a", "a"])[2]))
+    del fields["u"]
+    if uid is not ...:
+        fields["u"] = uid
+    return msgpack.packb(fields)
+
+
+# The entry of sample 2: a header whose uid is null, one whose uid is a number, none at all.
+NO_UID_ENTRIES = {
+    "null uid": lambda: {"d": _payload_of_r2(None), "h": entry_header("r", 2, None, len(_payload_of_r2(None)))},  # type: ignore[arg-type]
+    "numeric uid": lambda: {"d": _payload_of_r2(7), "h": entry_header("r", 2, 7, len(_payload_of_r2(7)))},  # type: ignore[arg-type]
+    "no header, no uid": lambda: {"d": _payload_of_r2(...)},
+}
+
+
+@pytest.mark.parametrize("entry", list(NO_UID_ENTRIES))
+async def test_a_refused_sample_whose_entry_names_no_uid_is_a_failed_result_of_its_batch_and_index(
+    redis_url: str, namespace: str, entry: str
+) -> None:
+    keys = Keys(namespace)
+    async with producer_and_aggregator(redis_url, namespace) as (producer, agg):
+        await producer.open_batch("r", 3, WIDTH)
+        await producer.push_many(samples("r", ["a", "a"]))
+        await producer.client.xadd(keys.stream(), NO_UID_ENTRIES[entry]())
+        w = Worker(redis_url, Exact(), ConsumerConfig(namespace=namespace, block_ms=20))
+        await asyncio.wait_for(w.run(burst=True), 30)
+        await w.aclose()
+        rewards = await agg.collect("r", timeout_s=10)  # complete: not left to a deadline or timeout
+    assert rewards.status == ["ok", "ok", "failed"]
+    assert rewards.results[2].reason == "malformed" and "names no usable uid" in (rewards.errors[2] or "")
+    letters = await list_dead_letters(redis_url, namespace=namespace)
+    assert len(letters) == 1  # and it is kept for inspection, once
