@@ -251,17 +251,20 @@ def read_header(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
 _PLACE_MAX_BYTES = 1 << 20
 
 
-def refused_uid(index: int) -> str:
-    """The uid a refused sample's result goes by when its entry names none: its index's,
-    never a producer's (a producer's uid is a string it chose, and none looks like this)."""
-    return f"<no uid>#{index}"
+def refused_uid(index: int, entry_id: bytes) -> str:
+    """The uid a refused sample's result goes by when its entry names none usable: made of
+    its index and its entry, the same when the entry is delivered again (written once), and
+    apart for two entries at one index (each keeps its dead letter; the first result is the
+    index's). A producer's uid never looks like this."""
+    return f"<no uid>#{index}@{entry_id.decode()}"
 
 
 def read_place(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
     """Where an entry's only sample belongs, for a refused entry's `failed` result:
     (batch id, index, uid) as ``read_header``, but a batch and index are kept when the
-    uid is missing or not a string (uid None then), and are taken from the payload's own
-    map when the header names none. (None, -1, None) when neither names a batch and index."""
+    header's uid is missing or not a string, and are taken from the payload's own map when
+    the header names none; uid None then (a payload that could not be read is no
+    authority on its uid). (None, -1, None) when neither names a batch and index."""
     batch, index, uid = read_header(fields)
     if batch is not None:
         return batch, index, uid
@@ -279,9 +282,9 @@ def read_place(fields: dict[Any, Any]) -> tuple[str | None, int, str | None]:
             found = (obj.get("b"), obj.get("i"), obj.get("u"))
         else:
             continue
-        at_batch, at_index, named = found
+        at_batch, at_index, _uid = found
         if type(at_batch) is str and type(at_index) is int and at_index >= 0:
-            return at_batch, at_index, named if type(named) is str else None
+            return at_batch, at_index, None
     return None, -1, None
 
 

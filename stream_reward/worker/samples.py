@@ -159,9 +159,9 @@ class SampleStarting(ResultWriting):
         batch, index, uid = read_place(fields)
         if batch is not None and uid is None:
             # Its batch and index are known, its uid is not: the result goes by a uid made of
-            # its index (the same for a redelivery, so it is written once), so the batch
-            # completes rather than wait for its deadline. The aggregator counts by index.
-            uid = refused_uid(index)
+            # its index and entry (the same for a redelivery, so it is written once), so the
+            # batch completes rather than wait for its deadline. The aggregator counts by index.
+            uid = refused_uid(index, entry_id)
             error = f"{error} (the entry names no usable uid)"
         dead = encode_dead_letter(
             reason=reason,

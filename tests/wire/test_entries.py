@@ -151,6 +151,8 @@ def test_the_place_of_a_refused_entry_is_its_batch_and_index_without_a_usable_ui
     payload = msgpack.packb({"b": "m", "i": 4, "u": 9, "r": "x"})
     assert read_place({b"d": b"x", b"h": entry_header("m", 4, "m/4", 1)}) == ("m", 4, "m/4")
     assert read_place({b"d": payload, b"h": entry_header("m", 4, None, len(payload))}) == ("m", 4, None)  # type: ignore[arg-type]
+    named = msgpack.packb({"b": "m", "i": 4, "u": "m/4", "r": "x"})
+    assert read_place({b"d": named}) == ("m", 4, None)  # a payload refused is no authority on its uid
     assert read_place({b"d": payload}) == ("m", 4, None)  # no header: the payload's own map
     assert read_place({b"d": payload, b"h": b"\xc1garbled"}) == ("m", 4, None)
     # Nothing names a batch and index (or a negative index): no place, as before.
