@@ -42,7 +42,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from stream_reward.errors import BrokerError
+from stream_reward.errors import BrokerError, RedisUnavailableError
 
 __all__ = [
     "connect",
@@ -202,8 +202,18 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def connect(url: str, *, cluster: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Any:
     """A redis-py asyncio client for ``url``; bytes in, bytes out.
+
+    Every round trip has a deadline: connecting and each reply take at most
+    ``timeout_s`` (a blocking XREAD/XREADGROUP: its BLOCK on top, see
+    ``entries.read_streams``), after which the command raises redis-py's
+    TimeoutError. A timed-out command is not retried inside redis-py (its retries
+    would stretch one stopped server to four timeouts and more); it is the
+    caller's to retry or to give up on with RedisUnavailableError.
 
     A ``redis+cluster://host:port`` URL (any one node) gives a ``RedisCluster``
     client: it finds the other nodes itself and routes each command by key slot.
@@ -212,14 +222,18 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
     caller's to wait out (see ``with_reconnect``), because only the caller knows
     whether a command may safely be sent again.
     """
-    retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3)
+    # Only a lost connection is retried here (a reconnect is quick or fails fast); a
+    # server that does not answer has had its timeout_s.
+    retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3, supported_errors=(RedisConnectionError,))
     options: dict[str, Any] = {
         "decode_responses": False,
         "protocol": 2,  # reply shapes the code parses; RESP3 gives no speed-up here
         "retry": retry,
         "health_check_interval": 30,
-        "socket_connect_timeout": 5,
+        "socket_connect_timeout": timeout_s if timeout_s else 5,
     }
+    if not (cluster or is_cluster_url(url)):
+        options["socket_timeout"] = timeout_s
     options.update(kwargs)
     try:
         if cluster or is_cluster_url(url):
@@ -309,7 +323,13 @@ async def with_reconnect(
                 raise
             elapsed = loop.time() - start
             if (give_up_after_s is not None and elapsed >= give_up_after_s) or (stop is not None and stop.is_set()):
-                raise BrokerError(f"{what}: for {elapsed:.1f}s, {fault_text(exc)}") from None
+                if stop is not None and stop.is_set():
+                    raise BrokerError(f"{what}: for {elapsed:.1f}s, {fault_text(exc)}") from None
+                # A finite give-up ran out while Redis kept failing: the caller is told
+                # Redis is gone, not left to read a generic broker fault.
+                raise RedisUnavailableError(
+                    f"{what}: no reply from Redis for {elapsed:.1f}s, {fault_text(exc)}"
+                ) from None
             failed = True
             limiter.warning("%s: %s; retrying", what, fault_text(exc))
             pause = delay * (0.5 + random.random())
