@@ -380,6 +380,9 @@ def redis_errors(what: str) -> Iterator[None]:
     except REDIS_ERRORS as exc:
         if is_permanent(exc):
             raise BrokerError(f"{what}: {permanent_error(exc)}") from exc
+        if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+            # No round trip completed (refused, reset, or no reply within timeout_s).
+            raise RedisUnavailableError(f"{what}: {fault_text(exc)}") from exc
         raise BrokerError(
             f"{what}: {fault_text(exc) if is_transient(exc) else f'{type(exc).__name__}: Redis refused it'}"
         ) from exc
