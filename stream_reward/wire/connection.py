@@ -310,7 +310,9 @@ async def with_reconnect(
     # during one outage are one warning, then a summary now and then.
     limiter = _LIMITERS.setdefault(what, LogLimiter(log))
     failed = False
+    attempt_s = 0.0  # the longest failed attempt: one that ends in a timeout takes timeout_s
     while True:
+        began = loop.time()
         try:
             result = await op()
             if failed:
@@ -321,8 +323,13 @@ async def with_reconnect(
                 raise permanent_error(exc) from None
             if not is_transient(exc):
                 raise
-            elapsed = loop.time() - start
-            if (give_up_after_s is not None and elapsed >= give_up_after_s) or (stop is not None and stop.is_set()):
+            now = loop.time()
+            elapsed = now - start
+            attempt_s = max(attempt_s, now - began)
+            # Give up before an attempt that would end past the give-up, not after it: a
+            # stopped server costs timeout_s an attempt, and the bound is the caller's.
+            out_of_time = give_up_after_s is not None and elapsed + attempt_s >= give_up_after_s
+            if out_of_time or (stop is not None and stop.is_set()):
                 if stop is not None and stop.is_set():
                     raise BrokerError(f"{what}: for {elapsed:.1f}s, {fault_text(exc)}") from None
                 # A finite give-up ran out while Redis kept failing: the caller is told
