@@ -30,6 +30,7 @@ boundary where they happen, with ``raise ... from exc``::
     ├── BadRequestError             a gateway request refused before anything was enqueued (HTTP 400/413)
     └── BrokerError                 Redis is unreachable or refused a command
         ├── StateLostError          the namespace's state vanished (restart without persistence)
+        ├── RedisUnavailableError   no round trip to Redis completed within the liveness deadline
         └── EvictionPolicyError     Redis may evict keys (maxmemory-policy other than noeviction)
 
 ``ScoringError.reason`` is a short stable code ("unknown_data_source", "timeout",
@@ -63,6 +64,7 @@ __all__ = [
     "PushConflictError",
     "BrokerError",
     "EvictionPolicyError",
+    "RedisUnavailableError",
     "BatchExistsError",
     "ProtocolMismatchError",
     "StateLostError",
@@ -276,6 +278,12 @@ class StateLostError(BrokerError):
         super().__init__(message)
         self.batches = list(batches or [])
         self.key = key
+
+
+class RedisUnavailableError(BrokerError):
+    """No round trip to Redis completed in time: the server is down, stopped, or the
+    path to it drops packets. Raised instead of waiting on; the message names the
+    masked address (when known) and what the client was doing."""
 
 
 class EvictionPolicyError(BrokerError):

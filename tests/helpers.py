@@ -303,13 +303,15 @@ class CutProxy:
     """TCP in front of the unix-socket server. ``arm(marker)``: the next request holding
     ``marker`` is passed on (so the server runs it), and the server's next bytes on that
     connection (its reply) are swallowed and both sides closed: a reply lost after the
-    command ran, the worst moment for a retry."""
+    command ran, the worst moment for a retry. ``black = True``: every byte either way
+    is swallowed and connections stay open, as through a path that drops packets."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.marker = b""
         self.arms = 0
         self.cuts = 0
+        self.black = False
         self.tasks: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> CutProxy:
@@ -339,6 +341,8 @@ class CutProxy:
             async def up() -> None:
                 nonlocal cut
                 while data := await cr.read(65536):
+                    if self.black:
+                        continue
                     if self.arms and self.marker in data:
                         self.arms -= 1
                         cut = True
@@ -347,6 +351,8 @@ class CutProxy:
 
             async def down() -> None:
                 while data := await sr.read(65536):
+                    if self.black:
+                        continue
                     if cut:
                         self.cuts += 1
                         return

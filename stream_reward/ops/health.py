@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from stream_reward.ops.settings import Settings
 from stream_reward.ops.status import read_heartbeats
 from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url
@@ -17,11 +19,14 @@ async def check_health(settings: Settings, *, consumer: str | None = None) -> tu
     url = settings.require_redis()
     interval = settings["consumer.heartbeat_interval_s"]
     group = settings["connection.group"] if settings.is_set("connection.group") else None
-    client = connect(url, socket_timeout=5)
+    timeout_s = settings["connection.timeout_s"]
+    client = connect(url, timeout_s=timeout_s)
     try:
         beats = await read_heartbeats(client, Keys(settings.namespace), interval_s=interval)
     except REDIS_ERRORS as exc:
-        return False, f"cannot read heartbeats from {mask_url(url)}: {type(exc).__name__}"
+        if isinstance(exc, RedisTimeoutError):
+            return False, f"unhealthy: cannot reach Redis at {mask_url(url)}: no reply within {timeout_s:g}s"
+        return False, f"unhealthy: cannot reach Redis at {mask_url(url)}: {type(exc).__name__}"
     finally:
         await client.aclose()
     matching = {

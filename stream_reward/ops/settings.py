@@ -4,7 +4,7 @@ Precedence, lowest first: built-in defaults < the config file < ``STREAM_REWARD_
 environment variables < command-line flags. The file is TOML (``.toml``, read
 with ``tomllib``, ``tomli`` before 3.11), YAML (``.yaml``/``.yml``) or JSON, with these sections::
 
-    [connection]   redis, namespace, group, partitions, allow_eviction
+    [connection]   redis, namespace, group, partitions, allow_eviction, timeout_s
     [reward]       ManagerConfig, by verl's key names: manager, scorer, timeout,
                    retries, reward_kwargs, overlong_buffer_cfg, max_resp_len, ...
     [[reward.components]]  name, scorer, weight, timeout_s, required, skip_unless,
@@ -101,6 +101,7 @@ class _ConnectionSection:
     group: str = DEFAULT_GROUP
     partitions: int = 1
     allow_eviction: bool = False  # run on a server whose maxmemory-policy may evict keys
+    timeout_s: float = 5.0  # a Redis round trip not answered within this is a fault (blocking reads: BLOCK on top)
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -443,6 +444,7 @@ def _validate(settings: Settings) -> None:
         )
     check_namespace(conn["namespace"], "connection.namespace")
     _at_least(v, "connection.partitions", 1)
+    _positive(v, "connection.timeout_s")
     reward = v["reward"]
     _positive(v, "reward.timeout")
     _at_least(v, "reward.retries", 0)

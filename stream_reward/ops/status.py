@@ -27,7 +27,7 @@ from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.connection import connect, mask_url
 from stream_reward.wire.deadletter import decode_dead_letter
 from stream_reward.wire.entries import group_state
-from stream_reward.wire.heartbeat import parse_heartbeats
+from stream_reward.wire.heartbeat import parse_heartbeats, server_time
 from stream_reward.wire.heartbeat import text as _s
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.lag import read_partition_lags
@@ -38,8 +38,9 @@ __all__ = ["read_status", "read_heartbeats", "render_status", "record_batch"]
 async def read_heartbeats(
     client: Any, keys: Keys, *, interval_s: float = 2.0, now: float | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Consumer name -> its heartbeat record, with ``age_s`` and ``alive`` added."""
-    now = time.time() if now is None else now
+    """Consumer name -> its heartbeat record, with ``age_s`` and ``alive`` added; ages on
+    the server's clock unless ``now`` is given."""
+    now = await server_time(client) if now is None else now
     return parse_heartbeats(await client.hgetall(keys.workers()), interval_s=interval_s, now=now)
 
 
@@ -281,7 +282,7 @@ async def read_status(
             value = await client.hget(bkeys.batch_meta(_s(raw)), "partitions")
             if value is not None:
                 declared.append(int(value))
-        beats = await read_heartbeats(client, bkeys, interval_s=heartbeat_interval_s, now=now)
+        beats = await read_heartbeats(client, bkeys, interval_s=heartbeat_interval_s)
         # Partition tags depend on P, so P cannot be probed from key names: take
         # what open batches and live workers declare.
         declared += [int(beat.get("partitions", 1) or 1) for beat in beats.values()]

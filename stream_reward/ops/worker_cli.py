@@ -53,6 +53,7 @@ FLAG_KEYS: dict[str, str] = {
     "group": "connection.group",
     "partitions": "connection.partitions",
     "allow_eviction": "connection.allow_eviction",
+    "redis_timeout_s": "connection.timeout_s",
     "scorer": "reward.scorer",
     "manager": "reward.manager",
     "timeout_s": "reward.timeout",
@@ -180,6 +181,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="key namespace" + d("connection.namespace"))
     parser.add_argument("--group", default=None, help="consumer group, one per scorer pool" + d("connection.group"))
     parser.add_argument("--partitions", type=int, default=None, help=d("connection.partitions").strip())
+    parser.add_argument(
+        "--redis-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a Redis round trip may take before it counts as a fault" + d("connection.timeout_s"),
+    )
     add_allow_eviction(parser)
     parser.add_argument(
         "--scorer",

@@ -42,7 +42,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from stream_reward.errors import BrokerError
+from stream_reward.errors import BrokerError, RedisUnavailableError
 
 __all__ = [
     "connect",
@@ -202,8 +202,18 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def connect(url: str, *, cluster: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Any:
     """A redis-py asyncio client for ``url``; bytes in, bytes out.
+
+    Every round trip has a deadline: connecting and each reply take at most
+    ``timeout_s`` (a blocking XREAD/XREADGROUP: its BLOCK on top, see
+    ``entries.read_streams``), after which the command raises redis-py's
+    TimeoutError. A timed-out command is not retried inside redis-py (its retries
+    would stretch one stopped server to four timeouts and more); it is the
+    caller's to retry or to give up on with RedisUnavailableError.
 
     A ``redis+cluster://host:port`` URL (any one node) gives a ``RedisCluster``
     client: it finds the other nodes itself and routes each command by key slot.
@@ -212,14 +222,18 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> Any:
     caller's to wait out (see ``with_reconnect``), because only the caller knows
     whether a command may safely be sent again.
     """
-    retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3)
+    # Only a lost connection is retried here (a reconnect is quick or fails fast); a
+    # server that does not answer has had its timeout_s.
+    retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3, supported_errors=(RedisConnectionError,))
     options: dict[str, Any] = {
         "decode_responses": False,
         "protocol": 2,  # reply shapes the code parses; RESP3 gives no speed-up here
         "retry": retry,
         "health_check_interval": 30,
-        "socket_connect_timeout": 5,
+        "socket_connect_timeout": timeout_s if timeout_s else 5,
     }
+    if not (cluster or is_cluster_url(url)):
+        options["socket_timeout"] = timeout_s
     options.update(kwargs)
     try:
         if cluster or is_cluster_url(url):
@@ -296,7 +310,9 @@ async def with_reconnect(
     # during one outage are one warning, then a summary now and then.
     limiter = _LIMITERS.setdefault(what, LogLimiter(log))
     failed = False
+    attempt_s = 0.0  # the longest failed attempt: one that ends in a timeout takes timeout_s
     while True:
+        began = loop.time()
         try:
             result = await op()
             if failed:
@@ -307,9 +323,20 @@ async def with_reconnect(
                 raise permanent_error(exc) from None
             if not is_transient(exc):
                 raise
-            elapsed = loop.time() - start
-            if (give_up_after_s is not None and elapsed >= give_up_after_s) or (stop is not None and stop.is_set()):
-                raise BrokerError(f"{what}: for {elapsed:.1f}s, {fault_text(exc)}") from None
+            now = loop.time()
+            elapsed = now - start
+            attempt_s = max(attempt_s, now - began)
+            # Give up before an attempt that would end past the give-up, not after it: a
+            # stopped server costs timeout_s an attempt, and the bound is the caller's.
+            out_of_time = give_up_after_s is not None and elapsed + attempt_s >= give_up_after_s
+            if out_of_time or (stop is not None and stop.is_set()):
+                if stop is not None and stop.is_set():
+                    raise BrokerError(f"{what}: for {elapsed:.1f}s, {fault_text(exc)}") from None
+                # A finite give-up ran out while Redis kept failing: the caller is told
+                # Redis is gone, not left to read a generic broker fault.
+                raise RedisUnavailableError(
+                    f"{what}: no reply from Redis for {elapsed:.1f}s, {fault_text(exc)}"
+                ) from None
             failed = True
             limiter.warning("%s: %s; retrying", what, fault_text(exc))
             pause = delay * (0.5 + random.random())
@@ -360,6 +387,9 @@ def redis_errors(what: str) -> Iterator[None]:
     except REDIS_ERRORS as exc:
         if is_permanent(exc):
             raise BrokerError(f"{what}: {permanent_error(exc)}") from exc
+        if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+            # No round trip completed (refused, reset, or no reply within timeout_s).
+            raise RedisUnavailableError(f"{what}: {fault_text(exc)}") from exc
         raise BrokerError(
             f"{what}: {fault_text(exc) if is_transient(exc) else f'{type(exc).__name__}: Redis refused it'}"
         ) from exc

@@ -27,6 +27,7 @@ GETKEYS, a second round trip) before every read.
 from __future__ import annotations
 
 import io
+import math
 import re
 from typing import TYPE_CHECKING, Any, cast
 
@@ -345,9 +346,13 @@ async def read_group(
         args: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
         if block is not None:
             args += ["BLOCK", block]
-        return _stream_reply(await lane.call([pack_command(*args, "STREAMS", *streams.keys(), *streams.values())]))
+        packed = [pack_command(*args, "STREAMS", *streams.keys(), *streams.values())]
+        return _stream_reply(await lane.call(packed, block_s=_block_s(block)))
     if not is_cluster(client):
-        return await client.xreadgroup(group, consumer, streams, count=count, block=block)
+        args = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
+        if block is not None:
+            args += ["BLOCK", block]
+        return await _blocking_read(client, [*args, "STREAMS", *streams.keys(), *streams.values()], block)
     routed: list[Any] = ["GROUP", group, consumer, "COUNT", count]
     if block is not None:
         routed += ["BLOCK", block]
@@ -363,13 +368,48 @@ async def read_streams(
         args: list[Any] = ["XREAD", "COUNT", count]
         if block is not None:
             args += ["BLOCK", block]
-        return _stream_reply(await lane.call([pack_command(*args, "STREAMS", *streams.keys(), *streams.values())]))
+        packed = [pack_command(*args, "STREAMS", *streams.keys(), *streams.values())]
+        return _stream_reply(await lane.call(packed, block_s=_block_s(block)))
     if not is_cluster(client):
-        return await client.xread(streams, count=count, block=block)
+        args = ["XREAD", "COUNT", count]
+        if block is not None:
+            args += ["BLOCK", block]
+        return await _blocking_read(client, [*args, "STREAMS", *streams.keys(), *streams.values()], block)
     routed: list[Any] = ["COUNT", count]
     if block is not None:
         routed += ["BLOCK", block]
     return await _routed(client, "XREAD", routed, streams)
+
+
+def _block_s(block: int | None) -> float | None:
+    """How long a read may wait on the server beyond the reply timeout (None: for ever)."""
+    if block is None:
+        return 0.0
+    return None if block == 0 else block / 1000
+
+
+async def _blocking_read(client: Any, args: list[Any], block: int | None) -> Any:
+    """``args`` (an XREAD or XREADGROUP) on one of ``client``'s pooled connections, its
+    reply awaited for the connection's socket timeout plus the BLOCK: the socket timeout
+    alone would cut every read that blocks longer. No redis-py retry: the callers' loops
+    decide whether to read again."""
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+    try:
+        extra = _block_s(block)
+        base = conn.socket_timeout
+        timeout = math.inf if base is None or extra is None else base + extra
+        await conn.send_command(*args)
+        reply = await conn.read_response(timeout=timeout)
+    except ResponseError:
+        raise  # an error reply (NOGROUP, ...): the connection is in step
+    except BaseException:
+        await conn.disconnect()  # a reply may still come: never reuse this connection
+        raise
+    finally:
+        await pool.release(conn)
+    callback = client.response_callbacks.get(args[0])
+    return reply if callback is None else callback(reply)
 
 
 def _stream_reply(replies: list[Any]) -> Any:

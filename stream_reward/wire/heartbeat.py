@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["ALIVE_FACTOR", "encode_heartbeat", "decode_heartbeat", "parse_heartbeats", "text"]
+__all__ = ["ALIVE_FACTOR", "encode_heartbeat", "decode_heartbeat", "parse_heartbeats", "server_time", "text"]
 
 ALIVE_FACTOR = 3  # a heartbeat older than this many intervals means the worker is not alive
 
@@ -31,8 +31,16 @@ def _text_tree(value: Any) -> Any:
     return text(value)
 
 
+async def server_time(client: Any) -> float:
+    """The Redis server's clock (TIME), in seconds: the one clock every process shares.
+    A heartbeat's ``seen`` and every age judged from it use it, so a client whose own
+    clock is off (an hour behind, an hour ahead) is judged by when Redis saw it."""
+    seconds, micros = await client.time()
+    return int(seconds) + int(micros) / 1e6
+
+
 def encode_heartbeat(beat: Mapping[str, Any]) -> bytes:
-    """``beat`` holds at least ``seen`` (wall-clock seconds); the rest is the worker's counters."""
+    """``beat`` holds at least ``seen`` (the server's clock, see ``server_time``); the rest is the worker's counters."""
     return msgpack.packb(dict(beat))
 
 

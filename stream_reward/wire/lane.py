@@ -33,6 +33,7 @@ from redis._parsers.base import BaseParser
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from stream_reward.wire.connection import is_cluster
 from stream_reward.wire.packed import pack_command
@@ -45,12 +46,14 @@ _CONNECT_TIMEOUT_S = 5.0
 class _Call:
     """One caller's commands in flight: its future and the replies read so far."""
 
-    __slots__ = ("fut", "n", "replies")
+    __slots__ = ("fut", "n", "replies", "sent", "allow")
 
-    def __init__(self, fut: asyncio.Future[list[Any]], n: int) -> None:
+    def __init__(self, fut: asyncio.Future[list[Any]], n: int, sent: float = 0.0, allow: float | None = None) -> None:
         self.fut = fut
         self.n = n
         self.replies: list[Any] = []
+        self.sent = sent  # loop time of the write
+        self.allow = allow  # seconds its first reply byte may take (None: no deadline)
 
 
 class _Protocol(asyncio.Protocol):
@@ -59,13 +62,22 @@ class _Protocol(asyncio.Protocol):
         self.reader = hiredis.Reader()
         self.calls: deque[_Call] = deque()
         self.lost: BaseException | None = None
+        # Liveness: the oldest call in flight must see the server's bytes within its
+        # allowance, counted from its write or the last bytes read, whichever is later
+        # (a long queue of big replies is progress, not a stall). One watch timer per
+        # connection while calls are in flight, not one per call.
+        self.last_read = 0.0
+        self.watch: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         reader = self.reader
         calls = self.calls
+        if self.watch is not None:
+            self.last_read = self.loop.time()
         reader.feed(data)
         while calls:
             try:
@@ -90,9 +102,40 @@ class _Protocol(asyncio.Protocol):
     def _fail(self, error: BaseException) -> None:
         self.lost = error
         while self.calls:
-            fut = self.calls.popleft().fut
-            if not fut.done():
-                fut.set_exception(error)
+            call = self.calls.popleft()
+            if not call.fut.done():
+                call.fut.set_exception(error)
+        if self.watch is not None:
+            self.watch.cancel()
+            self.watch = None
+
+    def arm(self, loop: asyncio.AbstractEventLoop, allow: float) -> None:
+        if self.watch is None and self.lost is None:
+            self.watch = loop.call_later(allow, self.check, loop)
+
+    def check(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The watch: expire the connection if its oldest call stalled, else look again
+        when it would have."""
+        self.watch = None
+        if not self.calls or self.lost is not None:
+            return
+        head = self.calls[0]
+        if head.allow is None:  # blocks for ever on the server: nothing to judge
+            return
+        due = max(self.last_read, head.sent) + head.allow
+        now = loop.time()
+        if now >= due:
+            self.expire(head.allow)
+        else:
+            self.watch = loop.call_later(due - now, self.check, loop)
+
+    def expire(self, timeout_s: float) -> None:
+        """A call's reply did not come in time: the server is stopped or the path drops
+        packets. The connection is given up (its replies could only arrive out of step
+        with the calls now), every call on it fails, and the next call connects again."""
+        self._fail(RedisTimeoutError(f"no reply from Redis within {timeout_s:g}s"))
+        if self.transport is not None:
+            self.transport.abort()
 
 
 def _error(reply: hiredis.ReplyError) -> BaseException:
@@ -127,12 +170,15 @@ class Lane:
             return None
         address = {k: kwargs.get(k) for k in ("host", "port", "path", "db", "username", "password", "client_name")}
         address["connect_timeout"] = kwargs.get("socket_connect_timeout") or _CONNECT_TIMEOUT_S
+        address["reply_timeout"] = kwargs.get("socket_timeout")  # connect's timeout_s; None: wait
         return Lane(address)
 
-    async def call(self, commands: list[bytes]) -> list[Any]:
+    async def call(self, commands: list[bytes], block_s: float | None = 0.0) -> list[Any]:
         """Send packed ``commands`` in one write; their replies in order, an error reply as
         its exception (not raised). Raises redis-py's ConnectionError if the connection is
-        lost before all replies came (the commands may or may not have run)."""
+        lost before all replies came, and its TimeoutError if they did not come within the
+        lane's reply timeout (plus ``block_s``, for a command that blocks on the server;
+        None: one that may block for ever); the commands may or may not have run."""
         if not commands:  # no reply would ever complete it, and every later call would queue behind
             return []
         protocol = self._protocol
@@ -142,8 +188,16 @@ class Lane:
                 protocol = await self._connect()
                 if protocol.lost is not None:
                     raise protocol.lost
-        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        protocol.calls.append(_Call(fut, len(commands)))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[Any]] = loop.create_future()
+        timeout = self._address.get("reply_timeout")
+        if timeout:
+            allow = None if block_s is None else timeout + block_s
+            protocol.calls.append(_Call(fut, len(commands), loop.time(), allow))
+            if allow is not None:
+                protocol.arm(loop, allow)
+        else:
+            protocol.calls.append(_Call(fut, len(commands)))
         transport = protocol.transport
         assert transport is not None
         transport.writelines(commands)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 
 from stream_reward.wire.codec import PROTOCOL_VERSION
 from stream_reward.wire.connection import (
     REDIS_ERRORS,
 )
-from stream_reward.wire.heartbeat import encode_heartbeat
+from stream_reward.wire.heartbeat import encode_heartbeat, server_time
 from stream_reward.worker.state import WorkerState, sleep_unless
 
 __all__ = ["Housekeeping"]
@@ -72,7 +71,9 @@ class Housekeeping(WorkerState):
             self._stale_notes.discard((key, note))
 
     async def _heartbeat(self) -> None:
-        now = time.time()
+        # A round trip first: a worker that cannot reach Redis writes no heartbeat and
+        # goes stale for the others, and ``seen`` is when the server saw it.
+        now = await server_time(self._client)
         settled = self.stats.scored + self.stats.failed
         # Samples settled per second over the last minute, from the heartbeats' own history.
         self._beats.append((now, settled))

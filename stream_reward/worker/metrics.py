@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from stream_reward.wire.connection import REDIS_ERRORS, connect, mask_url
-from stream_reward.wire.heartbeat import parse_heartbeats
+from stream_reward.wire.heartbeat import parse_heartbeats, server_time
 from stream_reward.wire.keys import Keys
 from stream_reward.wire.lag import read_group_lags
 from stream_reward.wire.trajectory import ScoreResult
@@ -156,7 +156,7 @@ class WorkerMetrics:
         for p in range(keys.partitions):
             snap["dlq"].append((keys.dead_letters(p), int(await client.xlen(keys.dead_letters(p)))))
         beats = parse_heartbeats(
-            await client.hgetall(keys.workers()), interval_s=self.heartbeat_interval_s, now=time.time()
+            await client.hgetall(keys.workers()), interval_s=self.heartbeat_interval_s, now=await server_time(client)
         )
         snap["workers_alive"] = sum(beat["alive"] for beat in beats.values())
         snap["open_batches"] = int(await client.zcard(keys.batches()))

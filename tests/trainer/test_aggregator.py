@@ -926,3 +926,26 @@ async def test_a_batch_forgotten_by_another_aggregator_mid_collect_says_forgotte
             await other.forget("b")
         with pytest.raises(ConfigError, match="forgotten while being collected"):
             await anext(results)
+@pytest.mark.anyio
+async def test_collect_raises_redis_unavailable_within_60s_when_redis_is_black_holed(namespace):
+    """collect with a long timeout: a server that stops answering is an error within the
+    liveness bound (60 s, retries included), not a wait for the collect timeout."""
+    from helpers import CutProxy, exact_traj
+
+    from stream_reward.errors import RedisUnavailableError
+    from stream_reward.ops.embedded import EmbeddedServer
+
+    with EmbeddedServer() as server:
+        async with CutProxy(server.url[len("unix://") :]) as proxy:
+            async with producer_and_aggregator(proxy.url, namespace) as (producer, agg):
+                await producer.open_batch("b1", 4, 8)
+                await producer.push(exact_traj("b1", 0))
+                proxy.black = True
+                loop = asyncio.get_running_loop()
+                start = loop.time()
+                try:
+                    with pytest.raises(RedisUnavailableError):
+                        await asyncio.wait_for(agg.collect("b1", timeout_s=600), 120)
+                    assert loop.time() - start <= 62  # 60 s and the scheduling slack of a loaded host
+                finally:
+                    proxy.black = False

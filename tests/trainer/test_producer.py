@@ -673,3 +673,37 @@ def test_producer_samples_per_entry_is_configurable_as_documented(tmp_path, clea
     path = tmp_path / "c.toml"
     path.write_text("[producer]\nsamples_per_entry = 4\n")
     assert load_settings(path, env={}).producer_config().samples_per_entry == 4
+
+
+@pytest.mark.parametrize("fault", ["black_hole", "sigstop"])
+async def test_push_many_and_open_batch_raise_redis_unavailable_when_redis_stops_answering(namespace, fault):
+    """A server that stops answering is a RedisUnavailableError within seconds, not a hang."""
+    import os
+    import signal
+
+    from helpers import CutProxy, exact_traj
+
+    from stream_reward.errors import RedisUnavailableError
+
+    with EmbeddedServer() as server:  # its own server: the session's is never stopped
+        async with CutProxy(server.url[len("unix://") :]) as proxy:
+            async with RolloutProducer(proxy.url, ProducerConfig(namespace=namespace)) as producer:
+                await producer.open_batch("b1", 4, 8)
+                await producer.push(exact_traj("b1", 0))
+                if fault == "black_hole":
+                    proxy.black = True
+                else:
+                    assert server.pid is not None
+                    os.kill(server.pid, signal.SIGSTOP)
+                loop = asyncio.get_running_loop()
+                try:
+                    start = loop.time()
+                    with pytest.raises(RedisUnavailableError, match="Redis unreachable"):
+                        await asyncio.wait_for(producer.push_many([exact_traj("b1", i) for i in (1, 2)]), 90)
+                    with pytest.raises(RedisUnavailableError, match="b2"):
+                        await asyncio.wait_for(producer.open_batch("b2", 4, 8), 90)
+                    assert loop.time() - start < 60
+                finally:
+                    if fault == "sigstop":
+                        os.kill(server.pid, signal.SIGCONT)
+                    proxy.black = False

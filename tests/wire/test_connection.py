@@ -125,3 +125,80 @@ async def test_wrong_password_is_permanent_in_with_reconnect(namespace):
             assert time.monotonic() - started < 3
         finally:
             await client.aclose()
+
+
+async def test_a_black_holed_command_times_out_instead_of_hanging(redis_url):
+    """A server that stops answering: each round trip ends after timeout_s, not never."""
+    from helpers import CutProxy
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from stream_reward.wire.connection import connect
+
+    async with CutProxy(redis_url[len("unix://") :]) as proxy:
+        client = connect(proxy.url, timeout_s=0.5)
+        try:
+            await client.ping()
+            proxy.black = True
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(RedisTimeoutError):
+                await asyncio.wait_for(client.set(b"k", b"v"), 30)  # the old client: TimeoutError here after 30s
+            assert loop.time() - start < 10  # one timeout, not redis-py's retries of it
+        finally:
+            await client.aclose()
+
+
+async def test_a_black_holed_lane_call_times_out_instead_of_hanging(redis_url):
+    """The lane (the hot path's own connection) has the same deadline per call."""
+    from helpers import CutProxy
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from stream_reward.wire.connection import connect
+    from stream_reward.wire.lane import Lane
+    from stream_reward.wire.packed import pack_command
+
+    async with CutProxy(redis_url[len("unix://") :]) as proxy:
+        client = connect(proxy.url, timeout_s=0.5)
+        lane = Lane.for_client(client)
+        assert lane is not None
+        try:
+            assert await lane.call([pack_command("PING")]) == [b"PONG"]
+            proxy.black = True
+            with pytest.raises(RedisTimeoutError):
+                await asyncio.wait_for(lane.call([pack_command("PING")]), 30)
+            proxy.black = False
+            assert await lane.call([pack_command("PING")]) == [b"PONG"]  # connects again
+        finally:
+            lane.close()
+            await client.aclose()
+
+
+@pytest.mark.parametrize("on_lane", [False, True])
+async def test_a_blocking_read_is_not_cut_by_the_reply_timeout(redis_url, namespace, on_lane):
+    """XREAD BLOCK longer than timeout_s waits out its BLOCK: the deadline is BLOCK + timeout_s."""
+    from stream_reward.wire.connection import connect
+    from stream_reward.wire.entries import read_streams
+    from stream_reward.wire.lane import Lane
+
+    client = connect(redis_url, timeout_s=0.3)
+    lane = Lane.for_client(client) if on_lane else None
+    try:
+        reply = await read_streams(client, {f"{namespace}:nothing": "$"}, count=1, block=1200, lane=lane)
+        assert reply in (None, [])
+    finally:
+        if lane is not None:
+            lane.close()
+        await client.aclose()
+
+
+async def test_a_finite_give_up_raises_redis_unavailable_naming_what(caplog):
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from stream_reward.errors import RedisUnavailableError
+    from stream_reward.wire.connection import with_reconnect
+
+    async def silent() -> None:
+        raise RedisTimeoutError("no reply from Redis within 5s")
+
+    with pytest.raises(RedisUnavailableError, match="open batch b1"):
+        await with_reconnect(silent, what="open batch b1", give_up_after_s=0.3)

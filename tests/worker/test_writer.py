@@ -231,7 +231,7 @@ async def test_a_client_pause_under_the_flushes_then_a_stop_returns_in_time_and_
     with EmbeddedServer() as server:
         url = server.url
         await push_exact(url, namespace, "ps", 12)
-        admin = connect(url)
+        admin = connect(url, timeout_s=None)  # its UNPAUSE may wait out the pause (ALL holds it too)
         scorer = Counting(first=0.2, later=0.0)
         w = Worker(url, scorer, stop_config(namespace, "w1"))
         stop = asyncio.Event()
