@@ -141,6 +141,11 @@ class EmbeddedServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def temp_dir(self) -> str | None:
+        """The server's 0700 dir (socket, logs), removed by ``stop()``; None when stopped."""
+        return self._tmp
+
     def start(self) -> EmbeddedServer:
         if self._proc is not None:
             return self
