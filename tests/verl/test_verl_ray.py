@@ -334,7 +334,7 @@ def test_shared_actor_exits_cleanly_within_5s_once_the_reward_workers_end(local_
     gone = before.wait_gone()
     assert not shared_actors()
     cause = death_cause(name)
-    assert "SYSTEM_ERROR" not in cause and "exit_actor" in cause, cause
+    assert "Worker exit type: INTENDED_USER_EXIT" in cause and "SYSTEM_ERROR" not in cause, cause
     print(f"workers ended: actor, Redis, workers and temp dir gone in {gone:.2f} s")
 
 
