@@ -8,12 +8,14 @@ quota eight ways and start eight times the processes, so:
   anywhere (``stream-reward worker``), or ``num_workers`` local ones per manager.
 * Ray running (the verl job): one server and one worker pool for the whole job. The
   first manager creates a named detached actor (``SharedPipeline``, named by the job
-  id and the worker options) that starts the server on TCP with a random password and
-  ``num_workers`` worker processes (default 2); every other manager finds it by name.
-  Each manager holds a lease it renews from a thread; when no lease is renewed for
-  ``server_lease_s`` (the job ended, every RewardLoopWorker is gone) the actor stops
-  its workers and server and exits. Detached, so it does not die with whichever actor
-  happened to create it; the lease, not Ray's ownership, ties it to the job.
+  id and the worker options, ``stream_reward.verl.shared``) that starts the server on
+  TCP with a random password and ``num_workers`` worker processes (default 2); every
+  other manager finds it by name. Detached, so it does not die with whichever actor
+  happened to create it; its holders, not Ray's ownership, tie it to the job: it ends
+  once the last manager is gone (its process, on this node; its lease of
+  ``server_lease_s``, elsewhere; or its ``close()``). Each manager keeps a ``hold()``
+  call pending on it and learns of its death within a second; it then joins or
+  creates the next actor by the same name (``_SharedLease.recover``).
   It listens on ``server_host`` (default loopback) of the node where it started: a
   multi-node job sets ``server_host`` to an address other nodes reach (or a redis_url).
 * No Ray (in-process use, tests): a private server on a unix socket and local workers,
@@ -215,7 +217,7 @@ class _SharedLease:
 
     def _on_lost(self, generation: int, done: Any) -> None:
         error = done.exception()
-        cause = f"it died: {_first_line(error)}" if error is not None else "it retired"
+        cause = f"it died: {_first_line(error)}" if error is not None else f"it stopped: {done.result()}"
         with self._lock:
             self._lost[generation] = f"the job's shared stream-reward actor {self._name} is gone ({cause})"
 

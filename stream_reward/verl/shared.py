@@ -16,7 +16,8 @@ others. What it promises:
   gone: a SIGKILL, or ``ray.shutdown()`` taking the node down.
 * **A dead actor is replaced, not restarted by Ray**: the next manager that needs it
   finds the name free and creates a new one (a new server: a new URL); managers re-push
-  what was in flight (``stream_reward.verl.loop``).
+  what was in flight (``stream_reward.verl.loop``). An actor whose Redis or every
+  worker exited retires the same way, with that cause, so it is replaced too.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from stream_reward.errors import WorkersDiedError
 from stream_reward.ops.pipeline import LocalPipeline
 from stream_reward.ops.reaper import Reaper, start_time
 
@@ -63,6 +65,7 @@ class SharedPipeline:
         self._stopping = False
         self._ever_held = False
         self._retiring = threading.Event()
+        self._cause = ""  # why it retires, for the managers holding it
         self._error = ""
         self._server: Any = None
         self._pipeline: LocalPipeline | None = None
@@ -126,10 +129,11 @@ class SharedPipeline:
             "node_id": self.node_id,
         }
 
-    def hold(self) -> None:
-        """Returns when the actor retires; a manager's pending call fails the moment the
-        actor dies: how managers learn of it within a second, whatever Redis does."""
+    def hold(self) -> str:
+        """Returns why the actor retires; a manager's pending call fails the moment the
+        actor dies: how managers learn of either within a second, whatever Redis does."""
         self._retiring.wait()
+        return self._cause
 
     def exit(self) -> None:
         """Called by the actor on itself once it cleaned up: an intended exit for Ray."""
@@ -138,7 +142,29 @@ class SharedPipeline:
         ray.actor.exit_actor()
 
     # ------------------------------------------------------------ retiring
+    def _broken(self) -> str:
+        """Why this actor can score nothing any more, or "" while it can: its Redis or
+        every worker exited (SIGKILLed, the OOM killer, a scorer crashing each worker)."""
+        if self._error or self._server is None or self._pipeline is None:
+            return ""  # never started: every join reports that instead
+        code = self._server.returncode
+        if code is not None:
+            return f"its Redis server exited (code {code})"
+        try:
+            self._pipeline.check_workers()
+        except WorkersDiedError as exc:
+            return str(exc)
+        return ""
+
     def _held(self, now: float) -> bool:
+        broken = self._broken()
+        if broken:
+            # Replaced rather than repaired: the samples it held went with its Redis or
+            # its workers, and the managers re-send them to whichever actor comes next.
+            with self._lock:
+                self._stopping = True
+                self._cause = broken
+            return False
         with self._lock:
             for client, (pid, start) in list(self._local.items()):
                 if start_time(pid) != start:  # that process is gone: its hold ends now
@@ -150,13 +176,14 @@ class SharedPipeline:
                 return True
             if self._ever_held or now - self._started > self._lease_s:
                 self._stopping = True
+                self._cause = "no manager holds it"
                 return False
             return True
 
     def _watch(self) -> None:
         while self._held(time.monotonic()):
             time.sleep(_POLL_S)
-        log.info("no stream-reward manager holds the shared server any more: stopping it")
+        log.warning("the job's shared stream-reward server stops: %s", self._cause)
         self._retire()
 
     def _retire(self) -> None:

@@ -2,8 +2,8 @@
 local Ray: the same rm_scores as verl's naive manager, one shared server for the job;
 the same reward_extra_info columns from every actor, whatever samples each saw (a
 custom function failing on every sample of one actor, a composite component's own key
-on the first sample only); the shared actor SIGKILLed mid-step is replaced and the
-step's scores stay right; and once the job's reward workers end, or Ray shuts down,
+on the first sample only); the shared actor, its Redis or all its workers SIGKILLed
+mid-step: the actor is replaced and the step's scores stay right; and once the job's reward workers end, or Ray shuts down,
 the actor and everything it started are gone within 5 s, with no SYSTEM_ERROR.
 
 One local Ray for the module (slow to start on a small machine); the test that shuts
@@ -281,9 +281,18 @@ def gated_manager(compose, tmp_path: Path) -> tuple[RewardLoopManager, Path, Pat
     return manager, started, gate
 
 
+def victims(old: Started, what: str) -> list[int]:
+    if what == "actor":
+        return [old.info["pid"]]
+    if what == "redis":
+        return [old.info["server_pid"]]
+    return [p.pid for p in old.procs if "stream_reward.worker" in " ".join(p.cmdline())]
+
+
 @pytest.mark.timeout(600)
-def test_shared_actor_sigkilled_mid_step_is_replaced_and_the_step_scores_right(
-    local_ray, compose, tokenizer, tmp_path
+@pytest.mark.parametrize("what", ["actor", "redis", "workers"])
+def test_shared_pipeline_sigkilled_mid_step_is_replaced_and_the_step_scores_right(
+    local_ray, compose, tokenizer, tmp_path, what
 ) -> None:
     data = make_batch(tokenizer, ROWS)
     manager, started, gate = gated_manager(compose, tmp_path)
@@ -301,8 +310,12 @@ def test_shared_actor_sigkilled_mid_step_is_replaced_and_the_step_scores_right(
         thread = threading.Thread(target=step)
         thread.start()
         wait_until(lambda: started.read_text().strip())  # samples are being scored: the step is in flight
-        os.kill(old.info["pid"], signal.SIGKILL)
+        for pid in victims(old, what):
+            os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
+        # Everything the old actor started is gone before any sample may finish: no
+        # result can come from the old pipeline, so every one comes through the new one.
+        gone = old.wait_gone()
         gate.write_text("")
         thread.join(timeout=120)
         took = time.monotonic() - killed
@@ -313,11 +326,10 @@ def test_shared_actor_sigkilled_mid_step_is_replaced_and_the_step_scores_right(
         assert torch.equal(got.batch["rm_scores"], expected)  # no 0.0 standing in for a score
         assert list(got.non_tensor_batch["reward_failed"]) == [0.0] * len(data)
         assert took < 60, f"the step took {took:.1f} s after the kill"
-        gone = old.wait_gone()  # the old Redis, workers, scorer children and temp dir, although nothing cleaned up
         (new_name,) = [a["name"] for a in shared_actors()]
         new = ray.get(ray.get_actor(new_name, namespace=RAY_NAMESPACE).info.remote())
         assert new["pid"] != old.info["pid"] and new["clients"] == 2
-        print(f"actor SIGKILL: step done {took:.1f} s after the kill; old processes and dir gone in {gone:.2f} s")
+        print(f"{what} SIGKILL: step done {took:.1f} s after the kill; old processes and dir gone after {gone:.2f} s")
     finally:
         stop_workers(manager)
     wait_until(lambda: not shared_actors())
