@@ -141,6 +141,16 @@ class EmbeddedServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit code once it exited on its own (killed, crashed); None while it runs."""
+        return self._proc.poll() if self._proc else None
+
+    @property
+    def temp_dir(self) -> str | None:
+        """The server's 0700 dir (socket, logs), removed by ``stop()``; None when stopped."""
+        return self._tmp
+
     def start(self) -> EmbeddedServer:
         if self._proc is not None:
             return self

@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# How often one sample goes again after its server was replaced (the shared actor died).
+_RECOVERIES = 2
+_WATCH_S = 1.0  # how often a window in flight asks whether its pipeline is gone
+
 
 class StreamRewardLoopManager:
     """A verl 0.9.1 reward-loop manager whose scoring runs on stream-reward workers.
@@ -97,6 +101,7 @@ class StreamRewardLoopManager:
         self._closed = False
         self._producer: Any = None
         self._aggregator: RewardAggregator | None = None
+        self._recovering: asyncio.Lock | None = None  # made on the manager's loop, where it is used
         try:
             self._placement = attach(self.options)
         except BaseException:
@@ -180,6 +185,25 @@ class StreamRewardLoopManager:
             self._aggregator = RewardAggregator(self._placement.url, namespace=namespace)
         assert self._aggregator is not None
         return self._producer, self._aggregator
+
+    async def _recover(self, failed_url: str) -> bool:
+        """After a window failed on ``failed_url``: True when the samples can go again, to
+        a server that replaced it (re-attached once for every window that failed on it)."""
+        if self._recovering is None:
+            self._recovering = asyncio.Lock()
+        async with self._recovering:
+            if self._placement.url != failed_url:
+                return True  # another window re-attached already
+            url = await asyncio.to_thread(self._placement.recover)
+            if url is None or url == failed_url:
+                return False
+            self._placement.url = url
+            old = [client for client in (self._producer, self._aggregator) if client is not None]
+            self._producer = self._aggregator = None
+        for client in old:  # connected to a server that is gone: nothing to flush
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.aclose(), timeout=2.0)
+        return True
 
     def _new_batch_id(self) -> str:
         self._counter += 1
@@ -332,43 +356,67 @@ class _Windows:
 
     async def _send(self, window: list[tuple[Trajectory, _Reply]]) -> None:
         manager = self._manager
+        for attempt in range(_RECOVERIES + 1):
+            url = manager._placement.url
+            replies: list[_Reply | None] = [reply for _, reply in window]
+            try:
+                await self._score([traj for traj, _ in window], replies)
+                return
+            except Exception as exc:
+                failure = (
+                    exc if isinstance(exc, StreamRewardError) else StreamRewardError(f"{type(exc).__name__}: {exc}")
+                )
+            # What was not answered yet goes again, to a new server, if the one it went to
+            # was replaced (the job's shared actor died and a new one runs).
+            window = [(traj, reply) for (traj, _), reply in zip(window, replies) if reply is not None]
+            if not window:
+                return
+            if attempt < _RECOVERIES:
+                try:
+                    if await manager._recover(url):
+                        log.warning("re-sending %d samples to the new server", len(window))
+                        continue
+                except StreamRewardError as exc:
+                    failure = StreamRewardError(f"{failure}; and {exc}")
+            manager._deliver([(reply, failure) for _, reply in window])
+            return
+
+    async def _score(self, window: list[Trajectory], replies: list[_Reply | None]) -> None:
+        """One batch: push ``window``, answer each reply as its result lands (setting it
+        to None); raises when the pipeline fails under it."""
+        manager = self._manager
         producer, aggregator = manager._clients()
         batch_id = manager._new_batch_id()
         trajs = [
             dataclasses.replace(traj, batch_id=batch_id, index=i, uid=default_uid(batch_id, i))
-            for i, (traj, _) in enumerate(window)
+            for i, traj in enumerate(window)
         ]
-        replies: list[_Reply | None] = [reply for _, reply in window]
         width = max(traj.max_response_length or 1 for traj in trajs)
+        await producer.open_batch(batch_id, len(trajs), width, policy=manager.options.policy)
+        await producer.push_many(trajs)
+        follow = asyncio.ensure_future(self._follow(aggregator, batch_id, replies))
+        watch = asyncio.ensure_future(_watch_placement(manager))
         try:
-            await producer.open_batch(batch_id, len(trajs), width, policy=manager.options.policy)
-            await producer.push_many(trajs)
-            follow = asyncio.ensure_future(self._follow(aggregator, batch_id, replies))
-            watch = asyncio.ensure_future(_watch_workers(manager))
-            try:
-                await asyncio.wait({follow, watch}, return_when=asyncio.FIRST_COMPLETED)
-                if not follow.done():
-                    raise StreamRewardError("every local worker process exited; see the workers' stderr")
-                follow.result()
-            finally:
-                # The follow is mostly inside a blocking read, where a cancel can be swallowed.
-                await cancel_until_done((follow, watch))
-                self._send_ready()
-            # The stream ends at the batch deadline with samples missing.
-            for i, reply in enumerate(replies):
-                if reply is not None:
-                    replies[i] = None
-                    error = "no result before the batch deadline"
-                    self._reply(
-                        reply, ScoreResult(trajs[i].uid, batch_id, i, 0.0, "failed", reason="deadline", error=error)
-                    )
+            await asyncio.wait({follow, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not follow.done():
+                raise StreamRewardError(watch.result())
+            follow.result()
+        finally:
+            # The follow is mostly inside a blocking read, where a cancel can be swallowed.
+            await cancel_until_done((follow, watch))
             self._send_ready()
-            # Every sample is answered, and nobody collects this batch again: its results go
-            # now (a window of one trajectory otherwise kept ~4.6 KB for collected_ttl_s).
-            await aggregator.forget(batch_id)
-        except Exception as exc:
-            failure = exc if isinstance(exc, StreamRewardError) else StreamRewardError(f"{type(exc).__name__}: {exc}")
-            manager._deliver([(reply, failure) for reply in replies if reply is not None])
+        # The stream ends at the batch deadline with samples missing.
+        for i, reply in enumerate(replies):
+            if reply is not None:
+                replies[i] = None
+                error = "no result before the batch deadline"
+                self._reply(
+                    reply, ScoreResult(trajs[i].uid, batch_id, i, 0.0, "failed", reason="deadline", error=error)
+                )
+        self._send_ready()
+        # Every sample is answered, and nobody collects this batch again: its results go
+        # now (a window of one trajectory otherwise kept ~4.6 KB for collected_ttl_s).
+        await aggregator.forget(batch_id)
 
     async def _follow(self, aggregator: RewardAggregator, batch_id: str, replies: list[_Reply | None]) -> None:
         async for result in aggregator.stream(batch_id):
@@ -377,10 +425,12 @@ class _Windows:
                 self._reply(reply, result)
 
 
-async def _watch_workers(manager: StreamRewardLoopManager) -> None:
-    """Returns when every local worker process has exited (a bad scorer, a crash at start)."""
-    while manager._placement.workers_alive():  # noqa: ASYNC110 - child processes set no event; poll them
-        await asyncio.sleep(1.0)
+async def _watch_placement(manager: StreamRewardLoopManager) -> str:
+    """Returns why the pipeline is gone: every local worker process exited (a bad scorer,
+    a crash at start), or the job's shared actor died."""
+    while (cause := manager._placement.lost()) is None:
+        await asyncio.sleep(_WATCH_S)
+    return cause
 
 
 def _check_buildable(config: ManagerConfig) -> None:
