@@ -926,6 +926,8 @@ async def test_a_batch_forgotten_by_another_aggregator_mid_collect_says_forgotte
             await other.forget("b")
         with pytest.raises(ConfigError, match="forgotten while being collected"):
             await anext(results)
+
+
 @pytest.mark.anyio
 async def test_collect_raises_redis_unavailable_within_60s_when_redis_is_black_holed(namespace):
     """collect with a long timeout: a server that stops answering is an error within the
