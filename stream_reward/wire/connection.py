@@ -205,6 +205,26 @@ def is_cluster(client: Any) -> bool:
 DEFAULT_TIMEOUT_S = 5.0
 
 
+class _LostOnlyRetry(Retry):
+    """redis-py's Retry for lost connections only, never for a server that did not answer.
+
+    Some redis-py releases (8.1) wrap a reply that timed out during the connect's health
+    PING in a ConnectionError, which the retry would then send again: one stopped server
+    cost four timeouts (20 s), not one. Such an error is raised as the TimeoutError it is.
+    """
+
+    async def call_with_retry(self, do: Callable[[], Awaitable[T]], fail: Any, *args: Any, **kwargs: Any) -> T:
+        async def once() -> T:
+            try:
+                return await do()
+            except RedisConnectionError as exc:
+                if isinstance(exc.__cause__, (RedisTimeoutError, asyncio.TimeoutError)):
+                    raise RedisTimeoutError(str(exc)) from exc
+                raise
+
+        return await super().call_with_retry(once, fail, *args, **kwargs)
+
+
 def connect(url: str, *, cluster: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Any:
     """A redis-py asyncio client for ``url``; bytes in, bytes out.
 
@@ -224,7 +244,9 @@ def connect(url: str, *, cluster: bool = False, timeout_s: float | None = DEFAUL
     """
     # Only a lost connection is retried here (a reconnect is quick or fails fast); a
     # server that does not answer has had its timeout_s.
-    retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3, supported_errors=(RedisConnectionError,))
+    retry = _LostOnlyRetry(
+        ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=3, supported_errors=(RedisConnectionError,)
+    )
     options: dict[str, Any] = {
         "decode_responses": False,
         "protocol": 2,  # reply shapes the code parses; RESP3 gives no speed-up here

@@ -8,6 +8,7 @@ once, not retried as an outage.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import time
@@ -146,6 +147,51 @@ async def test_a_black_holed_command_times_out_instead_of_hanging(redis_url):
             assert loop.time() - start < 10  # one timeout, not redis-py's retries of it
         finally:
             await client.aclose()
+
+
+async def test_a_stopped_server_costs_one_timeout_on_connect_not_one_per_retry(namespace):
+    """A server that accepts the connection and never answers its first command: redis-py
+    8.1 wraps that reply's timeout in a ConnectionError, which its retries sent again."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    with EmbeddedServer() as server:  # its own server: the session's is never stopped
+        client = connect(server.url, timeout_s=1.0)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(RedisTimeoutError):
+                await asyncio.wait_for(client.time(), 30)
+            assert loop.time() - start < 3.0  # one timeout; four with the retries
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+            await client.aclose()
+
+
+async def test_a_connect_whose_reply_timed_out_is_not_retried():
+    """Whatever redis-py release wraps the timeout: the retry gives up at once."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    client = connect("redis://127.0.0.1:1")
+    calls: list[int] = []
+
+    async def stalled() -> None:
+        calls.append(1)
+        try:
+            raise RedisTimeoutError("Timeout reading from 127.0.0.1:1")
+        except RedisTimeoutError as exc:
+            raise RedisConnectionError(exc) from exc
+
+    async def fail(_error: Exception) -> None:
+        return None
+
+    try:
+        with pytest.raises(RedisTimeoutError):
+            await client.get_retry().call_with_retry(stalled, fail)
+        assert calls == [1]
+    finally:
+        await client.aclose()
 
 
 async def test_a_black_holed_lane_call_times_out_instead_of_hanging(redis_url):
