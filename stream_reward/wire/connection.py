@@ -56,6 +56,8 @@ __all__ = [
     "LogLimiter",
     "with_reconnect",
     "cancel_until_done",
+    "GIVE_UP_S",
+    "DEFAULT_TIMEOUT_S",
     "TRANSIENT_ERRORS",
     "CLUSTER_ERRORS",
     "REDIS_ERRORS",
@@ -203,6 +205,11 @@ def is_cluster(client: Any) -> bool:
 
 
 DEFAULT_TIMEOUT_S = 5.0
+# How long a trainer-side call (push, open_batch, collect, result) waits out an
+# unreachable Redis before RedisUnavailableError: a restart or a failover usually
+# takes seconds, and the caller (verl failing its step, a trainer retrying) must hear
+# of an outage within a minute, its own overheads included. Workers never give up.
+GIVE_UP_S = 30.0
 
 
 class _LostOnlyRetry(Retry):
@@ -316,7 +323,7 @@ async def with_reconnect(
     op: Callable[[], Awaitable[T]],
     *,
     what: str,
-    give_up_after_s: float | None = 60.0,
+    give_up_after_s: float | None = GIVE_UP_S,
     stop: asyncio.Event | None = None,
 ) -> T:
     """Run ``op`` until it succeeds, backing off while Redis is unreachable.

@@ -85,7 +85,7 @@ def test_expected_faults_are_one_line_exit_2_and_debug_shows_the_traceback(tmp_p
         done, took = stream_reward_cli(*args, timeout_s=90)
         assert done.returncode == 2, (args, done.returncode, done.stderr)
         one_line(done.stderr)
-        # The CLI's start-up (up to ~11 s beside two CPU hogs) and no retrying (60 s).
+        # The CLI's start-up (up to ~11 s beside two CPU hogs), and no retrying (30 s, GIVE_UP_S).
         assert took < 30, (args, took)
     done, _ = stream_reward_cli("--debug", "status", "--redis", nowhere, timeout_s=60)
     assert done.returncode != 0 and "Traceback" in done.stderr

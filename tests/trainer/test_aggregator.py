@@ -929,13 +929,16 @@ async def test_a_batch_forgotten_by_another_aggregator_mid_collect_says_forgotte
 
 
 @pytest.mark.anyio
-async def test_collect_raises_redis_unavailable_within_60s_when_redis_is_black_holed(namespace):
+async def test_collect_raises_redis_unavailable_within_its_give_up_when_redis_is_black_holed(namespace):
     """collect with a long timeout: a server that stops answering is an error within the
-    liveness bound (60 s, retries included), not a wait for the collect timeout."""
+    liveness bound (GIVE_UP_S, retries included), not a wait for the collect timeout."""
     from helpers import CutProxy, exact_traj
 
     from stream_reward.errors import RedisUnavailableError
     from stream_reward.ops.embedded import EmbeddedServer
+    from stream_reward.wire.connection import DEFAULT_TIMEOUT_S, GIVE_UP_S
+
+    assert GIVE_UP_S + DEFAULT_TIMEOUT_S <= 45  # a caller hears of an outage within a minute, overheads included
 
     with EmbeddedServer() as server:
         async with CutProxy(server.url[len("unix://") :]) as proxy:
@@ -948,6 +951,6 @@ async def test_collect_raises_redis_unavailable_within_60s_when_redis_is_black_h
                 try:
                     with pytest.raises(RedisUnavailableError):
                         await asyncio.wait_for(agg.collect("b1", timeout_s=600), 120)
-                    assert loop.time() - start <= 62  # 60 s and the scheduling slack of a loaded host
+                    assert loop.time() - start <= GIVE_UP_S + 2  # and the scheduling slack of a loaded host
                 finally:
                     proxy.black = False
