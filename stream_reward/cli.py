@@ -45,6 +45,7 @@ from stream_reward.ops.worker_cli import (
     resolve_flags,
     worker_command,
 )
+from stream_reward.wire.connection import set_default_timeout
 
 __all__ = ["main", "build_parser"]
 
@@ -63,6 +64,7 @@ CLI_FLAG_KEYS = {
     "redis": "connection.redis",
     "namespace": "connection.namespace",
     "allow_eviction": "connection.allow_eviction",
+    "redis_timeout_s": "connection.timeout_s",
     "scorer": "reward.scorer",
     "manager": "reward.manager",
     "log_level": "worker.log_level",
@@ -84,6 +86,12 @@ def _add_common(parser: argparse.ArgumentParser, *, redis_required: bool = False
         "in the config / $STREAM_REWARD_CONNECTION_REDIS)",
     )
     parser.add_argument("--namespace", default=None, help="key namespace (default: sr)")
+    parser.add_argument(
+        "--redis-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a Redis round trip may take before it counts as a fault (default: 5; connection.timeout_s)",
+    )
     add_allow_eviction(parser)
     parser.add_argument(
         "--config", default=None, help="config file (TOML, YAML or JSON); default: $STREAM_REWARD_CONFIG"
@@ -138,6 +146,8 @@ def _pipeline_worker_args(args: argparse.Namespace) -> list[str]:
             out += [f"--{dest}", getattr(args, dest)]
     if settings.source(CLI_FLAG_KEYS["allow_eviction"]) == "flag":
         out.append("--allow-eviction")
+    if settings.source(CLI_FLAG_KEYS["redis_timeout_s"]) == "flag":
+        out += ["--redis-timeout-s", repr(settings["connection.timeout_s"])]
     return out
 
 
@@ -929,6 +939,8 @@ def _main(argv: list[str], deprecations: DeprecationLines) -> int:
             resolve = getattr(args, "resolve", None) or (_settings if hasattr(args, "config") else None)
             settings = resolve(args) if resolve is not None else None
             _configure_logging(args, settings)
+            if settings is not None:
+                set_default_timeout(settings["connection.timeout_s"])
         code = func(args)
         _check_signals()  # one whose raise was lost in the command's last steps
         return code

@@ -57,6 +57,7 @@ __all__ = [
     "with_reconnect",
     "cancel_until_done",
     "GIVE_UP_S",
+    "set_default_timeout",
     "DEFAULT_TIMEOUT_S",
     "TRANSIENT_ERRORS",
     "CLUSTER_ERRORS",
@@ -211,6 +212,18 @@ DEFAULT_TIMEOUT_S = 5.0
 # of an outage within a minute, its own overheads included. Workers never give up.
 GIVE_UP_S = 30.0
 
+_UNSET: Any = object()
+# The process's round-trip deadline: the CLI and the worker program set it from
+# ``connection.timeout_s`` once, so every client they build (lanes included) takes it.
+_timeout_s: float | None = DEFAULT_TIMEOUT_S
+
+
+def set_default_timeout(timeout_s: float | None) -> None:
+    """Set the ``timeout_s`` of every client ``connect()`` builds from now on in this
+    process (None: no reply deadline). A library caller may pass ``timeout_s`` instead."""
+    global _timeout_s
+    _timeout_s = timeout_s
+
 
 class _LostOnlyRetry(Retry):
     """redis-py's Retry for lost connections only, never for a server that did not answer.
@@ -232,11 +245,12 @@ class _LostOnlyRetry(Retry):
         return await super().call_with_retry(once, fail, *args, **kwargs)
 
 
-def connect(url: str, *, cluster: bool = False, timeout_s: float | None = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Any:
+def connect(url: str, *, cluster: bool = False, timeout_s: float | None = _UNSET, **kwargs: Any) -> Any:
     """A redis-py asyncio client for ``url``; bytes in, bytes out.
 
     Every round trip has a deadline: connecting and each reply take at most
-    ``timeout_s`` (a blocking XREAD/XREADGROUP: its BLOCK on top, see
+    ``timeout_s`` (default: ``set_default_timeout``'s, 5 s unless set; a blocking
+    XREAD/XREADGROUP: its BLOCK on top, see
     ``entries.read_streams``), after which the command raises redis-py's
     TimeoutError. A timed-out command is not retried inside redis-py (its retries
     would stretch one stopped server to four timeouts and more); it is the
@@ -249,6 +263,8 @@ def connect(url: str, *, cluster: bool = False, timeout_s: float | None = DEFAUL
     caller's to wait out (see ``with_reconnect``), because only the caller knows
     whether a command may safely be sent again.
     """
+    if timeout_s is _UNSET:
+        timeout_s = _timeout_s
     # Only a lost connection is retried here (a reconnect is quick or fails fast); a
     # server that does not answer has had its timeout_s.
     retry = _LostOnlyRetry(

@@ -26,6 +26,7 @@ from stream_reward.ops.health import check_health
 from stream_reward.ops.logs import configure_logging as _configure_logging
 from stream_reward.ops.worker_cli import DeprecationLines, add_worker_arguments, resolve_args
 from stream_reward.scoring.registry import build_scorer
+from stream_reward.wire.connection import set_default_timeout
 from stream_reward.worker.watchdog import LoopWatchdog
 
 __all__ = ["main", "run_worker", "run_from_args"]
@@ -41,6 +42,7 @@ async def run_worker(args: argparse.Namespace, *, handle_signals: bool = True) -
 
     settings = resolve_args(args)
     url = settings.require_redis()
+    set_default_timeout(settings["connection.timeout_s"])
     stop = asyncio.Event()
     config = settings.consumer_config(args.consumer)
     if handle_signals:
@@ -213,6 +215,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"stream-reward worker: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings["worker.log_level"], settings["worker.log_format"])
+    set_default_timeout(settings["connection.timeout_s"])  # every client this process builds
     try:
         if args.check:
             healthy, message = asyncio.run(check_health(settings, consumer=args.consumer))

@@ -231,3 +231,30 @@ def test_cli_produce_of_an_existing_batch_exits_2_with_a_hint(
     err = capsys.readouterr().err
     assert "already" in err and "step-1" in err and "unique batch id" in err
     assert "Traceback" not in err
+
+
+def test_redis_timeout_s_bounds_every_round_trip_of_a_command(
+    redis_url: str, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--redis-timeout-s`` (``connection.timeout_s``) is every client's deadline in the
+    command, not only ``worker --check``'s: a black-holed server fails ``status`` after it."""
+    from helpers import CutProxy
+
+    from stream_reward.wire.connection import DEFAULT_TIMEOUT_S, set_default_timeout
+
+    async def run() -> tuple[int, float]:
+        async with CutProxy(redis_url[len("unix://") :]) as proxy:
+            proxy.black = True
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            argv = ["status", "--redis", proxy.url, "--namespace", namespace, "--redis-timeout-s", "0.5"]
+            code = await asyncio.to_thread(cli_main, argv)
+            return code, loop.time() - start
+
+    try:
+        code, took = asyncio.run(run())
+    finally:
+        set_default_timeout(DEFAULT_TIMEOUT_S)
+    err = capsys.readouterr().err
+    assert code == 2 and "Redis unreachable (TimeoutError" in err, err
+    assert took < 4.0, took  # 0.5 s; the default is 5 s

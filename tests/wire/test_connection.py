@@ -194,6 +194,37 @@ async def test_a_connect_whose_reply_timed_out_is_not_retried():
         await client.aclose()
 
 
+async def test_the_process_default_timeout_reaches_every_client_connect_builds(redis_url):
+    """What the CLI and the worker program set from ``connection.timeout_s``: a client
+    built without a ``timeout_s`` of its own takes it (the lane included)."""
+    from helpers import CutProxy
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from stream_reward.wire.connection import DEFAULT_TIMEOUT_S, set_default_timeout
+    from stream_reward.wire.entries import read_streams
+    from stream_reward.wire.lane import Lane
+
+    async with CutProxy(redis_url[len("unix://") :]) as proxy:
+        set_default_timeout(0.5)
+        client = connect(proxy.url)
+        lane = Lane.for_client(client)
+        assert lane is not None
+        set_default_timeout(DEFAULT_TIMEOUT_S)
+        try:
+            await client.ping()
+            proxy.black = True
+            loop = asyncio.get_running_loop()
+            for call in (client.set(b"k", b"v"), read_streams(client, {"s": "0"}, count=1, block=None, lane=lane)):
+                start = loop.time()
+                with pytest.raises(RedisTimeoutError):
+                    await asyncio.wait_for(call, 30)
+                assert loop.time() - start < 3.0  # 0.5 s; the default is 5 s
+        finally:
+            set_default_timeout(DEFAULT_TIMEOUT_S)
+            lane.close()
+            await client.aclose()
+
+
 async def test_a_black_holed_lane_call_times_out_instead_of_hanging(redis_url):
     """The lane (the hot path's own connection) has the same deadline per call."""
     from helpers import CutProxy
