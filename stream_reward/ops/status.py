@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import time
 from typing import Any
 
 import msgpack
@@ -274,7 +273,7 @@ async def read_status(
     own = client is None
     client = client or connect(redis_url)
     try:
-        now = time.time()
+        now = await server_time(client)  # the clock batch stamps and heartbeats are on
         bkeys = Keys(namespace)
         metas = await client.zrange(bkeys.batches(), -batch_limit, -1) if batch_limit > 0 else []
         declared = []

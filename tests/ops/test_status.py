@@ -220,3 +220,24 @@ def test_trainer_batch_metrics() -> None:
     assert metric_value(samples, "stream_reward_batch_samples_total", status="ok") == 6
     assert metric_value(samples, "stream_reward_batch_samples_total", status="failed") == 2
     assert metric_value(samples, "stream_reward_batch_valid_ratio") == 0.75
+
+
+@pytest.mark.parametrize("shift_s", [3600.0, -3600.0])
+def test_status_ages_and_deadlines_are_on_the_server_clock(
+    redis_url: str, namespace: str, shift_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A status reader an hour off: a batch opened just now with a 600 s deadline is
+    seconds old with ~600 s left, not an hour old or an hour past its deadline."""
+
+    async def open_one() -> None:
+        async with RolloutProducer(redis_url, ProducerConfig(namespace=namespace)) as producer:
+            await producer.open_batch("b", 2, 16, policy=BatchPolicy(deadline_s=600))
+
+    asyncio.run(open_one())
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + shift_s)
+    status = asyncio.run(read_status(redis_url, namespace=namespace))
+    monkeypatch.undo()
+    (batch,) = status["batches"]
+    assert 0 <= batch["age_s"] < 60, batch
+    assert 540 < batch["deadline_in_s"] <= 600, batch
