@@ -240,7 +240,11 @@ class Lane:
                 fut: asyncio.Future[list[Any]] = loop.create_future()
                 protocol.calls.append(_Call(fut, len(setup)))
                 transport.writelines(setup)
-                for reply in await fut:
+                try:  # the handshake has the reply deadline every call has
+                    replies = await asyncio.wait_for(fut, a["reply_timeout"])
+                except asyncio.TimeoutError:
+                    raise RedisTimeoutError(f"no reply from Redis within {a['reply_timeout']:g}s") from None
+                for reply in replies:
                     if isinstance(reply, BaseException):
                         raise reply
             if self._closed:

@@ -563,3 +563,25 @@ async def test_a_caller_cancelled_mid_reply_of_a_huge_value_leaves_the_next_in_s
         lane.close()
         await client.delete(key)
         await client.aclose()
+
+
+async def test_a_handshake_that_gets_no_reply_times_out_like_any_call(redis_url) -> None:
+    """A server that takes the connection and never answers its AUTH: the lane's reply
+    deadline bounds the handshake too, rather than a hang."""
+    from helpers import CutProxy
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    async with CutProxy(redis_url[len("unix://") :]) as proxy:
+        proxy.black = True
+        client = connect(proxy.url.replace("redis://", "redis://:pw@"), timeout_s=0.5)
+        lane = Lane.for_client(client)
+        assert lane is not None
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(RedisTimeoutError):
+                await asyncio.wait_for(lane.call([pack_command("PING")]), 30)
+            assert loop.time() - start < 3.0
+        finally:
+            lane.close()
+            await client.aclose()
