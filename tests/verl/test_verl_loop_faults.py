@@ -1,5 +1,5 @@
 """StreamRewardLoopManager when its pipeline fails under it: every local worker or the
-server killed. run_single raises a clear error within 60 s, so verl fails the step,
+server killed, or an external deployment's server killed or stopped. run_single raises a clear error within 60 s, so verl fails the step,
 and never answers a 0.0 that would reach rm_scores as a score."""
 
 from __future__ import annotations
@@ -67,3 +67,33 @@ def test_server_killed_raises_instead_of_scoring_zero(ours, tokenizer) -> None:
         proc.send_signal(signal.SIGKILL)
     psutil.wait_procs(servers, timeout=10)
     assert_raises_in_time(ours, data, "Redis|server")
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_external_redis_gone_raises_within_a_minute(compose, tokenizer, namespace, fault) -> None:
+    """``reward_kwargs.redis_url``: a deployment the manager does not supervise. Its
+    server killed or stopped, run_single raises naming Redis, in time for verl to fail
+    the step."""
+    import subprocess
+
+    from helpers import worker_program_argv
+
+    from stream_reward.ops.embedded import EmbeddedServer
+
+    server = EmbeddedServer().start()
+    worker = subprocess.Popen(worker_program_argv(server.url, namespace), stderr=subprocess.DEVNULL)
+    overrides = (f"+reward.reward_kwargs.redis_url='{server.url}'", f"+reward.reward_kwargs.namespace={namespace}")
+    loop_worker = RewardLoopWorker(compose(*STREAM_OVERRIDES, *overrides))
+    try:
+        data = make_batch(tokenizer, ROWS)
+        assert score_one(loop_worker, data, 0)["reward_extra_info"]["reward_status"] == "ok"
+        assert server.pid is not None
+        os.kill(server.pid, fault)
+        assert_raises_in_time(loop_worker, data, "Redis")
+    finally:
+        if server.pid is not None and fault == signal.SIGSTOP:
+            os.kill(server.pid, signal.SIGCONT)
+        loop_worker.reward_manager.close()
+        worker.kill()
+        worker.wait()
+        server.stop()
