@@ -151,10 +151,17 @@ def test_called_from_inside_a_running_loop_and_from_sync_code() -> None:
                 ticks += 1
                 await asyncio.sleep(0)
 
+        async def call(solution: str) -> list[float | None]:
+            before = ticks
+            out = await fn(["q"], ["a"], solution=[solution])
+            # A call that blocked the loop while it waited (on a thread, a process) would
+            # let no tick run in between; one that awaits lets the loop run on.
+            assert ticks > before, "the caller's loop was blocked for the whole call"
+            return out
+
         ticker = asyncio.ensure_future(tick())
-        out = await asyncio.gather(fn(["q"], ["a"], solution=["1"]), fn(["q"], ["a"], solution=["2"]))
+        out = await asyncio.gather(call("1"), call("2"))
         ticker.cancel()
-        assert ticks > 10  # the caller's loop was never blocked waiting
         return list(out)
 
     assert asyncio.run(inside()) == [[1.0], [2.0]]

@@ -161,7 +161,9 @@ async def test_a_stopped_server_costs_one_timeout_on_connect_not_one_per_retry(n
         try:
             loop = asyncio.get_running_loop()
             start = loop.time()
-            with pytest.raises(RedisTimeoutError):
+            # redis-py 6.2 raises the connect's timeout as a ConnectionError (outside its
+            # retry); later releases as the TimeoutError it is. Either way: one timeout.
+            with pytest.raises((RedisTimeoutError, RedisConnectionError)):
                 await asyncio.wait_for(client.time(), 30)
             assert loop.time() - start < 3.0  # one timeout; four with the retries
         finally:
