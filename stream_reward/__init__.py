@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from stream_reward.config import BatchPolicy, ProducerConfig
     from stream_reward.errors import StreamRewardError
     from stream_reward.scoring.scorer import Scored
-    from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
+    from stream_reward.trainer.aggregator import RewardAggregator
     from stream_reward.trainer.producer import RolloutProducer
+    from stream_reward.trainer.rewards import BatchRewards
     from stream_reward.trainer.sync_producer import SyncRolloutProducer
     from stream_reward.wire.trajectory import ScoreResult, Trajectory
 
@@ -44,7 +45,7 @@ _HOMES = {
     "RolloutProducer": "stream_reward.trainer.producer",
     "SyncRolloutProducer": "stream_reward.trainer.sync_producer",
     "RewardAggregator": "stream_reward.trainer.aggregator",
-    "BatchRewards": "stream_reward.trainer.aggregator",
+    "BatchRewards": "stream_reward.trainer.rewards",
     "BatchPolicy": "stream_reward.config",
     "ProducerConfig": "stream_reward.config",
     "Scored": "stream_reward.scoring.scorer",

@@ -20,8 +20,8 @@ from asyncio_throttle import Throttler
 
 from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.errors import ConfigError, PayloadTooLargeError
-from stream_reward.trainer.aggregator import BatchRewards
 from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.trainer.rewards import BatchRewards
 from stream_reward.wire.trajectory import Trajectory, trajectory_from_json
 
 __all__ = ["Rollouts", "read_rollouts", "produce_rollouts", "result_rows"]

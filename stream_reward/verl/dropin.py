@@ -50,9 +50,10 @@ from stream_reward.config import BatchPolicy, ManagerConfig, ProducerConfig
 from stream_reward.errors import ConfigError, StreamRewardError
 from stream_reward.ops.pipeline import LocalPipeline
 from stream_reward.scoring.registry import build_scorer
-from stream_reward.trainer.aggregator import BatchRewards, RewardAggregator
+from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.trainer.rewards import BatchRewards
 from stream_reward.trainer.tensors import import_numpy
 from stream_reward.wire.codec import to_plain
 from stream_reward.wire.keys import DEFAULT_NAMESPACE

@@ -11,7 +11,7 @@ __all__ = ["Trajectory", "ScoreResult", "ResultRecord", "Status", "default_uid",
 
 # A result's fields but ``extra``, in ScoreResult's order, as a plain tuple: with its
 # extra, ``ScoreResult.from_record(record, extra)`` is the result again. What a batch
-# keeps while it fills and after collect (see trainer.aggregator.BatchRewards): a tuple
+# keeps while it fills and after collect (see trainer.rewards.BatchRewards): a tuple
 # of atoms stops being tracked by the garbage collector after one pass; a ScoreResult
 # never does, nor a tuple that holds a dict (even an empty one).
 ResultRecord = tuple[Any, ...]

@@ -11,7 +11,7 @@ from helpers import samples_of
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer, SyncRolloutProducer, Trajectory
 from stream_reward.errors import CollectTimeoutError, ConfigError
-from stream_reward.trainer.aggregator import merge_extra_info, place_scores
+from stream_reward.trainer.rewards import merge_extra_info, place_scores
 from stream_reward.wire.keys import Keys
 
 pytestmark = pytest.mark.anyio

@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from stream_reward.cli import main
 from stream_reward.config import BatchPolicy, ProducerConfig
 from stream_reward.ops.status import read_status, record_batch
-from stream_reward.trainer.aggregator import BatchMeta, build_rewards
 from stream_reward.trainer.producer import RolloutProducer
+from stream_reward.trainer.rewards import build_rewards
+from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.connection import connect
 from stream_reward.wire.entries import entry_header
 from stream_reward.wire.keys import Keys

@@ -42,7 +42,8 @@ def test_a_missing_tensor_library_names_the_extra(monkeypatch: pytest.MonkeyPatc
         tensors.import_torch("the reward aggregator")
     assert "stream-reward[trainer]" in str(caught.value) and "the reward aggregator" in str(caught.value)
     assert isinstance(caught.value, StreamRewardError) and isinstance(caught.value, ImportError)
-    from stream_reward.trainer.aggregator import RewardAggregator, place_scores
+    from stream_reward.trainer.aggregator import RewardAggregator
+    from stream_reward.trainer.rewards import place_scores
 
     with pytest.raises(MissingExtraError):
         RewardAggregator("redis://127.0.0.1:1")

@@ -29,7 +29,8 @@ from stream_reward import BatchPolicy, BatchRewards, RewardAggregator, RolloutPr
 from stream_reward.config import ConsumerConfig, ProducerConfig
 from stream_reward.errors import BatchExistsError, CollectTimeoutError, ConfigError, StateLostError, VerifierError
 from stream_reward.scoring.scorer import Scored
-from stream_reward.trainer.aggregator import BatchMeta, build_rewards
+from stream_reward.trainer.rewards import build_rewards
+from stream_reward.wire.batch_meta import BatchMeta
 from stream_reward.wire.codec import PROTOCOL_VERSION, encode_result
 from stream_reward.wire.connection import connect
 from stream_reward.wire.keys import Keys
