@@ -4,9 +4,9 @@ trusted side exchange.
 ``dumps`` accepts exactly None, bool, int, float, str, bytes, list, tuple, dict,
 set and frozenset (exact types: a subclass of int with a custom ``__eq__`` is
 refused, so an always-equal object can never cross), nested to a bounded depth.
-``loads`` rebuilds the same types from the bytes and refuses anything else, so
-whatever a hostile program writes on its reply pipe, the trusted side sees either
-plain data or a ``WireError``.
+``loads`` rebuilds the same types from the bytes, to the same depth, and refuses
+anything else, so whatever a hostile program writes on its reply pipe, the trusted
+side sees either plain data or a ``WireError``.
 
 Encoding: JSON, with lists as arrays, finite floats and ints as numbers, and every
 other type as a one-key object (``{"t": [...]}`` tuple, ``{"s": [...]}`` set,
@@ -88,11 +88,29 @@ def _tagged(obj):
 def loads(data):
     """The plain value encoded in ``data``; WireError for anything else."""
     try:
-        return _json.loads(data, object_hook=_tagged, parse_constant=_no_constant)
+        value = _json.loads(data, object_hook=_tagged, parse_constant=_no_constant)
     except WireError:
         raise
     except (ValueError, TypeError, RecursionError, MemoryError) as exc:  # unhashable set item, bad JSON, ...
         raise WireError(f"not a wire value ({type(exc).__name__})") from None
+    _check_depth(value)
+    return value
+
+
+def _check_depth(value):
+    # The JSON parser nests as deep as the stack allows: bytes forged on a reply pipe
+    # could hand the trusted side a value that overflows its stack when compared.
+    # Iterative, so the check itself cannot.
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > WIRE_MAX_DEPTH:
+            raise WireError("value nested too deeply")
+        t = type(v)
+        if t is list or t is tuple or t is set or t is frozenset:
+            stack.extend((x, depth + 1) for x in v)
+        elif t is dict:
+            stack.extend((x, depth + 1) for item in v.items() for x in item)
 
 
 def _no_constant(name):
