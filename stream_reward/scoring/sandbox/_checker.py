@@ -43,11 +43,14 @@ def read_exact(fd, n):
     return bytes(buf)
 
 
+FRAMES_IN, FRAMES_OUT = 0, 1  # moved off stdin/stdout by main(), before any test runs
+
+
 def recv():
-    head = read_exact(0, 4)
+    head = read_exact(FRAMES_IN, 4)
     if head is None:
         os._exit(0)
-    return marshal.loads(read_exact(0, int.from_bytes(head, "little")))
+    return marshal.loads(read_exact(FRAMES_IN, int.from_bytes(head, "little")))
 
 
 def send(obj):
@@ -55,7 +58,19 @@ def send(obj):
     data = len(data).to_bytes(4, "little") + data
     view = memoryview(data)
     while view:
-        view = view[os.write(1, view) :]
+        view = view[os.write(FRAMES_OUT, view) :]
+
+
+def private_frames():
+    """The frame pipes on fds of their own, stdin and stdout on /dev/null: a test that
+    prints (the candidate's answer, say: past the 8 KB buffer it would be flushed into
+    the frames) or reads input cannot corrupt the frames."""
+    global FRAMES_IN, FRAMES_OUT
+    FRAMES_IN, FRAMES_OUT = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
 
 
 _RAISED: set[int] = set()  # ids of exceptions rebuilt from the candidate's: a crash, not a wrong answer
@@ -92,17 +107,29 @@ def _rpc(kind, name, handle, args, kwargs):
     if tag == "handle" and len(rep) == 2 and type(rep[1]) is int:
         return RemoteObject(rep[1])
     if tag == "raise" and len(rep) == 3 and type(rep[1]) is str and type(rep[2]) is str:
-        cls = getattr(builtins, rep[1], None)
-        # Only ordinary exceptions are rebuilt (a test may expect ValueError);
-        # SystemExit & co. from the candidate must not end the checker.
-        rebuilt = (
-            cls(rep[2]) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(f"{rep[1]}: {rep[2]}")
-        )
-        _RAISED.add(id(rebuilt))
+        _RAISED.add(id(rebuilt := _rebuilt(rep[1], rep[2])))
         raise rebuilt
     if tag == "bad" and len(rep) == 2 and type(rep[1]) is str:
         raise CandidateFault(rep[1])
     raise CandidateFault("malformed reply")
+
+
+def _rebuilt(name, message):
+    """The candidate's exception as the test may expect it (a ``ValueError`` stays one).
+    Only ordinary exceptions are rebuilt: SystemExit & co. must not end the checker, and
+    a StopIteration raised inside the test's ``map``/``next`` would end its loop early
+    (``all(map(candidate, xs))`` true); those arrive as a RuntimeError."""
+    cls = getattr(builtins, name, None)
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, Exception)
+        and not issubclass(cls, (StopIteration, StopAsyncIteration))
+    ):
+        try:
+            return cls(message)
+        except BaseException:  # a class whose constructor wants more (UnicodeDecodeError)
+            pass
+    return RuntimeError(f"{name}: {message}")
 
 
 class RemoteFunction:
@@ -184,12 +211,21 @@ def run_case(prompt, form, test, entry_point, names):
     except CandidateGone:
         return ("verdict", "gone", "")
     except CandidateFault as exc:
-        return ("verdict", "failed", f"{exc}")
+        return ("verdict", "failed", _describe(exc))
     except AssertionError as exc:
-        return ("verdict", "failed", f"assertion failed {exc}".strip()[:300])
+        return ("verdict", "failed", f"assertion failed {_describe(exc)}".strip()[:300])
     except BaseException as exc:
         status = "runtime_error" if id(exc) in _RAISED else "failed"
-        return ("verdict", status, f"{type(exc).__name__}: {exc}"[:300])
+        return ("verdict", status, f"{type(exc).__name__}: {_describe(exc)}"[:300])
+
+
+def _describe(exc):
+    # The message may hold the candidate's answer (``assert r == e, r``): one that
+    # cannot be turned into text (an int past str()'s digit limit) must not crash us.
+    try:
+        return str(exc)[:300]
+    except BaseException:
+        return "(message not printable)"
 
 
 def sample_child(prompt, sys_path, uid, memory_mb):
@@ -223,6 +259,7 @@ def main():
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # dies with the scorer's process
+    private_frames()
     # The tests need no privilege: with root, each sample's child runs as nobody.
     uid = 65534 if os.geteuid() == 0 else None
     for name in ("math", "re", "collections", "itertools", "functools", "random", "copy", "string", "typing"):

@@ -1,0 +1,39 @@
+"""The trusted checker (check and assert forms), with real programs in a real sandbox:
+what the candidate raises or returns is data the test judges, so it can only fail a
+case (0, status ``ok``): an exception that steers control flow in the checker does not
+end or skip the test, and what a test prints of an answer goes nowhere near the
+checker's frame pipe."""
+
+from __future__ import annotations
+
+import pytest
+from sandbox_support import score
+
+ALL_OF_MAP = {
+    "check": {"test": "def check(candidate):\n    assert all(map(candidate, [1, 2]))\n", "entry_point": "f"},
+    "assert": {"assert_case": ["assert all(map(f, [1, 2]))", "for r in map(f, [3]):\n    assert r"]},
+}
+
+
+@pytest.mark.parametrize("form", list(ALL_OF_MAP))
+@pytest.mark.parametrize(
+    "exc", ["StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit"]
+)
+def test_control_flow_exceptions_from_the_candidate_fail_the_case(bwrap, form, exc):
+    gt = ALL_OF_MAP[form]
+    r = score(bwrap, f"def f(x):\n    raise {exc}", gt)
+    assert r.score == 0.0 and set(r.extra["cases"]) == {"runtime_error"}, r.extra
+    assert score(bwrap, "def f(x):\n    return x", gt).score == 1.0
+
+
+def test_what_a_test_prints_of_an_answer_does_not_reach_the_frame_pipe(bwrap):
+    gt = {"assert_case": ["print(f(1))\nassert f(1) == 'x' * 20000", "print(f(2) * 50)\nassert len(f(2)) == 20000"]}
+    assert score(bwrap, "def f(x):\n    return 'x' * 20000", gt).extra["cases"] == ["passed", "passed"]
+    r = score(bwrap, "def f(x):\n    return 'y' * 20000", gt)
+    assert r.extra["cases"] == ["failed", "passed"]
+
+
+def test_an_assertion_message_that_cannot_be_printed_still_fails_the_case(bwrap):
+    gt = {"assert_case": ["assert f(1) == 2, f(1) * f(1)"]}  # 8,000 digits: past str()'s limit
+    r = score(bwrap, "def f(x):\n    return 10 ** 3999", gt)
+    assert r.extra["cases"] == ["failed"] and r.score == 0.0
