@@ -52,7 +52,9 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
 
     form is ``check`` (``test`` + ``entry_point``), ``stdin`` (``inputs`` /
     ``outputs``), ``call`` (the same with ``fn_name``) or ``assert``
-    (``assert_case``). Anything else raises ScoringError(reason="bad_tests").
+    (``assert_case``: one case per entry with an ``assert``, the other entries
+    prepended to the cases after them). Anything else raises
+    ScoringError(reason="bad_tests").
     """
     gt = ground_truth
     if isinstance(gt, (bytes, bytearray)):
@@ -73,7 +75,7 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
         asserts = gt["assert_case"]
         if not isinstance(asserts, list) or not asserts or not all(isinstance(a, str) and a.strip() for a in asserts):
             raise _bad("'assert_case' must be a non-empty list of statements")
-        return "assert", [{"assert": a} for a in asserts]
+        return "assert", _assert_cases(asserts)
     if "inputs" in gt or "outputs" in gt:
         inputs, outputs = gt.get("inputs"), gt.get("outputs")
         if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs or len(inputs) != len(outputs):
@@ -97,6 +99,39 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             for a, o in zip(inputs, outputs, strict=True)
         ]
     raise _bad(f"unknown test format (keys: {sorted(map(str, gt))[:8]})")
+
+
+def _assert_cases(entries: list[str]) -> list[dict[str, Any]]:
+    """Only an entry with an ``assert`` statement is a case. The others (imports, MBPP's
+    setup code, helper definitions) run in front of every later case: counted on their
+    own they would pass for any response, a free partial credit."""
+    cases: list[dict[str, Any]] = []
+    setup: list[str] = []
+    for entry in entries:
+        try:
+            tree = ast.parse(entry)
+        except SyntaxError as exc:
+            # Our tests, not the response: a case failing for every response would be a 0 we caused.
+            raise _bad(f"an 'assert_case' entry does not parse ({exc.msg}, line {exc.lineno})") from None
+        if _asserts(tree):
+            cases.append({"assert": "\n".join([*setup, entry])})
+        else:
+            setup.append(entry)
+    if not cases:
+        raise _bad("'assert_case' has no assert statement")
+    return cases
+
+
+def _asserts(tree: ast.AST) -> bool:
+    """An ``assert`` that runs when the entry does: not one inside a definition."""
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Assert):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return False
 
 
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.S)

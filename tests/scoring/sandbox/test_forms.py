@@ -28,9 +28,25 @@ def test_parse_tests_forms():
     assert parse_tests({"test": "def check(c): pass", "entry_point": "f"})[0] == "check"
 
 
+def test_a_setup_line_of_an_assert_test_is_not_a_case():
+    """Only entries with an ``assert`` count; the others run before every later case."""
+    gt = {"assert_case": ["import math", "assert f(1) == 1", "x = 2\ndef g():\n    assert False", "assert f(x) == 2"]}
+    assert parse_tests(gt) == (
+        "assert",
+        [
+            {"assert": "import math\nassert f(1) == 1"},
+            {"assert": "import math\nx = 2\ndef g():\n    assert False\nassert f(x) == 2"},
+        ],
+    )
+    for x in ("s = Solution()\nassert s.f() == 1", "for i in range(3):\n    assert f(i) == i"):
+        assert parse_tests({"assert_case": ["import os", x]})[1] == [{"assert": f"import os\n{x}"}]
+
+
 @pytest.mark.parametrize(
     "gt",
     [
+        {"assert_case": ["import math", "x = f(1)"]},
+        {"assert_case": ["assert f(1) ==", "assert f(1) == 1"]},
         "not json",
         "[1, 2]",
         None,

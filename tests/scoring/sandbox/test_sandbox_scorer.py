@@ -101,6 +101,12 @@ def test_wrong_and_crashing_solutions(scorer):
     assert r.extra["cases"] == ["runtime_error"]
 
 
+def test_setup_lines_of_an_assert_test_earn_nothing(bwrap):
+    gt = {"assert_case": ["import math", "assert f(4) == 2", "y = math.sqrt(9)", "assert f(9) == y"]}
+    assert score(bwrap, "def f(x):\n    return 0", gt).extra["cases"] == ["failed", "failed"]
+    assert score(bwrap, "import math\ndef f(x):\n    return math.isqrt(x)", gt).score == 1.0
+
+
 def test_all_or_nothing_scores_only_when_every_case_passes(open_scorer):
     s = open_scorer(all_or_nothing=True)
     r = score(s, "print(int(input()) + 1)", {"inputs": ["1", "2"], "outputs": ["2", "4"]})
