@@ -37,3 +37,27 @@ def test_an_assertion_message_that_cannot_be_printed_still_fails_the_case(bwrap)
     gt = {"assert_case": ["assert f(1) == 2, f(1) * f(1)"]}  # 8,000 digits: past str()'s limit
     r = score(bwrap, "def f(x):\n    return 10 ** 3999", gt)
     assert r.extra["cases"] == ["failed"] and r.score == 0.0
+
+
+FLOOD_FRAMES = (
+    "import os\n"
+    "def f(x):\n"
+    "    body = b'[\"ok\",2]'\n"
+    "    for _ in range(300_000):\n"  # unasked replies on the reply pipe (fd 4), some 3.6 MB of frames
+    "        os.write(4, len(body).to_bytes(4, 'little') + body)\n"
+    "    return 0\n"
+)
+
+
+@pytest.mark.parametrize(
+    "program",
+    [FLOOD_FRAMES, "def f(x):\n    print('x' * (8 << 20))\n    return 2", "def f(x):\n    return 'x' * (8 << 20)"],
+    ids=["reply_frames", "stdout", "answer"],
+)
+def test_a_flood_from_the_candidate_fails_the_case_quickly(bwrap, program):
+    import time
+
+    start = time.monotonic()
+    r = score(bwrap, program, {"assert_case": ["assert f(1) == 2", "assert f(2) == 2"]})
+    assert r.score == 0.0 and set(r.extra["cases"]) <= {"output_limit", "failed"}, r.extra
+    assert time.monotonic() - start < 8
