@@ -11,8 +11,8 @@ when it exited otherwise, was killed, or ran out of time
 run it (the sandbox cannot start, the host is out of resources) — never
 ``Success`` or ``Failed`` for our fault. Limits: ``run_timeout`` (wall and CPU
 time) and ``memory_limit_MB`` (RLIMIT_AS) are honoured up to the configured
-maxima; ``-1`` (SandboxFusion's "no limit") means the maximum. stdout+stderr
-are capped at ``max_output_bytes`` (stderr reports its last 4 KiB); at most
+maxima; ``-1`` (SandboxFusion's "no limit") means the maximum. stdout and stderr
+are each capped at ``max_output_bytes`` (stderr reports its last 4 KiB); at most
 ``concurrency`` programs run at once and later requests wait their turn.
 ``files`` are written in the program's fresh working directory (its private
 /tmp) before it starts, and ``fetch_files`` read back from there when it ends by

@@ -290,7 +290,8 @@ def supervise(boot, msg, pid, out_r, err_r, set_r, req_w, rep_r, ooms):
     bufs = {out_r: bytearray(), err_r: bytearray()}
     rep_buf = bytearray()
     replies = []
-    total = 0
+    # A cap per stream: what a program writes to stderr must not cost it its stdout.
+    totals = {out_r: 0, err_r: 0, rep_r: 0}
     pending = bytearray()  # requests for the candidate not yet written
     os.set_blocking(req_w, False)
     pidfd = os.pidfd_open(pid)
@@ -333,8 +334,8 @@ def supervise(boot, msg, pid, out_r, err_r, set_r, req_w, rep_r, ooms):
                     if not chunk:
                         poller.unregister(fd)
                         continue
-                    total += len(chunk)
-                    if total > cap:
+                    totals[fd] += len(chunk)
+                    if totals[fd] > cap:
                         status = "output_limit"
                         break
                     if fd != rep_r:
@@ -363,8 +364,8 @@ def supervise(boot, msg, pid, out_r, err_r, set_r, req_w, rep_r, ooms):
                 break
             if not chunk:
                 break
-            total += len(chunk)
-            if total > cap:
+            totals[fd] += len(chunk)
+            if totals[fd] > cap:
                 status = "output_limit"
             bufs[fd] += chunk
     if status is None and oom_kills(boot) > ooms:

@@ -203,6 +203,12 @@ def test_output_flood_is_output_limit(scorer):
     assert r.extra["cases"] == ["output_limit"]
 
 
+def test_stderr_does_not_count_against_the_stdout_cap(bwrap):
+    out = "x" * (700 << 10)  # stdout and stderr 700 KB each, the cap 1 MB
+    r = score(bwrap, f"import sys\nsys.stderr.write('e' * {700 << 10})\nprint('x' * {700 << 10})", stdin_case(out))
+    assert r.extra["cases"] == ["passed"]
+
+
 def test_writing_past_the_file_size_limit_fails_with_efbig(bwrap, open_scorer):
     s = open_scorer(backend="bwrap", max_file_mb=1)
     code = (
