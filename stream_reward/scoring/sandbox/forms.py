@@ -51,7 +51,7 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
     """Validate a ground-truth test spec; return ``(form, cases)``.
 
     form is ``check`` (``test`` + ``entry_point``), ``stdin`` (``inputs`` /
-    ``outputs``), ``call`` (the same with ``fn_name``) or ``assert``
+    ``outputs``, optional ``abs_tol`` / ``rel_tol`` for its decimals), ``call`` (the same with ``fn_name``) or ``assert``
     (``assert_case``: one case per entry with an ``assert``, the other entries
     prepended to the cases after them). Anything else raises
     ScoringError(reason="bad_tests").
@@ -82,8 +82,10 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             raise _bad("'inputs' and 'outputs' must be non-empty lists of the same length")
         fn_name = gt.get("fn_name")
         if fn_name is None:
+            tol = _tolerance(gt)
             return "stdin", [
-                {"stdin": _text(i, "input"), "stdout": _text(o, "output")} for i, o in zip(inputs, outputs, strict=True)
+                {"stdin": _text(i, "input"), "stdout": _text(o, "output"), **tol}
+                for i, o in zip(inputs, outputs, strict=True)
             ]
         if not isinstance(fn_name, str) or not fn_name.isidentifier():
             raise _bad("'fn_name' must be an identifier")
@@ -99,6 +101,19 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             for a, o in zip(inputs, outputs, strict=True)
         ]
     raise _bad(f"unknown test format (keys: {sorted(map(str, gt))[:8]})")
+
+
+def _tolerance(gt: dict[str, Any]) -> dict[str, float]:
+    """The task's own float tolerance for its stdout (``abs_tol``, ``rel_tol``); none by default."""
+    tol = {}
+    for key in ("abs_tol", "rel_tol"):
+        value = gt.get(key)
+        if value is None:
+            continue
+        if type(value) not in (int, float) or not 0 <= value < float("inf"):
+            raise _bad(f"'{key}' must be a finite number >= 0")
+        tol[key] = float(value)
+    return tol
 
 
 def _assert_cases(entries: list[str]) -> list[dict[str, Any]]:

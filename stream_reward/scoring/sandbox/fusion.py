@@ -29,6 +29,7 @@ import aiohttp
 
 from stream_reward.errors import BadReplyError, ConfigError, VerifierError
 from stream_reward.scoring.retry import RetryPolicy, call_with_retry, status_error, transport_error
+from stream_reward.scoring.sandbox.judge import same_output
 from stream_reward.scoring.sandbox.scorer import WRONG_ANSWER_EXIT, case_script, no_code, read_sample, tally
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.trajectory import Trajectory
@@ -170,13 +171,6 @@ class SandboxFusionScorer:
         return reply
 
 
-def _normalize(text: str) -> list[str]:
-    lines = [line.rstrip() for line in text.split("\n")]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
-
-
 def _judge(form: str, case: dict[str, Any], reply: dict[str, Any]) -> tuple[str, str]:
     run = reply.get("run_result") or {}
     compiled = reply.get("compile_result") or {}
@@ -185,7 +179,8 @@ def _judge(form: str, case: dict[str, Any], reply: dict[str, Any]) -> tuple[str,
     stdout, stderr = str(run.get("stdout") or ""), str(run.get("stderr") or "")
     detail = (stderr.strip().splitlines() or [""])[-1][:300]
     if reply["status"] == "Success":
-        if form == "stdin" and _normalize(stdout) != _normalize(case["stdout"]):
+        tol = case.get("abs_tol", 0.0), case.get("rel_tol", 0.0)
+        if form == "stdin" and not same_output(stdout, case["stdout"], *tol):
             return "failed", "wrong answer"
         return "passed", ""
     if "TimeLimitExceeded" in (run.get("status"), compiled.get("status")):

@@ -2,14 +2,17 @@
 
 Runs outside the candidate's process (in the scorer for the stdin and call
 forms) on values rebuilt by ``sandbox_wire.loads``, so only exact plain types
-arrive. Its ``_sr_*`` functions are also pasted into the stand-alone per-case
+arrive; ``same_output`` compares a stdin-form program's stdout. Its ``_sr_*`` functions are also pasted into the stand-alone per-case
 programs of ``sandbox.case_script()`` (remote sandboxes, the benchmark
 baseline): keep them self-contained.
 """
 
 from __future__ import annotations
 
-__all__ = ["same", "normalize_output", "wrapped_outputs"]
+import decimal
+import re
+
+__all__ = ["same", "same_output", "wrapped_outputs"]
 
 
 def _sr_plain(x):
@@ -63,9 +66,49 @@ def wrapped_outputs(outputs: list) -> bool:
     return bool(outputs) and all(type(o) is list and len(o) == 1 for o in outputs)
 
 
-def normalize_output(raw: bytes) -> list[str]:
-    """stdout as lines without trailing blanks or blank trailing lines."""
-    lines = [line.rstrip() for line in raw.decode("utf-8", "replace").split("\n")]
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+# Differences of decimals exact to 60 digits, at any exponent a token can spell.
+_EXACT = decimal.Context(prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[])
+
+
+def same_output(got: str, expected: str, abs_tol: float = 0.0, rel_tol: float = 0.0) -> bool:
+    """A stdin-form program's stdout is the expected output: line by line (trailing
+    blank lines ignored), each line as its whitespace-separated tokens (so spacing
+    within a line and at its ends does not count), tokens equal as text or as
+    decimal numbers (``0.50`` is ``0.5``, ``1e3`` is ``1000``). A tolerance only
+    when the task gives one, and only for expected tokens written as decimals (an
+    integer answer stays exact): ``|got - expected| <= max(abs_tol, rel_tol * |expected|)``."""
+    got_lines, want_lines = _lines(got), _lines(expected)
+    if len(got_lines) != len(want_lines):
+        return False
+    tol = (decimal.Decimal(repr(float(abs_tol))), decimal.Decimal(repr(float(rel_tol)))) if abs_tol or rel_tol else None
+    for got_tokens, want_tokens in zip(got_lines, want_lines, strict=True):
+        if len(got_tokens) != len(want_tokens):
+            return False
+        for g, w in zip(got_tokens, want_tokens, strict=True):
+            if g != w and not _same_number(g, w, tol):
+                return False
+    return True
+
+
+def _lines(text: str) -> list[list[str]]:
+    lines = [line.split() for line in text.split("\n")]
     while lines and not lines[-1]:
         lines.pop()
     return lines
+
+
+def _same_number(got: str, want: str, tol: tuple[decimal.Decimal, decimal.Decimal] | None) -> bool:
+    if not (_NUMBER.fullmatch(got) and _NUMBER.fullmatch(want)):
+        return False
+    try:
+        g, w = decimal.Decimal(got), decimal.Decimal(want)
+        if g == w:
+            return True
+        if tol is None or _INTEGER.fullmatch(want):
+            return False
+        diff = _EXACT.abs(_EXACT.subtract(g, w))
+        return diff <= tol[0] or diff <= _EXACT.multiply(tol[1], _EXACT.abs(w))
+    except ArithmeticError:  # an exponent past what Decimal spells: unequal, as the texts were
+        return False

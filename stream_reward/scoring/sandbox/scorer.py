@@ -12,8 +12,8 @@ plain data (``wire``) and is compared on the trusted side
 (``judge``). Its exit code and stray output mean nothing but "it
 exited".
 
-Limits: per case a wall-clock ``timeout_s``, RLIMIT_CPU / AS / FSIZE, a capped
-stdout+stderr and a fresh /tmp and /dev/shm; per slot a memory cgroup (every
+Limits: per case a wall-clock ``timeout_s``, RLIMIT_CPU / AS / FSIZE, stdout and
+stderr capped each, a fresh /tmp and /dev/shm; per slot a memory cgroup (every
 process, tmpfs and memfd pages) and a pids cgroup (``sandbox_cgroups``); a
 seccomp filter (``sandbox_seccomp``); per sample a wall budget
 ``sample_timeout_s``, and by default the first timed-out case ends the sample
@@ -56,7 +56,7 @@ from stream_reward.scoring.sandbox.forms import (
     tally,
 )
 from stream_reward.scoring.sandbox.isolation import OUT_OF_RESOURCES, choose_backend, root_spec
-from stream_reward.scoring.sandbox.judge import normalize_output, same
+from stream_reward.scoring.sandbox.judge import same, same_output
 from stream_reward.scoring.sandbox.seccomp import filter_bytes
 from stream_reward.scoring.sandbox.slot import CHECKER_SOURCE, HARNESS_SOURCE, Slot, SlotBroken, json_message, kill_pid
 from stream_reward.scoring.sandbox.wire import WireError, loads
@@ -310,8 +310,8 @@ class SandboxScorer:
         verdict = _exit_verdict(done)
         if verdict is not None:
             return verdict
-        ok = normalize_output(str(done.get("stdout", "")).encode("utf-8", "surrogateescape")) == normalize_output(
-            case["stdout"].encode()
+        ok = same_output(
+            str(done.get("stdout", "")), case["stdout"], case.get("abs_tol", 0.0), case.get("rel_tol", 0.0)
         )
         return ("passed", "") if ok else ("failed", "wrong answer")
 

@@ -28,6 +28,14 @@ def test_parse_tests_forms():
     assert parse_tests({"test": "def check(c): pass", "entry_point": "f"})[0] == "check"
 
 
+def test_a_stdin_task_may_give_its_float_tolerance():
+    form, cases = parse_tests({"inputs": ["1"], "outputs": ["0.5"], "abs_tol": 1e-6, "rel_tol": 0})
+    assert (form, cases) == ("stdin", [{"stdin": "1", "stdout": "0.5", "abs_tol": 1e-6, "rel_tol": 0.0}])
+    for bad in (-1, "0.1", True, float("inf"), float("nan")):
+        with pytest.raises(ScoringError):
+            parse_tests({"inputs": ["1"], "outputs": ["0.5"], "abs_tol": bad})
+
+
 def test_a_setup_line_of_an_assert_test_is_not_a_case():
     """Only entries with an ``assert`` count; the others run before every later case."""
     gt = {"assert_case": ["import math", "assert f(1) == 1", "x = 2\ndef g():\n    assert False", "assert f(x) == 2"]}

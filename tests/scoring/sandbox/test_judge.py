@@ -1,7 +1,8 @@
 """The trusted comparison of a candidate's answer with the expected one: exact types
 (``True`` is not ``1``), tuples as lists, a float tolerance only where the expected
 value is a float, and an expected output unwrapped from APPS-style ``[[answer]]`` only
-when every sample is wrapped. An answer built to break the comparison (too big for a
+when every sample is wrapped; stdout line by line, token by token, numbers as
+decimals, a tolerance only when the task gives one and only for a decimal. An answer built to break the comparison (too big for a
 float, nested past the wire's depth, a forged reply) fails its case: a score of 0 with
 status ``ok``, never an error of ours."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from sandbox_support import score
 
-from stream_reward.scoring.sandbox.judge import same, wrapped_outputs
+from stream_reward.scoring.sandbox.judge import same, same_output, wrapped_outputs
 
 
 def test_same_is_exact_and_only_unwraps_wrapped_samples():
@@ -61,3 +62,28 @@ def test_an_answer_that_breaks_the_comparison_fails_the_case(bwrap):
     for program in programs:
         r = score(bwrap, program, {"fn_name": "f", "inputs": [[1], [2]], "outputs": [0.5, [[1]]]})
         assert r.extra["cases"] == ["failed", "failed"], (program, r.extra)
+
+
+def test_stdout_is_compared_line_by_line_token_by_token():
+    assert same_output("1  2 \n3\r\n\n\n", "1 2\n  3") and same_output("", "\n\n")
+    assert not same_output("1\n\n2", "1\n2") and not same_output("1 2", "1\n2") and not same_output("12", "1 2")
+    assert not same_output("yes", "YES") and not same_output("1 2 3", "1 2")
+
+
+def test_stdout_numbers_equal_as_decimals_and_a_tolerance_only_when_given():
+    assert same_output("0.50 1e3 -0 +7 1000000.0", "0.5 1000 0 7 1000000")
+    assert not same_output("1000000.5", "1000000") and not same_output("0.3333", "0.333333")
+    assert same_output("0.3333", "0.333333", abs_tol=1e-3) and same_output("100.1", "100.0", rel_tol=1e-2)
+    assert not same_output("5.5", "5", abs_tol=1) and not same_output("0.3333", "0.333333", rel_tol=1e-6)
+    assert not same_output("1e99999999999999999999999", "1", abs_tol=1) and not same_output("NaN", "nan", abs_tol=1)
+    assert not same_output("١", "1") and not same_output("1_0", "10")  # only ASCII decimals are numbers
+
+
+def test_stdin_form_compares_by_the_stdout_convention(bwrap):
+    echo = "import sys\nsys.stdout.write(sys.stdin.read())"
+    got = ["0.50\n", "1000000.5\n", "1   2\n\n\n", "3.14159\n", "0.3333\n"]
+    want = ["0.5", "1000000", "1 2", "3.14", "0.333333"]
+    r = score(bwrap, echo, {"inputs": got, "outputs": want})
+    assert r.extra["cases"] == ["passed", "failed", "passed", "failed", "failed"]
+    r = score(bwrap, echo, {"inputs": got, "outputs": want, "abs_tol": 1e-2})
+    assert r.extra["cases"] == ["passed", "failed", "passed", "passed", "passed"]
