@@ -10,6 +10,7 @@ SandboxFusion (``sandbox_fusion.py``).
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import importlib.resources
 import json
@@ -66,7 +67,7 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             raise _bad(f"not JSON ({exc})") from exc
     if not isinstance(gt, dict):
         raise _bad(f"expected a JSON object, got {type(gt).__name__}")
-    if "test" in gt or "entry_point" in gt:
+    if "test" in gt or ("entry_point" in gt and "assert_case" not in gt):
         test, entry = gt.get("test"), gt.get("entry_point")
         if not isinstance(test, str) or not isinstance(entry, str) or not entry.isidentifier():
             raise _bad("'test' must be code and 'entry_point' an identifier")
@@ -75,7 +76,10 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
         asserts = gt["assert_case"]
         if not isinstance(asserts, list) or not asserts or not all(isinstance(a, str) and a.strip() for a in asserts):
             raise _bad("'assert_case' must be a non-empty list of statements")
-        return "assert", _assert_cases(asserts)
+        entry = gt.get("entry_point")
+        if entry is not None and (not isinstance(entry, str) or not entry.isidentifier()):
+            raise _bad("'entry_point' must be an identifier")
+        return "assert", _assert_cases(asserts, entry)
     if "inputs" in gt or "outputs" in gt:
         inputs, outputs = gt.get("inputs"), gt.get("outputs")
         if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs or len(inputs) != len(outputs):
@@ -116,12 +120,17 @@ def _tolerance(gt: dict[str, Any]) -> dict[str, float]:
     return tol
 
 
-def _assert_cases(entries: list[str]) -> list[dict[str, Any]]:
+def _assert_cases(entries: list[str], entry_point: str | None) -> list[dict[str, Any]]:
     """Only an entry with an ``assert`` statement is a case. The others (imports, MBPP's
     setup code, helper definitions) run in front of every later case: counted on their
-    own they would pass for any response, a free partial credit."""
+    own they would pass for any response, a free partial credit.
+
+    A case carries the task's ``entry_point`` when it is named like a builtin (given,
+    or the one builtin every assert calls when they call nothing else): the test then
+    calls the response's function by that name, and every other builtin stays one."""
     cases: list[dict[str, Any]] = []
     setup: list[str] = []
+    called: list[set[str]] = []
     for entry in entries:
         try:
             tree = ast.parse(entry)
@@ -130,10 +139,19 @@ def _assert_cases(entries: list[str]) -> list[dict[str, Any]]:
             raise _bad(f"an 'assert_case' entry does not parse ({exc.msg}, line {exc.lineno})") from None
         if _asserts(tree):
             cases.append({"assert": "\n".join([*setup, entry])})
+            called.append(
+                {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+            )
         else:
             setup.append(entry)
     if not cases:
         raise _bad("'assert_case' has no assert statement")
+    if entry_point is None and all(hasattr(builtins, name) for names in called for name in names):
+        common = set.intersection(*called)
+        entry_point = common.pop() if len(common) == 1 else None
+    if entry_point is not None and hasattr(builtins, entry_point):
+        for case in cases:
+            case["entry_point"] = entry_point
     return cases
 
 

@@ -61,3 +61,20 @@ def test_a_flood_from_the_candidate_fails_the_case_quickly(bwrap, program):
     r = score(bwrap, program, {"assert_case": ["assert f(1) == 2", "assert f(2) == 2"]})
     assert r.score == 0.0 and set(r.extra["cases"]) <= {"output_limit", "failed"}, r.extra
     assert time.monotonic() - start < 8
+
+
+DESCENDING = "import builtins\ndef sorted(xs):\n    return builtins.sorted(xs, reverse=True)\n"
+SHADOW_REST = "def sorted(xs):\n    return xs\ndef list(x):\n    return [1, 3, 2]\ndef reversed(x):\n    return x\n"
+
+
+@pytest.mark.parametrize(
+    "gt",
+    [
+        {"assert_case": ["assert sorted([1, 3, 2]) == [3, 2, 1]", "assert sorted([4, 5]) == [5, 4]"]},
+        {"assert_case": ["assert sorted([1, 3, 2]) == list(reversed(range(1, 4)))"], "entry_point": "sorted"},
+    ],
+    ids=["inferred", "given"],
+)
+def test_a_task_function_named_like_a_builtin_is_the_responses_and_only_it(bwrap, gt):
+    assert score(bwrap, DESCENDING, gt).score == 1.0
+    assert score(bwrap, SHADOW_REST, gt).score == 0.0

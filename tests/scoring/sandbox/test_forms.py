@@ -54,6 +54,7 @@ def test_a_setup_line_of_an_assert_test_is_not_a_case():
     "gt",
     [
         {"assert_case": ["import math", "x = f(1)"]},
+        {"assert_case": ["assert sum([1]) == 1"], "entry_point": "not an identifier"},
         {"assert_case": ["assert f(1) ==", "assert f(1) == 1"]},
         "not json",
         "[1, 2]",
