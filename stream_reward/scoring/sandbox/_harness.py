@@ -614,7 +614,11 @@ def run_exec(job):
         os.set_inheritable(fd, False)
     env, steps, collect = job["env"], job["steps"], job.get("collect")
     if collect is None and len(steps) == 1:
-        os.execve(steps[0][0], steps[0], env)
+        try:
+            os.execve(steps[0][0], steps[0], env)
+        except OSError as exc:
+            os.write(2, f"cannot execute {steps[0][0]}: {exc}\n".encode())
+            return 127
     for argv in steps:
         pid = os.fork()
         if pid == 0:

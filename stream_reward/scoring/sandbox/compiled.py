@@ -27,9 +27,21 @@ import shutil
 import tempfile
 from typing import Any
 
+from stream_reward.errors import VerifierError
 from stream_reward.scoring.sandbox.languages import Toolchain
+from stream_reward.scoring.sandbox.wire import WireError, loads
 
-__all__ = ["Artifact", "Build", "CompileCache", "build_for", "compile_job", "run_job", "COMPILE_OUTPUT_BYTES"]
+__all__ = [
+    "Artifact",
+    "Build",
+    "CompileCache",
+    "artifact_from",
+    "build_for",
+    "compile_job",
+    "compile_limits",
+    "run_job",
+    "COMPILE_OUTPUT_BYTES",
+]
 
 COMPILE_OUTPUT_BYTES = 64 << 20  # a compile's reply carries its artifacts (a Go binary is ~1.5 MB)
 _PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -131,6 +143,48 @@ def compile_job(build: Build, source: str) -> dict[str, Any]:
         "env": build.env,
         "collect": "out",
     }
+
+
+def compile_limits(limits: dict[str, Any], build: Build, timeout_s: float) -> dict[str, Any]:
+    """A compile's limits: wall and CPU ``timeout_s``, RLIMIT_AS of at least 2 GiB
+    (compilers reserve more than they touch; the slot's memory cgroup bounds what
+    they use), room for the artifacts in the output cap and /tmp."""
+    return {
+        **limits,
+        "cpu_s": timeout_s,
+        "memory_mb": max(limits["memory_mb"], 2048),
+        "max_output_bytes": COMPILE_OUTPUT_BYTES,
+        "max_file_mb": max(limits["max_file_mb"], 64),
+        "address_space": build.address_space,
+    }
+
+
+def artifact_from(done: dict[str, Any], language: str, timeout_s: float) -> Artifact:
+    """A compile case's report as an Artifact. A tool the sandbox cannot execute is
+    the host's fault: VerifierError(reason="toolchain_missing")."""
+    replies = []
+    for raw in done.get("replies") or []:
+        try:
+            replies.append(loads(str(raw).encode("utf-8", "surrogateescape")))
+        except WireError:
+            continue
+    for reply in replies:
+        if type(reply) is tuple and len(reply) == 2 and reply[0] == "missing":
+            raise VerifierError(
+                f"{language} toolchain: {reply[1]} cannot run inside the sandbox", reason="toolchain_missing"
+            )
+    err = str(done.get("err", "")).strip()
+    status = done.get("status")
+    if status == "timeout":
+        return Artifact(False, {}, f"the compile ran past {timeout_s:g} s", keep=False)
+    if status:
+        return Artifact(False, {}, f"the compile hit a limit: {status}")
+    if "signal" in done or done.get("exit") != 0:
+        return Artifact(False, {}, err or f"the compiler failed ({done.get('signal') or done.get('exit')})")
+    files = next((r[1] for r in replies if type(r) is tuple and len(r) == 2 and r[0] == "files"), None)
+    if not isinstance(files, dict) or not files:
+        return Artifact(False, {}, err or "the compiler produced nothing")
+    return Artifact(True, {str(k): v for k, v in files.items() if type(v) is bytes})
 
 
 def run_job(build: Build, source: str, artifact: Artifact | None) -> dict[str, Any]:

@@ -47,12 +47,13 @@ from typing import Any
 from stream_reward.config import SandboxConfig
 from stream_reward.errors import VerifierError
 from stream_reward.scoring.sandbox.compiled import (
-    COMPILE_OUTPUT_BYTES,
     Artifact,
     Build,
     CompileCache,
+    artifact_from,
     build_for,
     compile_job,
+    compile_limits,
     run_job,
 )
 from stream_reward.scoring.sandbox.forms import (
@@ -271,45 +272,14 @@ class SandboxScorer:
         return _with(tally(results, all_or_nothing=aon), **info)
 
     async def _compile(self, slot: Slot, build: Build, program: str) -> Artifact:
-        """Compile in the sandbox: one ``exec`` case with the compile's wall, CPU and
-        output cap. RLIMIT_AS is at least 2 GiB (compilers reserve more than they
-        touch); the slot's memory cgroup bounds what they use."""
+        """Compile in the sandbox: one ``exec`` case with the compile's limits."""
         cfg = self.config
         assert slot.h is not None
         msg = self._case_msg("exec", "", b"", cfg.compile_timeout_s, exec=compile_job(build, program))
-        msg["limits"] = {
-            **msg["limits"],
-            "cpu_s": cfg.compile_timeout_s,
-            "memory_mb": max(cfg.memory_mb, 2048),
-            "max_output_bytes": COMPILE_OUTPUT_BYTES,
-            "max_file_mb": max(cfg.max_file_mb, 64),
-            "address_space": build.address_space,
-        }
+        msg["limits"] = compile_limits(msg["limits"], build, cfg.compile_timeout_s)
         slot.h.send(marshal.dumps(msg, 4))
         done = await self._done(slot, cfg.compile_timeout_s)
-        replies = []
-        for raw in done.get("replies") or []:
-            try:
-                replies.append(loads(str(raw).encode("utf-8", "surrogateescape")))
-            except WireError:
-                continue
-        for reply in replies:
-            if type(reply) is tuple and len(reply) == 2 and reply[0] == "missing":
-                raise VerifierError(
-                    f"{build.language} toolchain: {reply[1]} cannot run inside the sandbox", reason="toolchain_missing"
-                )
-        err = str(done.get("err", "")).strip()
-        status = done.get("status")
-        if status == "timeout":
-            return Artifact(False, {}, f"the compile ran past {cfg.compile_timeout_s:g} s", keep=False)
-        if status:
-            return Artifact(False, {}, f"the compile hit a limit: {status}")
-        if "signal" in done or done.get("exit") != 0:
-            return Artifact(False, {}, err or f"the compiler failed ({done.get('signal') or done.get('exit')})")
-        files = next((r[1] for r in replies if type(r) is tuple and len(r) == 2 and r[0] == "files"), None)
-        if not isinstance(files, dict) or not files:
-            return Artifact(False, {}, err or "the compiler produced nothing")
-        return Artifact(True, {str(k): v for k, v in files.items() if type(v) is bytes})
+        return artifact_from(done, build.language, cfg.compile_timeout_s)
 
     async def run(
         self, program: str, form: str, cases: list[dict[str, Any]], prompt: str | None = None
