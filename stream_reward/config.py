@@ -330,9 +330,19 @@ class SandboxConfig:
     stop_on_timeout: bool = True
     cgroups: str = "auto"  # auto | required | off
     seccomp: bool = True
+    # Languages other than Python (docs/sandbox.md): where their compilers and
+    # runtimes are looked up (None: the worker's PATH plus ~/.cargo/bin), a
+    # compile's wall clock (and CPU), and the host's compile cache (None: a
+    # temporary directory of the scorer's own) with its size bound.
+    toolchain_path: str | None = None
+    compile_timeout_s: float = 20.0
+    compile_cache_dir: str | None = None
+    compile_cache_mb: int = 512
 
     def __post_init__(self) -> None:
         for key in (
+            "compile_timeout_s",
+            "compile_cache_mb",
             "timeout_s",
             "cpu_s",
             "memory_mb",

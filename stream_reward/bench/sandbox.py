@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from stream_reward.bench._common import bench_parser, emit, plot_figure
+from stream_reward.bench.sandbox_languages import language_rows
 from stream_reward.scoring.sandbox.scorer import SandboxConfig, SandboxScorer, case_script, parse_tests
 from stream_reward.wire.trajectory import Trajectory
 
@@ -233,7 +234,13 @@ def _first_case_only(samples: list[tuple[Trajectory, float]]) -> list[tuple[Traj
     return out
 
 
-def run(n_problems: int = 20, concurrency: int | None = None, rounds: int = 5, backend: str = "auto") -> dict[str, Any]:
+def run(
+    n_problems: int = 20,
+    concurrency: int | None = None,
+    rounds: int = 5,
+    backend: str = "auto",
+    with_languages: bool = True,
+) -> dict[str, Any]:
     concurrency = concurrency or os.cpu_count() or 1
     config = SandboxConfig(concurrency=concurrency, backend=backend, timeout_s=5.0, cpu_s=5.0)
     scorer = SandboxScorer(config)
@@ -265,6 +272,7 @@ def run(n_problems: int = 20, concurrency: int | None = None, rounds: int = 5, b
 
     try:
         (sandbox_s, baseline_s, sandbox_scores, baseline_scores), (one_s, one_base_s, _, _) = asyncio.run(go())
+        languages = language_rows(scorer, concurrency) if with_languages else {}
     finally:
         scorer.close()
     expected_ok = all((s == 1.0) if e == 1.0 else (s < 1.0) for s, (_, e) in zip(sandbox_scores, samples, strict=True))
@@ -291,6 +299,8 @@ def run(n_problems: int = 20, concurrency: int | None = None, rounds: int = 5, b
         "load_average_1m": round(os.getloadavg()[0], 2),
         "scores_as_expected": expected_ok,
         "scores_agree_with_baseline": sandbox_scores == baseline_scores,
+        # Per language: a group of identical answers (one compile) vs the same compile and runs bare.
+        "languages": languages,
     }
 
 
@@ -325,11 +335,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--backend", default="auto", choices=["auto", "bwrap", "unshare"])
+    parser.add_argument("--no-languages", action="store_true", help="skip the per-language rows")
     args = parser.parse_args(list(argv or []))
     if args.n_problems < 1 or args.rounds < 1 or (args.concurrency is not None and args.concurrency < 1):
         print("bench sandbox: --n-problems, --rounds and --concurrency must be >= 1", file=sys.stderr)
         return 2
-    result = run(n_problems=args.n_problems, concurrency=args.concurrency, rounds=args.rounds, backend=args.backend)
+    result = run(
+        n_problems=args.n_problems,
+        concurrency=args.concurrency,
+        rounds=args.rounds,
+        backend=args.backend,
+        with_languages=not args.no_languages,
+    )
     if args.plot:
         plot(args.plot, result)
     emit(
@@ -339,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         goals={
             "single_case_ratio >= 1.0": result["single_case_ratio"] >= 1.0,
             "multi_case_ratio >= 1.5": result["multi_case_ratio"] >= 1.5,
-            "scores as expected": result["scores_as_expected"] and result["scores_agree_with_baseline"],
+            "scores as expected": result["scores_as_expected"]
+            and result["scores_agree_with_baseline"]
+            and all(r.get("scores_as_expected", True) for r in result["languages"].values()),
         },
     )
     return 0

@@ -14,11 +14,11 @@ import builtins
 import functools
 import importlib.resources
 import json
-import re
 from typing import Any
 
 from stream_reward.errors import ScoringError
 from stream_reward.scoring.sandbox.judge import wrapped_outputs
+from stream_reward.scoring.sandbox.languages import choose_program
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.trajectory import Trajectory
 
@@ -167,17 +167,11 @@ def _asserts(tree: ast.AST) -> bool:
     return False
 
 
-_FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.S)
-
-
 def extract_code(response: str) -> str | None:
-    """The last fenced ```python block, else the last fenced block of any kind."""
-    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(response or "")]
-    blocks = [(lang, body) for lang, body in blocks if body.strip()]
-    for lang, body in reversed(blocks):
-        if lang in ("python", "py", "python3"):
-            return body
-    return blocks[-1][1] if blocks else None
+    """The last fenced Python block (```` ``` ```` or ``~~~``), else the last fenced
+    block of any kind (``languages.choose_program`` for a task of no language)."""
+    chosen = choose_program(response, None)
+    return None if chosen is None else chosen[1]
 
 
 def read_sample(traj: Trajectory) -> tuple[str, list[dict[str, Any]], str | None]:
