@@ -23,10 +23,10 @@ Infrastructure faults (the backend cannot start, the host cannot fork, the
 harness dies) raise ``VerifierError`` — never a 0. A response without a code
 block is a wrong answer: 0.0.
 
-Modules: this one (config, scorer, driving a sample's cases), ``sandbox_forms``
-(ground-truth forms, code extraction, tally), ``sandbox_slot`` (a slot's
-processes and pipes), ``sandbox_isolation`` (backends, uids, teardown),
-``cgroups``, ``seccomp``, ``wire``, ``judge``.
+Modules: this one (the scorer, driving a sample's cases), ``forms`` (ground-truth
+forms, tally), ``languages`` (which code block, which language), ``polyglot`` and
+``compiled`` (the other languages), ``slot`` (a slot's processes and pipes),
+``isolation`` (backends, uids, teardown), ``cgroups``, ``seccomp``, ``wire``, ``judge``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import dataclasses
 import logging
 import marshal
 import os
@@ -47,14 +46,7 @@ from typing import Any
 from stream_reward.config import SandboxConfig
 from stream_reward.errors import VerifierError
 from stream_reward.scoring.sandbox.compiled import (
-    Artifact,
-    Build,
     CompileCache,
-    artifact_from,
-    build_for,
-    compile_job,
-    compile_limits,
-    run_job,
 )
 from stream_reward.scoring.sandbox.forms import (
     CASE_STATUSES,
@@ -69,13 +61,11 @@ from stream_reward.scoring.sandbox.forms import (
 from stream_reward.scoring.sandbox.isolation import OUT_OF_RESOURCES, choose_backend, root_spec
 from stream_reward.scoring.sandbox.judge import same, same_output
 from stream_reward.scoring.sandbox.languages import (
-    TOOLS,
     Toolchain,
     choose_program,
-    default_toolchain_path,
-    find_toolchain,
     task_language,
 )
+from stream_reward.scoring.sandbox.polyglot import find_toolchains, score_other, toolchain_of
 from stream_reward.scoring.sandbox.seccomp import filter_bytes
 from stream_reward.scoring.sandbox.slot import CHECKER_SOURCE, HARNESS_SOURCE, Slot, SlotBroken, json_message, kill_pid
 from stream_reward.scoring.sandbox.wire import WireError, loads
@@ -109,7 +99,7 @@ class SandboxScorer:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self.root = os.geteuid() == 0
-        self._toolchains = self._find_toolchains()
+        self.config, self._toolchains = find_toolchains(self.config)
         self.compile_cache = CompileCache(self.config.compile_cache_dir, self.config.compile_cache_mb)
         self._owner_pid = os.getpid()
         self._sem: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
@@ -132,23 +122,6 @@ class SandboxScorer:
                 "privileges, network and filesystem. Never do this with untrusted code."
             )
         atexit.register(self.close)
-
-    def _find_toolchains(self) -> dict[str, Toolchain | VerifierError]:
-        """Each language's toolchain, or why it is missing (raised when a sample needs
-        it). The sandbox shows the directories they live in, read-only."""
-        cfg = self.config
-        search = cfg.toolchain_path if cfg.toolchain_path is not None else default_toolchain_path()
-        found: dict[str, Toolchain | VerifierError] = {}
-        for language in TOOLS:
-            try:
-                found[language] = find_toolchain(language, search)
-            except VerifierError as exc:
-                found[language] = exc
-        binds = sorted({b for t in found.values() if isinstance(t, Toolchain) for b in t.binds})
-        binds = [b for b in binds if b not in cfg.extra_ro_binds]
-        if binds:
-            self.config = dataclasses.replace(cfg, extra_ro_binds=(*cfg.extra_ro_binds, *binds))
-        return found
 
     def boot_base(self) -> dict[str, Any]:
         if self._boot is None:
@@ -230,56 +203,14 @@ class SandboxScorer:
             return no_code(cases, all_or_nothing=self.config.all_or_nothing)
         language, program = chosen
         if language != "python":
-            return await self._score_other(language, program, form, cases)
+            return await score_other(self, language, program, form, cases)
         results = await self.run(program, form, cases, prompt=traj.prompt)
         return tally(results, all_or_nothing=self.config.all_or_nothing)
-
-    # -- other languages (compiled.py): the stdin form
 
     def toolchain(self, language: str) -> Toolchain:
         """``language``'s toolchain; VerifierError(reason="toolchain_missing") naming
         the missing program when this host lacks it."""
-        found = self._toolchains[language]
-        if isinstance(found, VerifierError):
-            raise VerifierError(str(found), reason=found.reason)
-        return found
-
-    async def _score_other(self, language: str, program: str, form: str, cases: list[dict[str, Any]]) -> Scored:
-        aon = self.config.all_or_nothing
-        if form != "stdin":
-            return _with(
-                tally([("failed", f"{language} runs only in the stdin form")] * len(cases), all_or_nothing=aon),
-                language=language,
-            )
-        toolchain = self.toolchain(language)
-        build = build_for(toolchain, program, self.config.memory_mb)
-        info: dict[str, Any] = {"language": language}
-        async with self._slot() as slot:
-            artifact: Artifact | None = None
-            if build.steps:
-                start = time.monotonic()
-                artifact, cached = await self.compile_cache.lookup(
-                    build.key(toolchain, program), lambda: self._compile(slot, build, program)
-                )
-                info.update(compile="cached" if cached else "compiled", compile_s=round(time.monotonic() - start, 3))
-                if not artifact.ok:
-                    results = [("failed", f"compile error: {artifact.message[-300:]}")] * len(cases)
-                    info.update(reason="compile_error", compile_error=artifact.message[-2000:])
-                    return _with(tally(results, all_or_nothing=aon), **info)
-            job = run_job(build, program, artifact)
-            job["address_space"] = build.address_space
-            results = await self._run_cases(slot, program, form, cases, None, job=job)
-        return _with(tally(results, all_or_nothing=aon), **info)
-
-    async def _compile(self, slot: Slot, build: Build, program: str) -> Artifact:
-        """Compile in the sandbox: one ``exec`` case with the compile's limits."""
-        cfg = self.config
-        assert slot.h is not None
-        msg = self._case_msg("exec", "", b"", cfg.compile_timeout_s, exec=compile_job(build, program))
-        msg["limits"] = compile_limits(msg["limits"], build, cfg.compile_timeout_s)
-        slot.h.send(marshal.dumps(msg, 4))
-        done = await self._done(slot, cfg.compile_timeout_s)
-        return artifact_from(done, build.language, cfg.compile_timeout_s)
+        return toolchain_of(self._toolchains, language)
 
     async def run(
         self, program: str, form: str, cases: list[dict[str, Any]], prompt: str | None = None
@@ -520,11 +451,6 @@ class SandboxScorer:
             event = await self._done(slot, timeout_s)
             if event["ev"] == "done":
                 return event
-
-
-def _with(scored: Scored, **extra: Any) -> Scored:
-    scored.extra.update(extra)
-    return scored
 
 
 def _fetched(done: dict[str, Any], names: list[str]) -> dict[str, bytes]:
