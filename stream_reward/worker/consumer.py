@@ -64,6 +64,7 @@ class Worker(Reading, Reclaiming, Stopping):
     async def run(self, stop: asyncio.Event | None = None, *, burst: bool = False) -> None:
         stop = stop or asyncio.Event()
         self._begin_run()
+        self._burst = burst
         if self._client is None:
             self._client = connect(self._url)
         # The result flushes and the reads go on connections of their own (wire/lane.py),
