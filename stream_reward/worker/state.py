@@ -50,6 +50,7 @@ class WorkerState:
     _ledger: LedgerWriter
     _requeue: Any  # REQUEUE_SCRIPT (a hand-back)
     _release_script: Any  # RELEASE_SCRIPT (a stop's release)
+    _uncount: Any  # UNCOUNT_SCRIPT (a sweep's claim of entries this worker holds)
 
     def __init__(
         self,

@@ -1,12 +1,12 @@
 """Reclaiming and quarantine (stream_reward.worker.reclaim).
 
 A burst worker finishes every entry a dead consumer left, partly settled ones included, and
-those its background sweep claims while it reads. An entry that keeps coming back is
-scored alone, sample by sample, under a durable note: the sample that crashes a worker
-while alone is dead-lettered, alone, even with graceful stops between its crashes; an
-innocent is never blamed. A stop, a cancel or a Redis error during a hunt leaves no note
-behind and honours the drain deadline; suspects waiting their turn are held, not taken by
-a peer.
+those its background sweep claims while it reads. A sweep that takes back an entry its own
+worker holds counts no delivery of it. An entry that keeps coming back is scored alone,
+sample by sample, under a durable note: the sample that crashes a worker while alone is
+dead-lettered, alone, even with graceful stops between its crashes; an innocent is never
+blamed. A stop, a cancel or a Redis error during a hunt leaves no note behind and honours
+the drain deadline; suspects waiting their turn are held, not taken by a peer.
 """
 
 from __future__ import annotations
@@ -288,6 +288,49 @@ async def test_a_burst_worker_scores_every_sample_of_an_entry_its_sweep_claims_w
         rewards = await agg.collect("b", timeout_s=0.5, on_timeout="resolve")
     assert [(r.index, r.status, r.reason) for r in rewards.results] == [(i, "ok", None) for i in range(4)]
     assert await pending_of_stream(redis_url, namespace) == []
+
+
+async def test_a_sweep_that_claims_an_entry_its_worker_holds_counts_no_delivery(redis_url, namespace) -> None:
+    """reclaim_idle_ms=0: each background sweep's XAUTOCLAIM takes back the entry this worker
+    is scoring, and leaves it to the scoring under way (it is held). XAUTOCLAIM counts a
+    delivery of whatever it claims; these claims must not. Else the entry of a worker that
+    later dies reaches its next worker delivered past quarantine_after_deliveries (hunted
+    alone, a sample at a time) or max_deliveries (dead-lettered unscored)."""
+    await push_exact(redis_url, namespace, "b", 1)
+    release = asyncio.Event()
+
+    class Held:
+        inline = False
+        started = asyncio.Event()
+
+        async def score(self, t: Trajectory) -> Scored:
+            self.started.set()
+            await release.wait()
+            return Scored(identity_score(t))
+
+    scorer = Held()
+    worker = Worker(redis_url, scorer, stop_config(namespace, "w1", concurrency=2, reclaim_idle_ms=0))
+    sweep, swept = worker._reclaim_sweep, []
+
+    async def counted_sweep(*args):
+        out = await sweep(*args)
+        swept.append(out)
+        return out
+
+    worker._reclaim_sweep = counted_sweep  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    run = asyncio.ensure_future(worker.run(stop))
+    try:
+        await asyncio.wait_for(scorer.started.wait(), 10)
+        before = len(swept)
+        await wait_until(lambda: asyncio.sleep(0, len(swept) >= before + 3), timeout_s=10)
+        rows = await pending_of_stream(redis_url, namespace)
+    finally:
+        release.set()
+        stop.set()
+        await asyncio.wait_for(run, 20)
+        await worker.aclose()
+    assert [(consumer, delivered) for _, consumer, _, delivered in rows] == [(b"w1", 1)]
 
 
 @pytest.mark.parametrize("partitions", [1, 2])
