@@ -42,7 +42,7 @@ from stream_reward.wire.ledger import LedgerWriter
 from stream_reward.wire.namespace import join_namespace
 from stream_reward.wire.push import REQUEUE_SCRIPT
 from stream_reward.worker.reading import Reading
-from stream_reward.worker.reclaim import Reclaiming
+from stream_reward.worker.reclaim import UNCOUNT_SCRIPT, Reclaiming
 from stream_reward.worker.state import WorkerStats, sleep_unless, sole_error
 from stream_reward.worker.stop import Stopping
 
@@ -64,6 +64,7 @@ class Worker(Reading, Reclaiming, Stopping):
     async def run(self, stop: asyncio.Event | None = None, *, burst: bool = False) -> None:
         stop = stop or asyncio.Event()
         self._begin_run()
+        self._burst = burst
         if self._client is None:
             self._client = connect(self._url)
         # The result flushes and the reads go on connections of their own (wire/lane.py),
@@ -84,6 +85,7 @@ class Worker(Reading, Reclaiming, Stopping):
         )
         self._requeue = client.register_script(REQUEUE_SCRIPT)
         self._release_script = client.register_script(RELEASE_SCRIPT)
+        self._uncount = client.register_script(UNCOUNT_SCRIPT)
         for stream in self.keys.streams():
             await with_reconnect(
                 functools.partial(ensure_group, client, stream, self.config.group),

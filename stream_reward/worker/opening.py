@@ -44,13 +44,19 @@ class EntryOpening(SampleStarting):
         opened = [(entry_id, fields, self._open_entry(partition, entry_id, fields)) for entry_id, fields in entries]
         if deliveries is not None:
             settled = await self._settled_before(partition, opened)
+        # A hand-back is only safe if this worker's reader reads it: the reader's own reads hand
+        # back before its next read. A burst's reader ends on its own, after reads that found
+        # nothing, and a reclaim sweep's hand-back may land after its last one; the burst's
+        # passes then claim pending entries only, never new ones, and the copies would wait
+        # for a worker that may never come. So a burst worker's sweeps keep what they claim.
+        may_spill = not self._inline and (deliveries is None or not self._burst)
         samples = 0
         for entry_id, fields, everyone in opened:
             members = everyone if deliveries is None else [m for m in everyone if id(m) not in settled]
             samples += len(everyone)
             for at, member in enumerate(members):
                 full = self.stats.in_flight >= self.config.concurrency
-                spill = full and at > 0 and not self._inline and self._reader_active and not self._stopping
+                spill = full and at > 0 and may_spill and self._reader_active and not self._stopping
                 if spill and await self._spill(partition, entry_id, members[:at], members[at:]):
                     break
                 # (The common case, room now, without a coroutine per sample.)
@@ -140,8 +146,9 @@ class EntryOpening(SampleStarting):
 
         Only for scorers that take their time (not ``inline``): those are where a batch
         of samples in one entry, held by one worker, would be scored at that worker's
-        concurrency while others stand idle. The entry is acked once the samples started
-        here settle; a stop hands back those of them without a result (_finish_handed).
+        concurrency while others stand idle. (Not a burst worker's sweeps: see _process.)
+        The entry is acked once the samples started here settle; a stop hands back those
+        of them without a result (_finish_handed).
         A crash before that ack redelivers the entry; the worker that takes it leaves the
         samples handed back to their copies (_settled_before).
         """

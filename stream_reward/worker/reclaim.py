@@ -24,9 +24,26 @@ from stream_reward.worker.members import Member
 from stream_reward.worker.opening import EntryOpening
 from stream_reward.worker.state import sleep_unless
 
-__all__ = ["Reclaiming"]
+__all__ = ["UNCOUNT_SCRIPT", "Reclaiming"]
 
 log = logging.getLogger(__name__)
+
+# An XAUTOCLAIM counts a delivery of every entry it returns, those this worker holds already
+# too (any of its entries idle past min_idle_ms: with reclaim_idle_ms=0, every one). Those are
+# no new delivery: this takes the count back, atomically per stream, of entries still this
+# consumer's, so that an entry of a worker that later dies does not reach the next one as a
+# suspect, or past max_deliveries, for sweeps that only found it in its own worker's hands.
+UNCOUNT_SCRIPT = """
+-- KEYS[1]: the stream. ARGV[1]: the group; ARGV[2]: the consumer; ARGV[3...]: entry ids.
+for i = 3, #ARGV do
+  local row = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])[1]
+  -- row: id, consumer, idle ms, times delivered
+  if row and row[4] > 1 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'RETRYCOUNT', row[4] - 1, 'JUSTID')
+  end
+end
+return 0
+"""
 
 
 class Reclaiming(EntryOpening):
@@ -75,6 +92,9 @@ class Reclaiming(EntryOpening):
                 deleted = reply[2] if len(reply) > 2 else []
                 if deleted:  # pending entries whose data was trimmed: nothing left to score
                     await self._client.xack(stream, self.config.group, *deleted)
+                again = [eid for eid, _ in claimed if (partition, eid) in self._held]
+                if again:  # its own entries, scored or written right now: no delivery (UNCOUNT_SCRIPT)
+                    await self._uncount(keys=[stream], args=[self.config.group, self.config.consumer, *again])
                 claimed = [(eid, fields) for eid, fields in claimed if fields and (partition, eid) not in self._held]
                 if claimed:
                     deliveries = await self._deliveries(stream, [eid for eid, _ in claimed])

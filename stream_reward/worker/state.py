@@ -50,6 +50,7 @@ class WorkerState:
     _ledger: LedgerWriter
     _requeue: Any  # REQUEUE_SCRIPT (a hand-back)
     _release_script: Any  # RELEASE_SCRIPT (a stop's release)
+    _uncount: Any  # UNCOUNT_SCRIPT (a sweep's claim of entries this worker holds)
 
     def __init__(
         self,
@@ -118,6 +119,7 @@ class WorkerState:
         self._fatal: BaseException | None = None  # what ends run() as a crash would (see _die)
         self._fatal_set = asyncio.Event()
         self._reader_active = False  # while the reader reads new entries: what _spill adds gets read
+        self._burst = False  # this run is a burst: its reader ends once it reads nothing
         self._writer_idle = asyncio.Event()
         self._reading = asyncio.Event()  # cleared while suspects are scored alone
         self._stopped = asyncio.Event()  # set with _stopping, for waits that end on a stop

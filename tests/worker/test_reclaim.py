@@ -1,11 +1,12 @@
 """Reclaiming and quarantine (stream_reward.worker.reclaim).
 
-A burst worker finishes every entry a dead consumer left, partly settled ones included. An
-entry that keeps coming back is scored alone, sample by sample, under a durable note: the
-sample that crashes a worker while alone is dead-lettered, alone, even with graceful stops
-between its crashes; an innocent is never blamed. A stop, a cancel or a Redis error during a
-hunt leaves no note behind and honours the drain deadline; suspects waiting their turn are
-held, not taken by a peer.
+A burst worker finishes every entry a dead consumer left, partly settled ones included, and
+those its background sweep claims while it reads. A sweep that takes back an entry its own
+worker holds counts no delivery of it. An entry that keeps coming back is scored alone,
+sample by sample, under a durable note: the sample that crashes a worker while alone is
+dead-lettered, alone, even with graceful stops between its crashes; an innocent is never
+blamed. A stop, a cancel or a Redis error during a hunt leaves no note behind and honours
+the drain deadline; suspects waiting their turn are held, not taken by a peer.
 """
 
 from __future__ import annotations
@@ -230,6 +231,106 @@ async def test_burst_worker_finishes_every_dead_consumers_entry(redis_url, names
         assert status == ["ok"] * 12, [(r.index, r.status, r.reason) for r in results if r.status != "ok"]
         assert worker.stats.dead_letters == 0
         assert [r.score for r in results] == [i + len(f"r{i}") / 1000 for i in range(12)]
+
+
+async def test_a_burst_worker_scores_every_sample_of_an_entry_its_sweep_claims_while_it_reads(
+    redis_url, namespace
+) -> None:
+    """Concurrency 1; a dead consumer holds one entry of 4 samples, and the background sweep
+    claims it while the burst's reader still reads. Every sample must be scored by the time
+    run() returns. A sample handed back to the stream (as a reader hands back what it has no
+    room for) would land as a new entry after the reader's last read, and the burst's passes
+    claim pending entries only: it would be left for a worker that never comes.
+
+    The reader starts once the sweep has either begun to hand samples back or started them
+    all; a hand-back reaches Redis only once the reader has ended."""
+    await push_exact(redis_url, namespace, "b", 4, k=4)
+    client = connect(redis_url)
+    try:
+        await client.xreadgroup("scorers", "dead", {Keys(namespace).stream(): ">"}, count=10)
+    finally:
+        await client.aclose()
+    config = ConsumerConfig(namespace=namespace, block_ms=1, concurrency=1, reclaim_idle_ms=0)
+    worker = Worker(redis_url, Counting(first=0.0), config)
+    reader, process, hand_back = worker._reader, worker._process, worker._hand_back
+    handing_back, opened, reader_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    claimed_while_reading: list[bool] = []
+
+    async def process_and_say(partition, entries, deliveries):
+        if deliveries is not None:
+            claimed_while_reading.append(worker._reader_active)
+        await process(partition, entries, deliveries)
+        if deliveries is not None:
+            opened.set()
+
+    async def reader_after_the_sweep(stop, burst):
+        waits = [asyncio.ensure_future(e.wait()) for e in (handing_back, opened)]
+        await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        try:
+            await reader(stop, burst)
+        finally:
+            reader_done.set()
+
+    async def hand_back_after_the_reader(*args):
+        handing_back.set()
+        await asyncio.wait_for(reader_done.wait(), 10)
+        await hand_back(*args)
+
+    worker._process = process_and_say  # type: ignore[method-assign]
+    worker._reader = reader_after_the_sweep  # type: ignore[method-assign]
+    worker._hand_back = hand_back_after_the_reader  # type: ignore[method-assign]
+    await asyncio.wait_for(worker.run(asyncio.Event(), burst=True), 20)
+    await worker.aclose()
+    assert claimed_while_reading[:1] == [True], "the sweep did not claim the entry while the reader read"
+    async with RewardAggregator(redis_url, namespace=namespace) as agg:
+        rewards = await agg.collect("b", timeout_s=0.5, on_timeout="resolve")
+    assert [(r.index, r.status, r.reason) for r in rewards.results] == [(i, "ok", None) for i in range(4)]
+    assert await pending_of_stream(redis_url, namespace) == []
+
+
+async def test_a_sweep_that_claims_an_entry_its_worker_holds_counts_no_delivery(redis_url, namespace) -> None:
+    """reclaim_idle_ms=0: each background sweep's XAUTOCLAIM takes back the entry this worker
+    is scoring, and leaves it to the scoring under way (it is held). XAUTOCLAIM counts a
+    delivery of whatever it claims; these claims must not. Else the entry of a worker that
+    later dies reaches its next worker delivered past quarantine_after_deliveries (hunted
+    alone, a sample at a time) or max_deliveries (dead-lettered unscored)."""
+    await push_exact(redis_url, namespace, "b", 1)
+    release = asyncio.Event()
+
+    class Held:
+        inline = False
+        started = asyncio.Event()
+
+        async def score(self, t: Trajectory) -> Scored:
+            self.started.set()
+            await release.wait()
+            return Scored(identity_score(t))
+
+    scorer = Held()
+    worker = Worker(redis_url, scorer, stop_config(namespace, "w1", concurrency=2, reclaim_idle_ms=0))
+    sweep, swept = worker._reclaim_sweep, []
+
+    async def counted_sweep(*args):
+        out = await sweep(*args)
+        swept.append(out)
+        return out
+
+    worker._reclaim_sweep = counted_sweep  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    run = asyncio.ensure_future(worker.run(stop))
+    try:
+        await asyncio.wait_for(scorer.started.wait(), 10)
+        before = len(swept)
+        await wait_until(lambda: asyncio.sleep(0, len(swept) >= before + 3), timeout_s=10)
+        rows = await pending_of_stream(redis_url, namespace)
+    finally:
+        release.set()
+        stop.set()
+        await asyncio.wait_for(run, 20)
+        await worker.aclose()
+    assert [(consumer, delivered) for _, consumer, _, delivered in rows] == [(b"w1", 1)]
 
 
 @pytest.mark.parametrize("partitions", [1, 2])
