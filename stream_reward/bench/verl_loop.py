@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,9 @@ async def run_scorer(args: argparse.Namespace, scorer: str, tokdir: str, rows: l
                 scores[side] = got
                 bar.advance()
                 say(args, f"{scorer} round {rep} {side}: {rates[side][-1]:,.0f} samples/s")
+        # The verifier answers by the same rules as the rule scorer: equal scores do not show
+        # that the workers called it; its count does (every sample of every round, both sides).
+        called = verifier_requests(url) if scorer == "verifier" else None
     verl_rate = statistics.median(rates["verl"])
     sr_rate = statistics.median(rates["stream_reward"])
     return {
@@ -148,7 +153,13 @@ async def run_scorer(args: argparse.Namespace, scorer: str, tokdir: str, rows: l
         "scores_agree": sum(a == b for a, b in zip(scores["verl"], scores["stream_reward"], strict=True)),
         "runs_verl_samples_per_s": [round(r) for r in rates["verl"]],
         "runs_stream_reward_samples_per_s": [round(r) for r in rates["stream_reward"]],
+        **({"verifier_requests": called} if called is not None else {}),
     }
+
+
+def verifier_requests(url: str) -> int:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/stats", timeout=10) as resp:
+        return int(json.load(resp)["requests"])
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
