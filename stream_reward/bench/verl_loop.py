@@ -7,7 +7,9 @@ per one-row sample, ``--n`` of them in flight at once (the body of
 ``RewardLoopWorker`` built from verl's ``ppo_trainer.yaml`` (Hydra); stream-reward's
 differs only by the three overrides (plus ``reward_kwargs.num_workers`` /
 ``concurrency``). In process, no Ray: one RewardLoopWorker each, as verl's manager
-runs ``reward.num_workers`` of them side by side.
+runs ``reward.num_workers`` of them side by side. ``--loop-workers K`` runs K of them
+per side, each in its own process as verl's Ray actors are, stream-reward's sharing
+one pipeline as on Ray (``stream_reward/bench/verl_loop_pool.py``).
 
 Two scorers:
 
@@ -24,19 +26,21 @@ otherwise the bench reports ``skipped``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import json
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
+import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from stream_reward.bench._common import Progress, bench_main, bench_parser, gsm8k_pool, percentile, say
+from stream_reward.bench.verl_loop_pool import LoopPool, in_process
 from stream_reward.bench.vs_verl import build_tokenizer, verl_status
 
 STREAM_OVERRIDES = (
@@ -56,23 +60,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--latency-ms", type=float, default=50.0, help="the verifier's answer delay")
     parser.add_argument("--repeats", type=int, default=5, help="alternating rounds per side; medians reported")
     parser.add_argument("--scorers", default="rule,verifier", help="comma-separated: rule, verifier")
-    return parser.parse_args(argv)
-
-
-def compose(tokenizer_dir: str, *overrides: str) -> Any:
-    import verl  # type: ignore[import-not-found]
-    from hydra import compose as hydra_compose  # type: ignore[import-not-found]
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra  # type: ignore[import-not-found]
-    from omegaconf import OmegaConf  # type: ignore[import-not-found]
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
-        config = hydra_compose(
-            config_name="ppo_trainer", overrides=[f"actor_rollout_ref.model.path={tokenizer_dir}", *overrides]
-        )
-    OmegaConf.resolve(config)
-    return config
+    parser.add_argument(
+        "--loop-workers",
+        type=int,
+        default=1,
+        help="RewardLoopWorkers per side (verl's reward.num_workers); above 1, each in a process of its own, "
+        "the rows split among them, stream-reward's sharing one server and --processes workers",
+    )
+    args = parser.parse_args(argv)
+    if args.loop_workers < 1:
+        parser.error("--loop-workers must be >= 1")
+    return args
 
 
 def build_rows(tokenizer: Any, pool: list[dict[str, Any]], n: int) -> list[Any]:
@@ -81,18 +79,6 @@ def build_rows(tokenizer: Any, pool: list[dict[str, Any]], n: int) -> list[Any]:
 
     data, _gts, _lengths, _width = build_batch(tokenizer, pool, n)
     return [data[i : i + 1] for i in range(n)]
-
-
-async def one_round(worker: Any, rows: list[Any]) -> tuple[float, list[float], list[float]]:
-    async def timed(row: Any) -> tuple[float, float]:
-        start = time.perf_counter()
-        out = await worker.compute_score(row)
-        return time.perf_counter() - start, float(out["reward_score"])
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(timed(row) for row in rows))
-    elapsed = time.perf_counter() - start
-    return elapsed, [r[0] * 1000 for r in results], [r[1] for r in results]
 
 
 @contextlib.contextmanager
@@ -116,12 +102,9 @@ def verifier_server(latency_ms: float):
 
 
 async def run_scorer(args: argparse.Namespace, scorer: str, tokdir: str, rows: list[Any], bar: Progress) -> dict:
-    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker  # type: ignore[import-not-found]
-
-    from stream_reward.bench import _verl_verifier_fn
-
     common = ["data.max_response_length=4096"]
-    with contextlib.ExitStack() as stack:
+    play: Callable[[str], Awaitable[tuple[float, list[float], list[float]]]]
+    async with contextlib.AsyncExitStack() as stack:
         if scorer == "verifier":
             url = stack.enter_context(verifier_server(args.latency_ms))
             common += [
@@ -129,34 +112,34 @@ async def run_scorer(args: argparse.Namespace, scorer: str, tokdir: str, rows: l
                 "reward.custom_reward_function.name=compute_score",
                 f"+reward.custom_reward_function.reward_kwargs.url={url}",
             ]
-        theirs = RewardLoopWorker(compose(tokdir, *common))
-        ours = RewardLoopWorker(
-            compose(
-                tokdir,
-                *common,
-                *STREAM_OVERRIDES,
+        ours = [*common, *STREAM_OVERRIDES]
+        if args.loop_workers > 1:
+            ours.append(f"+reward.reward_kwargs.concurrency={args.concurrency}")
+            pool = LoopPool(args.loop_workers, tokdir, rows, common, ours, args.processes)
+            play = (await stack.enter_async_context(pool)).round
+        else:
+            ours += [
                 f"+reward.reward_kwargs.num_workers={args.processes}",
                 f"+reward.reward_kwargs.concurrency={args.concurrency}",
-            )
-        )
-        try:
-            rates: dict[str, list[float]] = {"verl": [], "stream_reward": []}
-            lat: dict[str, list[float]] = {"verl": [], "stream_reward": []}
-            scores: dict[str, list[float]] = {}
-            for rep in range(args.repeats + 1):  # round 0 warms both up, uncounted
-                for side, worker in (("verl", theirs), ("stream_reward", ours)):
-                    elapsed, latencies, got = await one_round(worker, rows)
-                    if rep == 0:
-                        continue
-                    rates[side].append(len(rows) / elapsed)
-                    lat[side].append(percentile(latencies, 50))
-                    lat[side].append(percentile(latencies, 99))
-                    scores[side] = got
-                    bar.advance()
-                    say(args, f"{scorer} round {rep} {side}: {rates[side][-1]:,.0f} samples/s")
-        finally:
-            ours.reward_manager.close()
-            await _verl_verifier_fn.close_sessions()
+            ]
+            play = await in_process(stack, tokdir, rows, common, ours)
+        rates: dict[str, list[float]] = {"verl": [], "stream_reward": []}
+        lat: dict[str, list[float]] = {"verl": [], "stream_reward": []}
+        scores: dict[str, list[float]] = {}
+        for rep in range(args.repeats + 1):  # round 0 warms both up, uncounted
+            for side in ("verl", "stream_reward"):
+                elapsed, latencies, got = await play(side)
+                if rep == 0:
+                    continue
+                rates[side].append(len(rows) / elapsed)
+                lat[side].append(percentile(latencies, 50))
+                lat[side].append(percentile(latencies, 99))
+                scores[side] = got
+                bar.advance()
+                say(args, f"{scorer} round {rep} {side}: {rates[side][-1]:,.0f} samples/s")
+        # The verifier answers by the same rules as the rule scorer: equal scores do not show
+        # that the workers called it; its count does (every sample of every round, both sides).
+        called = verifier_requests(url) if scorer == "verifier" else None
     verl_rate = statistics.median(rates["verl"])
     sr_rate = statistics.median(rates["stream_reward"])
     return {
@@ -170,11 +153,17 @@ async def run_scorer(args: argparse.Namespace, scorer: str, tokdir: str, rows: l
         "scores_agree": sum(a == b for a, b in zip(scores["verl"], scores["stream_reward"], strict=True)),
         "runs_verl_samples_per_s": [round(r) for r in rates["verl"]],
         "runs_stream_reward_samples_per_s": [round(r) for r in rates["stream_reward"]],
+        **({"verifier_requests": called} if called is not None else {}),
     }
 
 
+def verifier_requests(url: str) -> int:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/stats", timeout=10) as resp:
+        return int(json.load(resp)["requests"])
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    import verl
+    import verl  # type: ignore[import-not-found]
 
     scorers = [s.strip() for s in args.scorers.split(",") if s.strip()]
     unknown = set(scorers) - {"rule", "verifier"}
@@ -186,6 +175,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "verl_version": verl.__version__,
         "path": "RewardLoopWorker.compute_score per one-row sample, all in flight (compute_score_batch)",
         "processes": args.processes,
+        "loop_workers": args.loop_workers,
         "cpu_count": os.cpu_count(),
     }
     with tempfile.TemporaryDirectory(prefix="verl-loop-tok-") as tokdir:
@@ -220,6 +210,11 @@ def goals(result: dict[str, Any]) -> dict[str, bool]:
         if scorer in result:
             out[f"{scorer}: ratio >= 1.0 vs verl's naive manager"] = result[scorer]["ratio"] >= 1.0
             out[f"{scorer}: same scores as verl"] = result[scorer]["scores_agree"] == result["n"]
+            k = result.get("loop_workers", 1)
+            if k > 1:  # the bar, at verl's reward.num_workers
+                out[f"{scorer}: ratio >= 1.2 vs verl's naive manager at loop_workers={k}"] = (
+                    result[scorer]["ratio"] >= 1.2
+                )
     return out
 
 
