@@ -464,11 +464,10 @@ async def test_no_worker_reclaims_an_entry_a_live_worker_is_still_scoring(redis_
 async def test_two_reclaim_sweeps_of_one_worker_never_make_an_innocent_sample_poison(
     redis_url: str, namespace: str
 ) -> None:
-    """Found by the interleavings property test (flaky in CI): a burst worker's last
-    reclaim pass ran while its background sweep was still between XAUTOCLAIM and
-    scoring. Both claimed the same entry (each claim counts a delivery), both made it a
-    suspect, and the second quarantine found the first's note and dead-lettered the
-    sample as ``poison``. The first claim's XPENDING round trip is held open for the second."""
+    """A burst worker's last reclaim pass while its background sweep is between
+    XAUTOCLAIM and scoring: both claim the same entry, and the sample is scored, never
+    dead-lettered as ``poison`` by a second quarantine finding the first's note. The
+    first claim's XPENDING round trip is held open for the second."""
 
     from stream_reward.scoring.scorer import Scored
 
