@@ -29,8 +29,10 @@ from stream_reward.scoring.sandbox.languages import TOOLS, Toolchain, default_to
 from stream_reward.scoring.scorer import Scored
 
 if TYPE_CHECKING:
-    from stream_reward.scoring.sandbox.scorer import SandboxScorer
     from stream_reward.scoring.sandbox.slot import Slot
+
+# The SandboxScorer that drives the sample, typed loosely: it imports this module.
+SandboxScorer = Any
 
 __all__ = ["find_toolchains", "score_other", "toolchain_of"]
 
