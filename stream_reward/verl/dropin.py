@@ -56,6 +56,7 @@ from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.trainer.rewards import BatchRewards
 from stream_reward.trainer.tensors import import_numpy
 from stream_reward.wire.codec import to_plain
+from stream_reward.wire.connection import cancel_until_done
 from stream_reward.wire.keys import DEFAULT_NAMESPACE
 from stream_reward.wire.trajectory import Trajectory
 
@@ -305,10 +306,9 @@ class StreamRewardManager:
                         f"batch {batch_id!r} cannot be scored — see the workers' stderr"
                     )
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # A cancel that lands inside a redis-py command can be swallowed on Python
+            # 3.11, and a plain ``await task`` would then wait out a collect without timeout.
+            await cancel_until_done((task,))
         rewards = task.result()
         # The producer remembers every uid it pushed per batch id (to refuse
         # duplicates) and never forgets a batch; a training run opens one per step.
