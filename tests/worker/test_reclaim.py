@@ -314,7 +314,10 @@ async def test_a_sweep_that_claims_an_entry_its_worker_holds_counts_no_delivery(
 
     async def counted_sweep(*args):
         out = await sweep(*args)
-        swept.append(out)
+        # Read while this sweep still holds the sweeping lock: the next sweep's claim
+        # (counted, then uncounted by the same sweep) cannot land in between.
+        if scorer.started.is_set():
+            swept.append(await pending_of_stream(redis_url, namespace))
         return out
 
     worker._reclaim_sweep = counted_sweep  # type: ignore[method-assign]
@@ -322,15 +325,14 @@ async def test_a_sweep_that_claims_an_entry_its_worker_holds_counts_no_delivery(
     run = asyncio.ensure_future(worker.run(stop))
     try:
         await asyncio.wait_for(scorer.started.wait(), 10)
-        before = len(swept)
-        await wait_until(lambda: asyncio.sleep(0, len(swept) >= before + 3), timeout_s=10)
-        rows = await pending_of_stream(redis_url, namespace)
+        await wait_until(lambda: asyncio.sleep(0, len(swept) >= 3), timeout_s=10)
     finally:
         release.set()
         stop.set()
         await asyncio.wait_for(run, 20)
         await worker.aclose()
-    assert [(consumer, delivered) for _, consumer, _, delivered in rows] == [(b"w1", 1)]
+    for rows in swept[:3]:
+        assert [(consumer, delivered) for _, consumer, _, delivered in rows] == [(b"w1", 1)]
 
 
 @pytest.mark.parametrize("partitions", [1, 2])
