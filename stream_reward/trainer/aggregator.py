@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stream_reward.config import DEFAULT_NAMESPACE
 from stream_reward.errors import CollectTimeoutError, ConfigError, StateLostError
@@ -47,9 +47,6 @@ from stream_reward.wire.keys import Keys
 from stream_reward.wire.ledger import done_rows
 from stream_reward.wire.namespace import check_protocol
 from stream_reward.wire.trajectory import ResultRecord, ScoreResult
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["RewardAggregator"]
 

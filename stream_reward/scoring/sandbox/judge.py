@@ -2,9 +2,10 @@
 
 Runs outside the candidate's process (in the scorer for the stdin and call
 forms) on values rebuilt by ``sandbox_wire.loads``, so only exact plain types
-arrive; ``same_output`` compares a stdin-form program's stdout. Its ``_sr_*`` functions are also pasted into the stand-alone per-case
-programs of ``sandbox.case_script()`` (remote sandboxes, the benchmark
-baseline): keep them self-contained.
+arrive; ``same_output`` compares a stdin-form program's stdout. Its ``_sr_*``
+functions are also pasted into the stand-alone per-case programs of
+``sandbox.case_script()`` (remote sandboxes, the benchmark baseline): keep them
+self-contained.
 """
 
 from __future__ import annotations

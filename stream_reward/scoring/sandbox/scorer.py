@@ -45,9 +45,7 @@ from typing import Any
 
 from stream_reward.config import SandboxConfig
 from stream_reward.errors import VerifierError
-from stream_reward.scoring.sandbox.compiled import (
-    CompileCache,
-)
+from stream_reward.scoring.sandbox.compiled import CompileCache
 from stream_reward.scoring.sandbox.forms import (
     CASE_STATUSES,
     WRONG_ANSWER_EXIT,
@@ -60,11 +58,7 @@ from stream_reward.scoring.sandbox.forms import (
 )
 from stream_reward.scoring.sandbox.isolation import OUT_OF_RESOURCES, choose_backend, root_spec
 from stream_reward.scoring.sandbox.judge import same, same_output
-from stream_reward.scoring.sandbox.languages import (
-    Toolchain,
-    choose_program,
-    task_language,
-)
+from stream_reward.scoring.sandbox.languages import Toolchain, choose_program, task_language
 from stream_reward.scoring.sandbox.polyglot import find_toolchains, score_other, toolchain_of
 from stream_reward.scoring.sandbox.seccomp import filter_bytes
 from stream_reward.scoring.sandbox.slot import CHECKER_SOURCE, HARNESS_SOURCE, Slot, SlotBroken, json_message, kill_pid
