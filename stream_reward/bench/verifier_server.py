@@ -201,7 +201,10 @@ class VerifierServer:
         # handler_cancellation: a client that gave up (timeout test) cancels its hung handler.
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        # A backlog as deep as the kernel allows (somaxconn caps it): with aiohttp's 128, a
+        # thousand clients connecting at once lose SYNs and wait out the 1 s retransmit,
+        # which measures the listen queue, not the verifier or its callers.
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
         await site.start()
         port = self._runner.addresses[0][1]
         self._watch = asyncio.create_task(self._watch_loop())
