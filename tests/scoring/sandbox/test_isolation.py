@@ -237,16 +237,30 @@ def test_sysv_ipc_does_not_persist_across_cases_or_samples(hack_scorer):
     assert run(hack_scorer, hack_traj(SYSV_READ, gt)).score == 0.0
 
 
-@pytest.mark.parametrize("backend", ["bwrap", "unshare"])
-@pytest.mark.parametrize("name,plant,found", STATE_CHANNELS, ids=[c[0] for c in STATE_CHANNELS])
-def test_state_a_sample_leaves_is_gone_for_the_next_sample(open_scorer, backend, name, plant, found):
-    s = open_scorer(**hacks.LIMITS, backend=backend, concurrency=1)  # one slot: the reader runs where the planter ran
+def _passes_state_on(s: SandboxScorer, name: str, plant: str, found: str) -> None:
     planted = run(s, hack_traj(state_planter(plant), {"inputs": [""], "outputs": ["planted"]})).score == 1.0
     gt = {"inputs": ["2 3\n", "-1 1\n"], "outputs": ["5\n", "0\n"]}
     leaked = run(s, hack_traj(state_reader(found), gt))
     assert leaked.score == 0.0, (name, "planted" if planted else "refused", leaked.extra)
     if planted:  # the reader does see the state where it is: the check above is not vacuous
         assert run(s, hack_traj(plant + "plant()\n" + state_reader(found), gt)).score == 1.0, name
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "unshare"])
+@pytest.mark.parametrize("name,plant,found", STATE_CHANNELS, ids=[c[0] for c in STATE_CHANNELS])
+def test_state_a_sample_leaves_is_gone_for_the_next_sample(open_scorer, backend, name, plant, found):
+    s = open_scorer(**hacks.LIMITS, backend=backend, concurrency=1)  # one slot: the reader runs where the planter ran
+    _passes_state_on(s, name, plant, found)
+
+
+NETWORK_CHANNELS = [c for c in STATE_CHANNELS if c[0] in ("tcp_time_wait", "network_counters")]
+
+
+@pytest.mark.parametrize("name,plant,found", NETWORK_CHANNELS, ids=[c[0] for c in NETWORK_CHANNELS])
+def test_without_seccomp_network_state_is_gone_for_the_next_sample(open_scorer, name, plant, found):
+    # The filter refuses IP sockets; without it each case has a network namespace of its own.
+    s = open_scorer(**hacks.LIMITS, backend="bwrap", concurrency=1, seccomp=False)
+    _passes_state_on(s, name, plant, found)
 
 
 # ------------------------------------------------------------ backends
