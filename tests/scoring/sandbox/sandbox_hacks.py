@@ -380,11 +380,12 @@ STATE_CHANNELS = [
         "abstract_unix_socket_in_flight",
         # a bound socket sent inside a message to a socket that is itself in flight:
         # no process holds it, only the kernel's garbage collector frees it
-        "import array, socket\ndef plant():\n    try:\n        s = socket.socket(socket.AF_UNIX)\n"
+        # (the planter keeps its sockets to the end: dropped, the collector may free them at once)
+        "import array, socket\nHELD = []\ndef plant():\n    try:\n        s = socket.socket(socket.AF_UNIX)\n"
         "        s.bind('\\0sr-leak-in-flight')\n        s.listen(1)\n        a, b = socket.socketpair()\n"
         "        fds = array.array('i', [b.fileno(), s.fileno()])\n"
-        "        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])\n        return True\n"
-        "    except OSError:\n        return False\n",
+        "        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])\n        HELD.extend((s, a, b))\n"
+        "        return True\n    except OSError:\n        return False\n",
         "import socket\ndef found():\n    try:\n        socket.socket(socket.AF_UNIX).bind('\\0sr-leak-in-flight')\n"
         "        return False\n    except OSError:\n        return True\n",
     ),
