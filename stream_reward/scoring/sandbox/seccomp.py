@@ -13,15 +13,13 @@ operations bypass seccomp), bpf, perf, userfaultfd, module and kexec loading,
 clock setting, swap, accounting, quota, reboot, handle-based opens, syslog.
 ``clone3`` gets ENOSYS, so libc falls back to ``clone``, whose flags the filter
 can see. ``socket`` and ``socketpair`` of any family but AF_UNIX get EAFNOSUPPORT
-(what a kernel without that family says): the network namespace is the slot's,
-and what IP leaves in it outlives the case (ports in TIME_WAIT, the packet
-counters of /proc/net/snmp), so one sample could pass answers to the next; unix
-sockets die with the case's processes. (A fresh network namespace per case, the
-harness's fallback without this filter, costs ~1 ms per case plus the kernel's
-asynchronous teardown.) A syscall of a foreign ABI (x32, or a different
-architecture) kills the process. Architectures without a table here (anything
-but x86_64 and aarch64) get no filter; ``filter_bytes`` returns None and the
-scorer logs it once.
+(what a kernel without that family says): what IP leaves in a network namespace
+outlives the case (ports in TIME_WAIT, the packet counters of /proc/net/snmp);
+each case's own namespace (CLONE_NEWNET, from the harness) keeps that from the
+next one, and this rule keeps it from depending on that alone. A syscall of a
+foreign ABI (x32, or a different architecture) kills the process. Architectures
+without a table here (anything but x86_64 and aarch64) get no filter;
+``filter_bytes`` returns None and the scorer logs it once.
 """
 
 from __future__ import annotations

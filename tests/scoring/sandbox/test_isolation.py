@@ -258,7 +258,7 @@ NETWORK_CHANNELS = [c for c in STATE_CHANNELS if c[0] in ("tcp_time_wait", "netw
 
 @pytest.mark.parametrize("name,plant,found", NETWORK_CHANNELS, ids=[c[0] for c in NETWORK_CHANNELS])
 def test_without_seccomp_network_state_is_gone_for_the_next_sample(open_scorer, name, plant, found):
-    # The filter refuses IP sockets; without it each case has a network namespace of its own.
+    # Without the filter's socket rule, the case's own network namespace still keeps IP state in.
     s = open_scorer(**hacks.LIMITS, backend="bwrap", concurrency=1, seccomp=False)
     _passes_state_on(s, name, plant, found)
 
