@@ -31,6 +31,8 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
 if "dumps" not in globals():  # run on its own; the host normally sends wire.py ahead of this source
     from stream_reward.scoring.sandbox.wire import WireError, dumps, loads
+if "open_import_paths" not in globals():  # likewise _import_view.py
+    from stream_reward.scoring.sandbox._import_view import open_import_paths
 
 
 def read_exact(fd, n):
@@ -268,11 +270,17 @@ def main():
     for name in ("math", "re", "collections", "itertools", "functools", "random", "copy", "string", "typing"):
         __import__(name)
     send(("ready",))
+    importable = set()
     while True:
         msg = recv()
         if msg[0] != "sample":
             continue  # leftovers of a sample whose child was killed
         _, prompt, sys_path, memory_mb = msg
+        wanted = {*sys.path, *sys_path, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+        if uid is not None and not wanted <= importable:
+            # before nobody runs anything: the import paths, readable wherever they live
+            importable |= wanted
+            open_import_paths(sorted(importable))
         pid = os.fork()
         if pid == 0:
             sample_child(prompt, sys_path, uid, memory_mb)

@@ -12,8 +12,8 @@ Wire: frames of a 4-byte little-endian length and a body, on stdin (host ->
 harness, ``marshal``; the host is trusted) and stdout (harness -> host, JSON;
 the host parses it as untrusted text).
 
-Per case the harness clones a child into a new PID and mount namespace (when
-the sandbox allows it): the child (in new PID, mount and IPC namespaces) joins the slot's memory and pids cgroups,
+Per case the harness clones a child into new namespaces (when the sandbox
+allows it): the child (in new PID, mount, IPC and network namespaces) joins the slot's memory and pids cgroups,
 mounts a fresh /proc, /tmp and /dev/shm, sets rlimits, drops to the slot's
 unprivileged uid (or drops every capability without root), sets no_new_privs,
 installs the seccomp filter, reports "setup done" on a private pipe that it then
@@ -49,10 +49,14 @@ import time
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, SIGCHLD = 0x00020000, 0x20000000, 0x08000000, 17
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWNET, SIGCHLD = 0x00020000, 0x20000000, 0x08000000, 0x40000000, 17
 # A case's own IPC namespace too: SysV shared memory and message queues outlive
 # their processes, and would carry state (and memory charges) into later cases.
-CASE_NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
+# And its own network namespace: abstract unix socket names live there, and a bound
+# socket left in flight (sent over a socket that is itself in flight) outlives every
+# process until the kernel's collector gets to it, which under load is later than
+# the next case's start.
+CASE_NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 38, 22, 4, 36
 PR_CAPBSET_DROP = 24

@@ -323,3 +323,118 @@ def hack_traj(program: str | None, gt: dict, prompt: str | None = None) -> Traje
     return Trajectory(
         batch_id="hacks", index=0, data_source="code", response=response, ground_truth=json.dumps(gt), prompt=prompt
     )
+
+
+# State one sample leaves for the next sample of the same slot: ``(name, plant, found)``.
+# ``plant`` defines ``plant()``, which leaves the state and returns whether it could;
+# ``found`` defines ``found()``, which looks for it. A reader that scores 1.0 only when
+# ``found()`` is a wrong program paid for what an earlier sample passed it.
+_PORT = 47321
+_SYSCALLS = "import platform\nNR = {'x86_64': (248, 249, 250), 'aarch64': (217, 218, 219)}[platform.machine()]\n"
+STATE_CHANNELS = [
+    (
+        "tcp_time_wait",
+        "import socket\ndef plant():\n    try:\n        srv = socket.socket()\n"
+        f"        srv.bind(('127.0.0.1', {_PORT}))\n        srv.listen(1)\n"
+        f"        cli = socket.create_connection(('127.0.0.1', {_PORT}), timeout=1)\n"
+        "        conn, _ = srv.accept()\n        conn.close()\n        cli.close()\n        srv.close()\n"
+        "        return True\n    except OSError:\n        return False\n",
+        # the closing side keeps the port in TIME_WAIT: a plain bind of it fails
+        "import socket\ndef found():\n    try:\n        s = socket.socket()\n"
+        f"        s.bind(('0.0.0.0', {_PORT}))\n        s.close()\n        return False\n"
+        "    except OSError as e:\n        return e.errno == 98\n",
+    ),
+    (
+        "udp_port_held_by_a_background_process",
+        "import os, socket, time\ndef plant():\n    r, w = os.pipe()\n    if os.fork() == 0:\n        os.setsid()\n"
+        "        try:\n            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        f"            s.bind(('0.0.0.0', {_PORT}))\n            os.write(w, b'y')\n        except OSError:\n"
+        "            os.write(w, b'n')\n        time.sleep(60)\n        os._exit(0)\n    return os.read(r, 1) == b'y'\n",
+        "import socket\ndef found():\n    try:\n        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        f"        s.bind(('0.0.0.0', {_PORT}))\n        s.close()\n        return False\n"
+        "    except OSError as e:\n        return e.errno == 98\n",
+    ),
+    (
+        "network_counters",
+        # every packet sent, or refused for want of a route, counts in /proc/net/snmp:
+        # per network namespace, and kept when the sockets are gone
+        "import socket\ndef plant():\n    made = False\n    for _ in range(7):\n        try:\n"
+        "            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n            made = True\n"
+        f"            s.sendto(b'x', ('127.0.0.1', {_PORT}))\n        except OSError:\n            pass\n"
+        "    return made\n",
+        "CONSTANT = {'Forwarding', 'DefaultTTL', 'RtoAlgorithm', 'RtoMin', 'RtoMax', 'MaxConn'}\ndef found():\n"
+        "    try:\n        lines = open('/proc/net/snmp').read().splitlines()\n    except OSError:\n"
+        "        return False\n    return any(int(v) > 0 for head, vals in zip(lines[::2], lines[1::2])\n"
+        "               for k, v in zip(head.split()[1:], vals.split()[1:]) if k not in CONSTANT)\n",
+    ),
+    (
+        "abstract_unix_socket",
+        "import os, socket, time\ndef plant():\n    r, w = os.pipe()\n    if os.fork() == 0:\n        os.setsid()\n"
+        "        try:\n            s = socket.socket(socket.AF_UNIX)\n            s.bind('\\0sr-leak')\n"
+        "            s.listen(1)\n            os.write(w, b'y')\n        except OSError:\n            os.write(w, b'n')\n"
+        "        time.sleep(60)\n        os._exit(0)\n    return os.read(r, 1) == b'y'\n",
+        "import socket\ndef found():\n    try:\n        socket.socket(socket.AF_UNIX).connect('\\0sr-leak')\n"
+        "        return True\n    except OSError:\n        return False\n",
+    ),
+    (
+        "abstract_unix_socket_in_flight",
+        # a bound socket sent inside a message to a socket that is itself in flight:
+        # no process holds it, only the kernel's garbage collector frees it
+        # (the planter keeps its sockets to the end: dropped, the collector may free them at once)
+        "import array, socket\nHELD = []\ndef plant():\n    try:\n        s = socket.socket(socket.AF_UNIX)\n"
+        "        s.bind('\\0sr-leak-in-flight')\n        s.listen(1)\n        a, b = socket.socketpair()\n"
+        "        fds = array.array('i', [b.fileno(), s.fileno()])\n"
+        "        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])\n        HELD.extend((s, a, b))\n"
+        "        return True\n    except OSError:\n        return False\n",
+        "import socket\ndef found():\n    try:\n        socket.socket(socket.AF_UNIX).bind('\\0sr-leak-in-flight')\n"
+        "        return False\n    except OSError:\n        return True\n",
+    ),
+    (
+        "sysv_shared_memory_and_queue",
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef plant():\n"
+        "    a = libc.shmget(0x5352, 4096, 0o1000 | 0o666)\n    b = libc.msgget(0x5352, 0o1000 | 0o666)\n"
+        "    return a >= 0 or b >= 0\n",
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef found():\n"
+        "    return libc.shmget(0x5352, 0, 0) >= 0 or libc.msgget(0x5352, 0) >= 0\n",
+    ),
+    (
+        "posix_message_queue",
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\ndef plant():\n"
+        "    return libc.mq_open(b'/sr-leak', os.O_CREAT | os.O_RDWR, 0o666, None) >= 0\n",
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\ndef found():\n"
+        "    return libc.mq_open(b'/sr-leak', os.O_RDONLY) >= 0\n",
+    ),
+    (
+        "files_in_tmp_shm_and_workdir",
+        "import os\ndef plant():\n    done = False\n    for path in ('/tmp/sr-leak', '/dev/shm/sr-leak', 'sr-leak'):\n"
+        "        try:\n            open(path, 'w').close()\n            done = True\n        except OSError:\n"
+        "            pass\n    return done\n",
+        "import os\ndef found():\n"
+        "    return any(os.path.exists(p) for p in ('/tmp/sr-leak', '/dev/shm/sr-leak', 'sr-leak'))\n",
+    ),
+    (
+        "kernel_keyrings",
+        _SYSCALLS + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef plant():\n"
+        "    return any(libc.syscall(NR[0], b'user', b'sr-leak', b'42', 2, ring) > 0 for ring in (-3, -4, -5))\n",
+        _SYSCALLS + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef found():\n"
+        "    return libc.syscall(NR[1], b'user', b'sr-leak', None, 0) > 0\n",
+    ),
+    (
+        "environment_cwd_and_hostname",
+        "import os, socket\ndef plant():\n    os.environ['SR_LEAK'] = '1'\n    os.putenv('SR_LEAK', '1')\n"
+        "    os.chdir('/')\n    try:\n        socket.sethostname('sr-leak')\n    except OSError:\n        pass\n"
+        "    return True\n",
+        "import os, socket\ndef found():\n"
+        "    return 'SR_LEAK' in os.environ or os.getcwd() == '/' or socket.gethostname() == 'sr-leak'\n",
+    ),
+]
+
+
+def state_reader(found: str) -> str:
+    """A wrong ``add`` (stdin form) that answers right only if ``found()``."""
+    return found + "a, b = map(int, input().split())\nprint(a + b if found() else a - b)\n"
+
+
+def state_planter(plant: str) -> str:
+    """Prints ``planted`` if ``plant()`` left its state."""
+    return plant + "print('planted' if plant() else 'refused')\n"

@@ -6,6 +6,9 @@ checker's frame pipe."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 from sandbox_support import score
 
@@ -78,3 +81,44 @@ SHADOW_REST = "def sorted(xs):\n    return xs\ndef list(x):\n    return [1, 3, 2
 def test_a_task_function_named_like_a_builtin_is_the_responses_and_only_it(bwrap, gt):
     assert score(bwrap, DESCENDING, gt).score == 1.0
     assert score(bwrap, SHADOW_REST, gt).score == 0.0
+
+
+STDLIB_TEST = {
+    "test": (
+        "import heapq, unittest, collections, fractions\n"
+        "def _median(xs):\n    import statistics, decimal\n    return statistics.median(xs) + decimal.Decimal(0)\n"
+        "def check(candidate):\n"
+        "    assert candidate([3, 1, 2]) == heapq.nsmallest(3, [3, 1, 2])\n"
+        "    assert candidate([5, 4]) == sorted(collections.Counter([5, 4]))\n"
+        "    assert fractions.Fraction(_median(candidate([2, 1, 3]))) == 2\n"
+        "    unittest.TestCase().assertEqual(candidate([2, 1]), [1, 2])\n"
+    ),
+    "entry_point": "f",
+}
+
+
+def _mount_points() -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return {line.split()[4] for line in f}
+
+
+def test_a_test_imports_the_standard_library_wherever_python_lives(open_scorer):
+    # The checker runs tests as nobody when root, and this interpreter may live under
+    # a directory nobody cannot enter (/root/.pyenv): the imports must still work,
+    # without the host seeing any of the mounts that make it so.
+    before = _mount_points()
+    s = open_scorer(backend="bwrap", concurrency=1)
+    r = score(s, "def f(xs):\n    return sorted(xs)", STDLIB_TEST)
+    assert r.score == 1.0 and r.extra["cases"] == ["passed"], r.extra
+    assert score(s, "def f(xs):\n    return xs", STDLIB_TEST).extra["cases"] == ["failed"]
+    prefix = os.path.realpath(sys.base_prefix)
+    assert not [m for m in _mount_points() - before if prefix == m or prefix.startswith(m.rstrip("/") + "/")]
+
+
+def test_a_test_runs_without_privilege(bwrap):
+    gt = {
+        "test": "import os\ndef check(candidate):\n    assert os.geteuid() == candidate(0) and os.getegid() != 0\n",
+        "entry_point": "f",
+    }
+    nobody = 65534 if os.geteuid() == 0 else os.geteuid()
+    assert score(bwrap, f"def f(x):\n    return {nobody}", gt).score == 1.0

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import sandbox_hacks as hacks
-from sandbox_hacks import LIMIT_GT, LIMIT_HACKS, hack_traj
+from sandbox_hacks import LIMIT_GT, LIMIT_HACKS, STATE_CHANNELS, hack_traj, state_planter, state_reader
 from sandbox_support import FAST, config, run, sandboxed_processes, score, stdin_case, traj
 
 from stream_reward.errors import ConfigError, VerifierError
@@ -235,6 +235,32 @@ def test_sysv_ipc_does_not_persist_across_cases_or_samples(hack_scorer):
     # Within one case it works (one process): the check above is not vacuous.
     assert run(hack_scorer, hack_traj(SYSV_PLANT.replace("print(0)\n", "") + SYSV_READ, gt)).score == 1.0
     assert run(hack_scorer, hack_traj(SYSV_READ, gt)).score == 0.0
+
+
+def _passes_state_on(s: SandboxScorer, name: str, plant: str, found: str) -> None:
+    planted = run(s, hack_traj(state_planter(plant), {"inputs": [""], "outputs": ["planted"]})).score == 1.0
+    gt = {"inputs": ["2 3\n", "-1 1\n"], "outputs": ["5\n", "0\n"]}
+    leaked = run(s, hack_traj(state_reader(found), gt))
+    assert leaked.score == 0.0, (name, "planted" if planted else "refused", leaked.extra)
+    if planted:  # the reader does see the state where it is: the check above is not vacuous
+        assert run(s, hack_traj(plant + "plant()\n" + state_reader(found), gt)).score == 1.0, name
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "unshare"])
+@pytest.mark.parametrize("name,plant,found", STATE_CHANNELS, ids=[c[0] for c in STATE_CHANNELS])
+def test_state_a_sample_leaves_is_gone_for_the_next_sample(open_scorer, backend, name, plant, found):
+    s = open_scorer(**hacks.LIMITS, backend=backend, concurrency=1)  # one slot: the reader runs where the planter ran
+    _passes_state_on(s, name, plant, found)
+
+
+NETWORK_CHANNELS = [c for c in STATE_CHANNELS if c[0] in ("tcp_time_wait", "network_counters")]
+
+
+@pytest.mark.parametrize("name,plant,found", NETWORK_CHANNELS, ids=[c[0] for c in NETWORK_CHANNELS])
+def test_without_seccomp_network_state_is_gone_for_the_next_sample(open_scorer, name, plant, found):
+    # Without the filter's socket rule, the case's own network namespace still keeps IP state in.
+    s = open_scorer(**hacks.LIMITS, backend="bwrap", concurrency=1, seccomp=False)
+    _passes_state_on(s, name, plant, found)
 
 
 # ------------------------------------------------------------ backends
