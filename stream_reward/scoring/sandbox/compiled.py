@@ -7,7 +7,8 @@ itself runs inside the sandbox (the compiler parses untrusted input) as one
 ``exec`` case of the harness, with its own wall and a larger output cap (its
 artifacts come back as a reply); each test case then runs the artifact as
 another ``exec`` case with the sample's per-case limits, written afresh into the
-case's fresh /tmp.
+case's fresh /tmp (from the harness's kept copy: ``run_job``'s ``key`` lets the
+scorer send the files to a slot once).
 
 The cache is a directory of entries ``<key>/`` (artifacts plus ``meta.json``),
 written under a temporary name and renamed into place, least recently used

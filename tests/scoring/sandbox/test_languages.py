@@ -273,3 +273,26 @@ def _go_minor(scorer: SandboxScorer) -> int:
     found = re.search(r"go1\.(\d+)", banner)
     assert found, banner
     return int(found.group(1))
+
+
+def test_programs_taking_turns_on_one_slot_each_run_their_own_artifact(polyglot: SandboxScorer) -> None:
+    # Samples one after another reuse the warm slot, and its harness keeps the last
+    # program's files between cases: a different program must never run the kept one.
+    needs(polyglot, "c")
+    for language in ("c", "rust", "c"):
+        needs(polyglot, language)
+        right = score(polyglot, sample(fenced(language, program(language, "+", salt="turns"))))
+        wrong = score(polyglot, sample(fenced(language, program(language, "-", salt="turns"))))
+        assert (right.score, wrong.score) == (1.0, 0.0), language
+
+
+def test_a_case_that_deletes_or_overwrites_its_binary_leaves_the_next_case_intact(polyglot: SandboxScorer) -> None:
+    needs(polyglot, "c")
+    code = (
+        '#include <stdio.h>\nint main(int n, char **argv){long a,b;scanf("%ld %ld",&a,&b);'
+        'FILE *f=fopen(argv[0],"w");if(f){fputs("garbage",f);fclose(f);}remove(argv[0]);'
+        'printf("%ld\\n",a+b);return 0;}'
+    )
+    for _ in range(2):  # the second sample of the same program: its files were kept
+        scored = score(polyglot, sample(fenced("c", code)))
+        assert (scored.score, scored.extra["cases"]) == (1.0, ["passed", "passed"])
