@@ -299,7 +299,7 @@ def run(
         "load_average_1m": round(os.getloadavg()[0], 2),
         "scores_as_expected": expected_ok,
         "scores_agree_with_baseline": sandbox_scores == baseline_scores,
-        # Per language: a group of identical answers (one compile) vs the same compile and runs bare.
+        # Per language: repeated programs (one compile each) vs a naive verifier compiling per sample.
         "languages": languages,
     }
 

@@ -227,3 +227,27 @@ def test_gateway(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert r["all_answered"] is True
     assert set(r["goals"]) == {"ratio >= 0.8", "every sample answered"}
+
+
+def test_sandbox_language_rows_say_their_shape_and_both_baselines() -> None:
+    from stream_reward.bench.sandbox_languages import language_rows
+    from stream_reward.scoring.sandbox.scorer import SandboxConfig, SandboxScorer
+
+    try:
+        scorer = SandboxScorer(SandboxConfig(concurrency=1, timeout_s=5.0, cpu_s=5.0))
+    except Exception as exc:  # no sandbox backend on this host
+        pytest.skip(str(exc))
+    try:
+        rows = language_rows(scorer, 1, programs=2, repeats=2, rounds=1, languages=("c", "javascript"))
+    finally:
+        scorer.close()
+    for language, row in rows.items():
+        if "missing" in row:
+            continue
+        shape = (row["programs"], row["repeats"], row["cases_per_program"], row["rounds"])
+        assert shape == (2, 2, 4, 1) and row["cases"] == 16, language
+        for key in ("cases_per_s", "bare_cases_per_s", "ratio", "compile_once_cases_per_s", "ratio_vs_compile_once"):
+            assert is_num(row[key]) and row[key] > 0, (language, key)
+        assert row["scores_as_expected"] is True
+    if "missing" not in rows["c"]:
+        assert rows["c"]["compile_s"] > 0 and rows["c"]["bare_compile_s"] > 0

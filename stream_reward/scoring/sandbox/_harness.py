@@ -201,12 +201,33 @@ def main():
         msg = marshal.loads(raw)
         if msg["op"] == "case":
             try:
+                unstage(msg)
                 send(run_case(boot, msg))
             except OSError as exc:  # pipe/clone/reap failed: the host's fault, not the program's
                 send({"ev": "infra", "error": f"{type(exc).__name__}: {exc}", "errno": exc.errno or 0})
         elif msg["op"] == "exit":
             os._exit(0)
         # a late "call"/"end" for a case that already ended: nothing to do
+
+
+# The last compiled program's files, kept between its cases (and samples): the host
+# sends a program's artifact once per slot, not once per case.
+STAGED: dict[str, list] = {}
+
+
+def unstage(msg):
+    """An ``exec`` case names its files by ``stage`` (keep them) or ``staged`` (the
+    kept ones); the host tracks which program this harness keeps."""
+    job = msg.get("exec")
+    if not job:
+        return
+    if "stage" in job:
+        STAGED.clear()
+        STAGED[job["stage"]] = job["files"]
+    elif "staged" in job:
+        if job["staged"] not in STAGED:
+            raise OSError(0, "no staged program " + str(job["staged"])[:16])
+        job["files"] = STAGED[job["staged"]]
 
 
 def oom_kills(boot):

@@ -7,7 +7,8 @@ itself runs inside the sandbox (the compiler parses untrusted input) as one
 ``exec`` case of the harness, with its own wall and a larger output cap (its
 artifacts come back as a reply); each test case then runs the artifact as
 another ``exec`` case with the sample's per-case limits, written afresh into the
-case's fresh /tmp.
+case's fresh /tmp (from the harness's kept copy: ``run_job``'s ``key`` lets the
+scorer send the files to a slot once).
 
 The cache is a directory of entries ``<key>/`` (artifacts plus ``meta.json``),
 written under a temporary name and renamed into place, least recently used
@@ -39,6 +40,8 @@ __all__ = [
     "build_for",
     "compile_job",
     "compile_limits",
+    "java_class",
+    "java_unpackaged",
     "run_job",
     "COMPILE_OUTPUT_BYTES",
 ]
@@ -96,6 +99,17 @@ def java_class(source: str) -> str:
     return "Main"
 
 
+# The package declaration: the first statement, after comments only.
+_JAVA_PACKAGE = re.compile(r"\A((?:\s|//[^\n]*\n|/\*.*?\*/)*)package\s+[\w.\s]+;", re.S)
+
+
+def java_unpackaged(source: str) -> str:
+    """``source`` in the unnamed package: ``java -cp . <Class>`` finds only a class
+    whose package matches its directory, and a lone file is its own program. The
+    declaration becomes blanks, so the compiler's line numbers stay right."""
+    return _JAVA_PACKAGE.sub(lambda m: m.group(1) + " " * (len(m.group(0)) - len(m.group(1))), source, count=1)
+
+
 def build_for(toolchain: Toolchain, source: str, memory_mb: int) -> Build:
     """The fixed commands of ``toolchain``'s language for ``source``."""
     t = toolchain.tools
@@ -136,6 +150,8 @@ def build_for(toolchain: Toolchain, source: str, memory_mb: int) -> Build:
 
 
 def compile_job(build: Build, source: str) -> dict[str, Any]:
+    if build.language == "java":
+        source = java_unpackaged(source)
     return {
         "files": [(build.source_name, source.encode("utf-8", "surrogateescape"), 0o644)],
         "dirs": ["out"],

@@ -330,11 +330,18 @@ class SandboxScorer:
     ) -> tuple[str, str]:
         assert slot.h is not None
         msg = self._case_msg("stdin", program, case["stdin"].encode(), timeout_s)
+        key = None
         if job is not None:
+            key = job.get("key")
+            if key is not None and slot.staged == key:  # the harness keeps this program's files
+                job = {k: v for k, v in job.items() if k not in ("files", "key")} | {"staged": key}
+            elif key is not None:
+                job = {k: v for k, v in job.items() if k != "key"} | {"stage": key}
             msg.update(mode="exec", program="", exec=job)
             msg["limits"] = {**msg["limits"], "address_space": job.get("address_space", True)}
         slot.h.send(marshal.dumps(msg, 4))
         done = await self._done(slot, timeout_s)
+        slot.staged = key if key is not None else slot.staged
         verdict = _exit_verdict(done)
         if verdict is not None:
             return verdict

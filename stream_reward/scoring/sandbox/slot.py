@@ -161,6 +161,7 @@ class Slot:
         self.uid: int | None = None
         self.cgroups: SlotCgroups | None = None
         self.checker_pid: int | None = None  # the checker's child for the current sample
+        self.staged: str | None = None  # the compiled program whose files the harness keeps
         self.errors: Any = None
 
     # -- lifecycle
@@ -257,6 +258,7 @@ class Slot:
         self.harness = self.checker = None
         self.h = self.c = None
         self.checker_pid = None
+        self.staged = None
         if self.uid is not None:
             UIDS.release(self.uid)
             self.uid = None

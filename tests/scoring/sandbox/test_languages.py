@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +18,7 @@ import pytest
 from sandbox_support import UIDS, scorer_or_skip
 
 from stream_reward.errors import VerifierError
-from stream_reward.scoring.sandbox.compiled import Artifact, CompileCache, java_class
+from stream_reward.scoring.sandbox.compiled import Artifact, CompileCache, java_class, java_unpackaged
 from stream_reward.scoring.sandbox.languages import choose_program, task_language
 from stream_reward.scoring.sandbox.scorer import SandboxScorer
 from stream_reward.scoring.scorer import Scored
@@ -190,6 +192,15 @@ def test_the_java_class_is_the_public_one_or_main() -> None:
     assert java_class("class Helper {}\nclass Runner { public static void main(String[] a) {} }") == "Runner"
 
 
+def test_only_the_leading_java_package_declaration_is_blanked_keeping_line_numbers() -> None:
+    source = '// x\npackage a.b;\nclass M { String s = "package c;"; }\npackage d;'
+    assert (
+        java_unpackaged(source)
+        == "// x\n" + " " * len("package a.b;") + '\nclass M { String s = "package c;"; }\npackage d;'
+    )
+    assert java_unpackaged("class M { }") == "class M { }"
+
+
 def test_the_compile_cache_evicts_the_least_recently_used(tmp_path: Any) -> None:
     cache = CompileCache(str(tmp_path), max_mb=1)
     blob = b"x" * (400 << 10)
@@ -200,3 +211,88 @@ def test_the_compile_cache_evicts_the_least_recently_used(tmp_path: Any) -> None
     assert cache.get("a") is not None  # used: now the newest
     cache.put("c", Artifact(True, {"main": blob}))
     assert (cache.get("a") is not None, cache.get("b") is None, cache.get("c") is not None) == (True, True, True)
+
+
+JAVA_SUM_BODY = (
+    "  public static void main(String[] x) {\n    java.util.Scanner s = new java.util.Scanner(System.in);\n"
+    "    long a = s.nextLong(), b = s.nextLong();\n    System.out.println(a OP b);\n  }\n"
+)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "package solution;\n\npublic class Solution {\n",
+        "package com.example.judge;\nimport java.util.*;\n\npublic final class Answer {\n",
+        "/* a header */ package p;\nclass Runner {\n",
+    ],
+)
+def test_a_java_program_in_a_package_runs(polyglot: SandboxScorer, head: str) -> None:
+    needs(polyglot, "java")
+    right = score(polyglot, sample(fenced("java", head + JAVA_SUM_BODY.replace("OP", "+") + "}\n")))
+    assert (right.score, right.extra["cases"]) == (1.0, ["passed", "passed"]), right.extra
+    wrong = score(polyglot, sample(fenced("java", head + JAVA_SUM_BODY.replace("OP", "-") + "}\n")))
+    assert (wrong.score, wrong.extra["cases"]) == (0.0, ["failed", "failed"])
+
+
+def test_a_java_program_whose_main_class_is_not_public_and_not_main_runs(polyglot: SandboxScorer) -> None:
+    needs(polyglot, "java")
+    code = (
+        "class Helper { static long add(long a, long b) { return a + b; } }\nclass Solver {\n"
+        + JAVA_SUM_BODY.replace("a OP b", "Helper.add(a, b)")
+        + "}\n"
+    )
+    assert score(polyglot, sample(fenced("java", code))).score == 1.0
+
+
+def test_a_go_program_with_generics_runs_on_the_installed_toolchain(polyglot: SandboxScorer) -> None:
+    needs(polyglot, "go")
+    code = (
+        'package main\n\nimport "fmt"\n\ntype Number interface{ ~int | ~int64 }\n\n'
+        "func Sum[T Number](xs ...T) T {\n\tvar t T\n\tfor _, x := range xs {\n\t\tt += x\n\t}\n\treturn t\n}\n\n"
+        "func main() {\n\tvar a, b int\n\tfmt.Scan(&a, &b)\n\tfmt.Println(Sum(a, b))\n}\n"
+    )
+    assert score(polyglot, sample(fenced("go", code))).score == 1.0
+
+
+def test_a_go_builtin_newer_than_the_toolchain_is_the_programs_compile_error(polyglot: SandboxScorer) -> None:
+    # min/max are builtins from Go 1.21: on an older toolchain the program does not
+    # compile, which is the policy's loss (0, status ok), never a failed sample.
+    needs(polyglot, "go")
+    code = 'package main\n\nimport "fmt"\n\nfunc main() {\n\tvar a, b int\n\tfmt.Scan(&a, &b)\n\tfmt.Println(min(a, b) + max(a, b))\n}\n'
+    scored = score(polyglot, sample(fenced("go", code)))
+    if _go_minor(polyglot) >= 21:
+        assert scored.score == 1.0
+    else:
+        assert (scored.score, scored.extra["reason"]) == (0.0, "compile_error")
+        assert "min" in scored.extra["compile_error"]
+
+
+def _go_minor(scorer: SandboxScorer) -> int:
+    banner = subprocess.run([scorer.toolchain("go").tools["go"], "version"], capture_output=True, text=True).stdout
+    found = re.search(r"go1\.(\d+)", banner)
+    assert found, banner
+    return int(found.group(1))
+
+
+def test_programs_taking_turns_on_one_slot_each_run_their_own_artifact(polyglot: SandboxScorer) -> None:
+    # Samples one after another reuse the warm slot, and its harness keeps the last
+    # program's files between cases: a different program must never run the kept one.
+    needs(polyglot, "c")
+    for language in ("c", "rust", "c"):
+        needs(polyglot, language)
+        right = score(polyglot, sample(fenced(language, program(language, "+", salt="turns"))))
+        wrong = score(polyglot, sample(fenced(language, program(language, "-", salt="turns"))))
+        assert (right.score, wrong.score) == (1.0, 0.0), language
+
+
+def test_a_case_that_deletes_or_overwrites_its_binary_leaves_the_next_case_intact(polyglot: SandboxScorer) -> None:
+    needs(polyglot, "c")
+    code = (
+        '#include <stdio.h>\nint main(int n, char **argv){long a,b;scanf("%ld %ld",&a,&b);'
+        'FILE *f=fopen(argv[0],"w");if(f){fputs("garbage",f);fclose(f);}remove(argv[0]);'
+        'printf("%ld\\n",a+b);return 0;}'
+    )
+    for _ in range(2):  # the second sample of the same program: its files were kept
+        scored = score(polyglot, sample(fenced("c", code)))
+        assert (scored.score, scored.extra["cases"]) == (1.0, ["passed", "passed"])
