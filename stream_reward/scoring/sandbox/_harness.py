@@ -187,6 +187,12 @@ def main():
     _sys("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come back to us (no-namespace mode)
     if boot["per_case_ns"] and os.uname().machine not in SYS_CLONE:
         boot["per_case_ns"] = False
+    # What site would have given a program (the slot runs ``-S``): ``exit()`` and
+    # ``quit()`` end a program as they do under a plain ``python solution.py``.
+    import _sitebuiltins
+
+    builtins.exit = _sitebuiltins.Quitter("exit", "Ctrl-D (i.e. EOF)")
+    builtins.quit = _sitebuiltins.Quitter("quit", "Ctrl-D (i.e. EOF)")
     gc.collect()
     gc.freeze()  # children share these pages instead of copying them
     send({"ev": "ready", "per_case_ns": boot["per_case_ns"]})
@@ -524,6 +530,9 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
         sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.argv = ["solution.py"]
+        import atexit
+
+        atexit._clear()  # the harness's, if it had any: not the program's to run
         os.write(5, b"K")
         os.close(5)
     except BaseException as exc:
@@ -534,11 +543,35 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
     code = 1
     try:
         code = execute(msg)
-        sys.stdout.flush()
-        sys.stderr.flush()
     except BaseException:
         pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
     os._exit(code)
+
+
+def shut_down(code):
+    """The end of a plain ``python solution.py`` run, as the interpreter's own
+    finalisation does it: wait for the threads that are not daemons, then the
+    ``atexit`` handlers; what they print is the program's output. A thread that
+    never ends keeps the case running until its time limit, as it would keep the
+    program. Only the program's own handlers run: the harness registered none (it
+    clears the table it inherited, to be sure)."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except SystemExit as exc:
+            code = exit_code(exc)
+        except BaseException:
+            report_error()
+    import atexit
+
+    atexit._run_exitfuncs()  # prints what a handler raises, as the interpreter does
+    return code
 
 
 def exit_code(exc):
@@ -564,15 +597,18 @@ def execute(msg):
     here = os.getcwd()
     if msg.get("files") and not put_files(msg["files"]):
         return 1
+    code = None
     try:
         exec(compile(msg["program"], "solution.py", "exec"), g)
     except SystemExit as exc:
-        return fetch_files(msg, here, exit_code(exc))
+        code = exit_code(exc)
     except BaseException:
         report_error()
-        return fetch_files(msg, here, 1)
+        code = 1
     if mode == "stdin":
-        return fetch_files(msg, here, 0)
+        return fetch_files(msg, here, shut_down(code or 0))
+    if code is not None:  # the program ended before the tests could reach it
+        return fetch_files(msg, here, code)
     handles = {}
     names = {}
     for name, value in list(g.items()):
