@@ -191,6 +191,15 @@ def stub_functions(prompt):
     return stubs
 
 
+def candidate_entry(entry_point):
+    """The function ``check`` is given: the response's function of that name, or for
+    ``Class().method`` (LeetCode's starter code) that method of a fresh instance."""
+    cls, sep, method = entry_point.partition("().")
+    if sep:
+        return getattr(RemoteClass(cls)(), method)
+    return RemoteFunction(entry_point)
+
+
 def run_case(prompt, form, test, entry_point, names):
     g = {"__name__": "__main__", "__builtins__": builtins}
     if prompt:
@@ -209,7 +218,7 @@ def run_case(prompt, form, test, entry_point, names):
     try:
         exec(compile(test, "test.py", "exec"), g)
         if form == "check":
-            g["check"](RemoteFunction(entry_point))
+            g["check"](candidate_entry(entry_point))
         return ("verdict", "passed", "")
     except CandidateGone:
         return ("verdict", "gone", "")
