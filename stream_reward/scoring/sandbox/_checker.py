@@ -2,17 +2,20 @@
 statements) in a process the candidate cannot reach.
 
 One checker process per sandbox slot, started on the host (never in the
-sandbox) as ``python -I -S -c BOOT``; the host sends ``wire`` in front
-of this source. Per sample it forks a child (so nothing one sample's tests did
-survives into the next), which drops to an unprivileged uid when it can.
+sandbox) as ``python -I -S -c BOOT``; the host sends ``wire`` and ``_remote``
+(the proxies) in front of this source. Per sample it forks a child (so nothing
+one sample's tests did survives into the next), which drops to an unprivileged
+uid when it can.
 
 The test's names come from builtins, the test itself and the trajectory's
-``prompt`` (HumanEval prompts define helpers such as ``poly``). Functions and
-classes the response defines reach the test only as proxies (``Remote*``):
-calling one sends ``(kind, name, handle, args, kwargs)`` as plain data through
-the host to the candidate's process and rebuilds the reply as plain data; any
-other reply fails the case. A prompt function whose body is only a docstring is
-a stub the response is meant to fill in, so the response's version is used.
+``prompt`` (HumanEval prompts define helpers such as ``poly``), then, for a name
+none of those define, the program's own globals, as MBPP runs its asserts in
+them: its functions and classes as proxies (``_remote``: a call crosses as plain
+data to the candidate's process and back), a module it imported under its own
+name imported here for real, any other value fetched as data when the test
+reads it. A prompt function whose body is only a docstring is a stub the
+response is meant to fill in, so the response's version is used. A check
+test's entry point may be ``Solution().method``.
 
 Wire with the host: 4-byte little-endian length + ``marshal`` body both ways
 (both ends are trusted). Host -> checker: ``("sample", prompt, sys_path, memory_mb)``,
@@ -23,157 +26,28 @@ Wire with the host: 4-byte little-endian length + ``marshal`` body both ways
 
 import ast
 import builtins
-import marshal
 import os
 import sys
 
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
-if "dumps" not in globals():  # run on its own; the host normally sends wire.py ahead of this source
-    from stream_reward.scoring.sandbox.wire import WireError, dumps, loads
+if "RemoteFunction" not in globals():  # run on its own; the host normally sends wire.py and _remote.py ahead
+    from stream_reward.scoring.sandbox._remote import (
+        _RAISED,
+        CandidateFault,
+        CandidateGone,
+        RemoteClass,
+        RemoteFunction,
+        _describe,
+        _rpc,
+        new_case,
+        private_frames,
+        recv,
+        send,
+        unexamined,
+    )
 if "open_import_paths" not in globals():  # likewise _import_view.py
     from stream_reward.scoring.sandbox._import_view import open_import_paths
-
-
-def read_exact(fd, n):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-FRAMES_IN, FRAMES_OUT = 0, 1  # moved off stdin/stdout by main(), before any test runs
-
-
-def recv():
-    head = read_exact(FRAMES_IN, 4)
-    if head is None:
-        os._exit(0)
-    return marshal.loads(read_exact(FRAMES_IN, int.from_bytes(head, "little")))
-
-
-def send(obj):
-    data = marshal.dumps(obj)
-    data = len(data).to_bytes(4, "little") + data
-    view = memoryview(data)
-    while view:
-        view = view[os.write(FRAMES_OUT, view) :]
-
-
-def private_frames():
-    """The frame pipes on fds of their own, stdin and stdout on /dev/null: a test that
-    prints (the candidate's answer, say: past the 8 KB buffer it would be flushed into
-    the frames) or reads input cannot corrupt the frames."""
-    global FRAMES_IN, FRAMES_OUT
-    FRAMES_IN, FRAMES_OUT = os.dup(0), os.dup(1)
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)
-    os.close(null)
-
-
-_RAISED: set[int] = set()  # ids of exceptions rebuilt from the candidate's: a crash, not a wrong answer
-
-
-class CandidateGone(BaseException):
-    """The candidate's process ended (limit, crash or exit) during a call."""
-
-
-class CandidateFault(BaseException):
-    """The candidate replied with something that is not plain data.
-
-    BaseException, so a test's ``except Exception`` cannot swallow it."""
-
-
-def _rpc(kind, name, handle, args, kwargs):
-    try:
-        data = dumps((kind, name, handle, list(args), dict(kwargs)))
-    except WireError as exc:
-        raise TypeError(f"cannot pass this argument to the candidate: {exc}") from None
-    send(("call", data))
-    msg = recv()
-    if msg[0] == "gone":
-        raise CandidateGone()
-    try:
-        rep = loads(msg[1])
-    except WireError as exc:
-        raise CandidateFault(f"unreadable reply: {exc}") from None
-    if type(rep) is not tuple or not rep or type(rep[0]) is not str:
-        raise CandidateFault("malformed reply")
-    tag = rep[0]
-    if tag == "ok" and len(rep) == 2:
-        return rep[1]
-    if tag == "handle" and len(rep) == 2 and type(rep[1]) is int:
-        return RemoteObject(rep[1])
-    if tag == "raise" and len(rep) == 3 and type(rep[1]) is str and type(rep[2]) is str:
-        _RAISED.add(id(rebuilt := _rebuilt(rep[1], rep[2])))
-        raise rebuilt
-    if tag == "bad" and len(rep) == 2 and type(rep[1]) is str:
-        raise CandidateFault(rep[1])
-    raise CandidateFault("malformed reply")
-
-
-def _rebuilt(name, message):
-    """The candidate's exception as the test may expect it (a ``ValueError`` stays one).
-    Only ordinary exceptions are rebuilt: SystemExit & co. must not end the checker, and
-    a StopIteration raised inside the test's ``map``/``next`` would end its loop early
-    (``all(map(candidate, xs))`` true); those arrive as a RuntimeError."""
-    cls = getattr(builtins, name, None)
-    if (
-        isinstance(cls, type)
-        and issubclass(cls, Exception)
-        and not issubclass(cls, (StopIteration, StopAsyncIteration))
-    ):
-        try:
-            return cls(message)
-        except BaseException:  # a class whose constructor wants more (UnicodeDecodeError)
-            pass
-    return RuntimeError(f"{name}: {message}")
-
-
-class RemoteFunction:
-    __slots__ = ("_name",)
-
-    def __init__(self, name):
-        self._name = name
-
-    def __call__(self, *args, **kwargs):
-        return _rpc("call", self._name, None, args, kwargs)
-
-    def __repr__(self):
-        return f"<candidate function {self._name}>"
-
-
-class RemoteClass(RemoteFunction):
-    __slots__ = ()
-
-    def __call__(self, *args, **kwargs):
-        return _rpc("new", self._name, None, args, kwargs)
-
-
-class RemoteMethod:
-    __slots__ = ("_handle", "_name")
-
-    def __init__(self, handle, name):
-        self._handle, self._name = handle, name
-
-    def __call__(self, *args, **kwargs):
-        return _rpc("method", self._name, self._handle, args, kwargs)
-
-
-class RemoteObject:
-    __slots__ = ("_handle",)
-
-    def __init__(self, handle):
-        self._handle = handle
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return RemoteMethod(self._handle, name)
 
 
 def stub_functions(prompt):
@@ -193,7 +67,17 @@ def stub_functions(prompt):
     return stubs
 
 
+def candidate_entry(entry_point):
+    """The function ``check`` is given: the response's function of that name, or for
+    ``Class().method`` (LeetCode's starter code) that method of a fresh instance."""
+    cls, sep, method = entry_point.partition("().")
+    if sep:
+        return getattr(RemoteClass(cls)(), method)
+    return RemoteFunction(entry_point)
+
+
 def run_case(prompt, form, test, entry_point, names):
+    new_case()
     g = {"__name__": "__main__", "__builtins__": builtins}
     if prompt:
         try:
@@ -202,17 +86,27 @@ def run_case(prompt, form, test, entry_point, names):
             pass  # a prompt that is not a complete program (prose, a partial signature)
         for stub in stub_functions(prompt):
             g.pop(stub, None)
-    # An assert test's entry point named like a builtin (``sorted``) is the response's;
-    # every other builtin stays the real one, whatever the response defines.
-    own = entry_point if form == "assert" else None
-    for name, kind in names.items():
-        if type(name) is str and name.isidentifier() and name not in g and (name == own or not hasattr(builtins, name)):
-            g[name] = RemoteClass(name) if kind == "class" else RemoteFunction(name)
     try:
+        read = names_read(test)
+        # An assert test's entry point named like a builtin (``sorted``) is the response's;
+        # every other builtin stays the real one, whatever the response defines.
+        own = entry_point if form == "assert" else None
+        for name, kind in names.items():
+            if type(name) is not str or not name.isidentifier() or name in g:
+                continue
+            if name != own and hasattr(builtins, name):
+                continue
+            if kind == "class":
+                g[name] = RemoteClass(name)
+            elif kind == "function":
+                g[name] = RemoteFunction(name)
+            elif name in read:
+                program_global(g, name, kind)
         exec(compile(test, "test.py", "exec"), g)
         if form == "check":
-            g["check"](RemoteFunction(entry_point))
-        return ("verdict", "passed", "")
+            g["check"](candidate_entry(entry_point))
+        why = unexamined()
+        return ("verdict", "failed", why) if why else ("verdict", "passed", "")
     except CandidateGone:
         return ("verdict", "gone", "")
     except CandidateFault as exc:
@@ -224,13 +118,31 @@ def run_case(prompt, form, test, entry_point, names):
         return ("verdict", status, f"{type(exc).__name__}: {_describe(exc)}"[:300])
 
 
-def _describe(exc):
-    # The message may hold the candidate's answer (``assert r == e, r``): one that
-    # cannot be turned into text (an int past str()'s digit limit) must not crash us.
+def names_read(test):
+    """The names the test reads: only those of the program's other globals reach it."""
     try:
-        return str(exc)[:300]
-    except BaseException:
-        return "(message not printable)"
+        tree = ast.parse(test)
+    except SyntaxError:
+        return set()
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+
+
+def program_global(g, name, kind):
+    """A global of the program's that the test reads, as MBPP runs its asserts in the
+    program's own globals: a module the program imported under its own name is
+    imported here (the real one, never the candidate's copy: ``import os as math``
+    gives nothing), any other value is fetched from the candidate as data."""
+    if type(kind) is not str:
+        return
+    if kind.startswith("module:"):
+        module = kind[len("module:") :]
+        if module == name or module.startswith(name + "."):
+            try:
+                g[name] = __import__(name)
+            except BaseException:
+                pass
+    elif kind == "value":
+        g[name] = _rpc("global", name, None, (), {})
 
 
 def sample_child(prompt, sys_path, uid, memory_mb):

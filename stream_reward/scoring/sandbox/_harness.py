@@ -5,7 +5,8 @@ It starts once per sandbox slot (``python -I -S -c BOOT`` inside bwrap or
 unshare), reads a boot job, imports the common modules, and then serves cases
 for as long as the slot lives, so a case costs a clone() instead of an
 interpreter start. It runs as root (in the sandbox); candidate processes never
-do. The host sends ``sandbox_wire`` in front of this source; nothing from
+do. The host sends ``wire`` and ``_serve`` (the calls of the
+check, assert and call forms) in front of this source; nothing from
 stream_reward is importable here.
 
 Wire: frames of a 4-byte little-endian length and a body, on stdin (host ->
@@ -61,8 +62,8 @@ SYS_CLONE = {"x86_64": 56, "aarch64": 220}
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 38, 22, 4, 36
 PR_CAPBSET_DROP = 24
 
-if "dumps" not in globals():  # run on its own; the host normally sends wire.py ahead of this source
-    from stream_reward.scoring.sandbox.wire import WireError, dumps, loads
+if "Server" not in globals():  # run on its own; the host normally sends wire.py and _serve.py ahead
+    from stream_reward.scoring.sandbox._serve import Server, global_names, reply
 PRELOAD = ("collections", "itertools", "functools", "heapq", "bisect", "math", "re", "string", "typing", "traceback")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -191,6 +192,12 @@ def main():
     _sys("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans come back to us (no-namespace mode)
     if boot["per_case_ns"] and os.uname().machine not in SYS_CLONE:
         boot["per_case_ns"] = False
+    # What site would have given a program (the slot runs ``-S``): ``exit()`` and
+    # ``quit()`` end a program as they do under a plain ``python solution.py``.
+    import _sitebuiltins
+
+    builtins.exit = _sitebuiltins.Quitter("exit", "Ctrl-D (i.e. EOF)")
+    builtins.quit = _sitebuiltins.Quitter("quit", "Ctrl-D (i.e. EOF)")
     gc.collect()
     gc.freeze()  # children share these pages instead of copying them
     send({"ev": "ready", "per_case_ns": boot["per_case_ns"]})
@@ -549,6 +556,9 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
         sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.argv = ["solution.py"]
+        import atexit
+
+        atexit._clear()  # the harness's, if it had any: not the program's to run
         os.write(5, b"K")
         os.close(5)
     except BaseException as exc:
@@ -559,11 +569,35 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
     code = 1
     try:
         code = execute(msg)
-        sys.stdout.flush()
-        sys.stderr.flush()
     except BaseException:
         pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
     os._exit(code)
+
+
+def shut_down(code):
+    """The end of a plain ``python solution.py`` run, as the interpreter's own
+    finalisation does it: wait for the threads that are not daemons, then the
+    ``atexit`` handlers; what they print is the program's output. A thread that
+    never ends keeps the case running until its time limit, as it would keep the
+    program. Only the program's own handlers run: the harness registered none (it
+    clears the table it inherited, to be sure)."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except SystemExit as exc:
+            code = exit_code(exc)
+        except BaseException:
+            report_error()
+    import atexit
+
+    atexit._run_exitfuncs()  # prints what a handler raises, as the interpreter does
+    return code
 
 
 def exit_code(exc):
@@ -589,38 +623,26 @@ def execute(msg):
     here = os.getcwd()
     if msg.get("files") and not put_files(msg["files"]):
         return 1
+    code = None
     try:
         exec(compile(msg["program"], "solution.py", "exec"), g)
     except SystemExit as exc:
-        return fetch_files(msg, here, exit_code(exc))
+        code = exit_code(exc)
     except BaseException:
         report_error()
-        return fetch_files(msg, here, 1)
+        code = 1
     if mode == "stdin":
-        return fetch_files(msg, here, 0)
-    handles = {}
-    names = {}
-    for name, value in list(g.items()):
-        if not name.startswith("__"):
-            if isinstance(value, type):
-                names[name] = "class"
-            elif callable(value):
-                names[name] = "function"
-    reply(("ready", names))
+        return fetch_files(msg, here, shut_down(code or 0))
+    if code is not None:  # the program ended before the tests could reach it
+        return fetch_files(msg, here, code)
+    server = Server(g, refs=mode == "serve")
+    reply(("ready", global_names(g)))
     if mode == "calls":
         for fn_name, args in msg["calls"]:
-            reply(serve_one(g, handles, ("call", fn_name, None, args, {})))
+            server.send(server.serve_one(("call", fn_name, None, args, {})))
         return 0
-    while True:
-        raw = read_frame(3)
-        if raw is None:
-            return 0
-        try:
-            req = loads(raw)
-        except WireError as exc:
-            reply(("bad", f"unreadable request: {exc}"))
-            continue
-        reply(serve_one(g, handles, req))
+    server.serve()
+    return 0
 
 
 def run_exec(job):
@@ -718,49 +740,6 @@ def fetch_files(msg, here, code):
         except OSError:
             pass
     return code
-
-
-def reply(value):
-    try:
-        data = dumps(value)
-    except WireError as exc:
-        data = dumps(("bad", f"the program returned {exc}"))
-    write_all(4, frame(data))
-
-
-def resolve(g, name):
-    fn = g.get(name)
-    if fn is None and isinstance(g.get("Solution"), type):
-        fn = getattr(g["Solution"](), name, None)
-    if fn is None:
-        raise NameError(f"the program defines no function {name!r}")
-    return fn
-
-
-def serve_one(g, handles, req):
-    """One call from the trusted side: ``(kind, name, handle, args, kwargs)``."""
-    try:
-        kind, name, handle, args, kwargs = req
-        if kind == "call":
-            target = resolve(g, name)
-        elif kind == "new":
-            target = g[name]
-        elif kind == "method":
-            target = getattr(handles[handle], name)
-        else:
-            return ("bad", f"unknown request {kind!r}")
-        result = target(*args, **kwargs)
-        if kind == "new":
-            handles[len(handles) + 1] = result
-            return ("handle", len(handles))
-        return ("ok", result)
-    except MemoryError:
-        return ("raise", "MemoryError", "")
-    except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            return ("raise", "SystemExit", str(exc.code)[:200])
-        report_error()
-        return ("raise", type(exc).__name__, str(exc)[:300])
 
 
 if __name__ == "__main__":

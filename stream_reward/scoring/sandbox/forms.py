@@ -51,7 +51,7 @@ def _text(value: Any, what: str) -> str:
 def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
     """Validate a ground-truth test spec; return ``(form, cases)``.
 
-    form is ``check`` (``test`` + ``entry_point``), ``stdin`` (``inputs`` /
+    form is ``check`` (``test`` + ``entry_point``: a function, or ``Class().method``), ``stdin`` (``inputs`` /
     ``outputs``, optional ``abs_tol`` / ``rel_tol`` for its decimals), ``call`` (the same with ``fn_name``) or ``assert``
     (``assert_case``: one case per entry with an ``assert``, the other entries
     prepended to the cases after them). Anything else raises
@@ -69,8 +69,8 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
         raise _bad(f"expected a JSON object, got {type(gt).__name__}")
     if "test" in gt or ("entry_point" in gt and "assert_case" not in gt):
         test, entry = gt.get("test"), gt.get("entry_point")
-        if not isinstance(test, str) or not isinstance(entry, str) or not entry.isidentifier():
-            raise _bad("'test' must be code and 'entry_point' an identifier")
+        if not isinstance(test, str) or not _entry_point(entry):
+            raise _bad("'test' must be code and 'entry_point' an identifier or 'Solution().method'")
         return "check", [{"test": test, "entry_point": entry}]
     if "assert_case" in gt:
         asserts = gt["assert_case"]
@@ -105,6 +105,14 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             for a, o in zip(inputs, outputs, strict=True)
         ]
     raise _bad(f"unknown test format (keys: {sorted(map(str, gt))[:8]})")
+
+
+def _entry_point(entry: Any) -> bool:
+    """A function's name, or a method of a fresh instance (LeetCode's ``Solution().twoSum``)."""
+    if not isinstance(entry, str):
+        return False
+    cls, sep, method = entry.partition("().")
+    return entry.isidentifier() or (bool(sep) and cls.isidentifier() and method.isidentifier())
 
 
 def _tolerance(gt: dict[str, Any]) -> dict[str, float]:

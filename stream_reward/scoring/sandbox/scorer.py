@@ -24,7 +24,7 @@ harness dies) raise ``VerifierError`` — never a 0. A response without a code
 block is a wrong answer: 0.0.
 
 Modules: this one (the scorer, driving a sample's cases), ``forms`` (ground-truth
-forms, tally), ``languages`` (which code block, which language), ``polyglot`` and
+forms, tally), ``completion`` (the prompt's code in front of a response), ``languages`` (which code block, which language), ``polyglot`` and
 ``compiled`` (the other languages), ``slot`` (a slot's processes and pipes),
 ``isolation`` (backends, uids, teardown), ``cgroups``, ``seccomp``, ``wire``, ``judge``.
 """
@@ -46,6 +46,7 @@ from typing import Any
 from stream_reward.config import SandboxConfig
 from stream_reward.errors import VerifierError
 from stream_reward.scoring.sandbox.compiled import CompileCache
+from stream_reward.scoring.sandbox.completion import whole_program
 from stream_reward.scoring.sandbox.forms import (
     CASE_STATUSES,
     WRONG_ANSWER_EXIT,
@@ -198,7 +199,7 @@ class SandboxScorer:
         language, program = chosen
         if language != "python":
             return await score_other(self, language, program, form, cases)
-        results = await self.run(program, form, cases, prompt=traj.prompt)
+        results = await self.run(whole_program(traj.prompt, program), form, cases, prompt=traj.prompt)
         return tally(results, all_or_nothing=self.config.all_or_nothing)
 
     def toolchain(self, language: str) -> Toolchain:

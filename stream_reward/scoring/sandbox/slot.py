@@ -48,9 +48,12 @@ logger = logging.getLogger(__name__)
 
 _HERE = importlib.resources.files(__package__)
 _WIRE = _HERE.joinpath("wire.py").read_text(encoding="utf-8")
-HARNESS_SOURCE = _WIRE + "\n" + _HERE.joinpath("_harness.py").read_text(encoding="utf-8")
+HARNESS_SOURCE = "\n".join(
+    [_WIRE] + [_HERE.joinpath(name).read_text(encoding="utf-8") for name in ("_serve.py", "_harness.py")]
+)
 CHECKER_SOURCE = "\n".join(
-    _HERE.joinpath(name).read_text(encoding="utf-8") for name in ("wire.py", "_import_view.py", "_checker.py")
+    [_WIRE]
+    + [_HERE.joinpath(name).read_text(encoding="utf-8") for name in ("_import_view.py", "_remote.py", "_checker.py")]
 )
 
 # The source travels as the first frame on stdin, precompiled when the sandbox

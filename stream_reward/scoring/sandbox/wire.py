@@ -13,6 +13,12 @@ other type as a one-key object (``{"t": [...]}`` tuple, ``{"s": [...]}`` set,
 ``{"F": [...]}`` frozenset, ``{"d": [[k, v], ...]}`` dict, ``{"b": "hex"}``
 bytes, ``{"f": "nan"}`` non-finite float). A plain JSON object never appears.
 
+References: with a ``ref`` hook, ``dumps`` encodes any other value as
+``{"r": ref(value)}`` (a list of plain scalars the hook chose, or WireError from
+it); ``loads`` with a ``deref`` hook rebuilds it as ``deref(list)``, and without
+one refuses it like any unknown tag. The check and assert forms use them for an
+object that stays in its own process (a proxy stands for it on the other side).
+
 This module is also pasted, as source, in front of the in-sandbox harness and the
 trusted checker (which must not import stream_reward): stdlib only, no relative
 imports, every name public here is used there.
@@ -27,7 +33,7 @@ class WireError(ValueError):
     """The value is not plain data (or the bytes are not a plain-data encoding)."""
 
 
-def _enc(x, depth):
+def _enc(x, depth, ref=None):
     if depth > WIRE_MAX_DEPTH:
         raise WireError("value nested too deeply")
     t = type(x)
@@ -35,25 +41,29 @@ def _enc(x, depth):
         return x
     if t is float:
         return x if x - x == 0.0 else {"f": repr(x)}
+    d = depth + 1
     if t is list:
-        return [_enc(v, depth + 1) for v in x]
+        return [_enc(v, d, ref) for v in x]
     if t is tuple:
-        return {"t": [_enc(v, depth + 1) for v in x]}
+        return {"t": [_enc(v, d, ref) for v in x]}
     if t is dict:
-        return {"d": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in x.items()]}
+        return {"d": [[_enc(k, d, ref), _enc(v, d, ref)] for k, v in x.items()]}
     if t is set:
-        return {"s": [_enc(v, depth + 1) for v in x]}
+        return {"s": [_enc(v, d, ref) for v in x]}
     if t is frozenset:
-        return {"F": [_enc(v, depth + 1) for v in x]}
+        return {"F": [_enc(v, d, ref) for v in x]}
     if t is bytes or t is bytearray:
         return {"b": bytes(x).hex()}
+    if ref is not None:
+        return {"r": ref(x)}
     raise WireError(f"{t.__name__} is not plain data")
 
 
-def dumps(value):
-    """``value`` as wire bytes; WireError if it is not plain data."""
+def dumps(value, ref=None):
+    """``value`` as wire bytes; WireError if it is not plain data (and ``ref``,
+    when given, refuses it)."""
     try:
-        return _json.dumps(_enc(value, 0), separators=(",", ":"), allow_nan=False).encode()
+        return _json.dumps(_enc(value, 0, ref), separators=(",", ":"), allow_nan=False).encode()
     except RecursionError:
         raise WireError("value nested too deeply") from None
 
@@ -61,10 +71,12 @@ def dumps(value):
 _FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
-def _tagged(obj):
+def _tagged(obj, deref=None):
     if len(obj) != 1:
         raise WireError("not a wire value")
     ((tag, v),) = obj.items()
+    if tag == "r" and deref is not None and type(v) is list:
+        return deref(v)
     if tag == "t" and type(v) is list:
         return tuple(v)
     if tag == "d" and type(v) is list:
@@ -85,10 +97,12 @@ def _tagged(obj):
     raise WireError(f"unknown wire tag {tag!r}")
 
 
-def loads(data):
-    """The plain value encoded in ``data``; WireError for anything else."""
+def loads(data, deref=None):
+    """The plain value encoded in ``data`` (references rebuilt by ``deref``, when
+    given); WireError for anything else."""
+    hook = _tagged if deref is None else (lambda obj: _tagged(obj, deref))
     try:
-        value = _json.loads(data, object_hook=_tagged, parse_constant=_no_constant)
+        value = _json.loads(data, object_hook=hook, parse_constant=_no_constant)
     except WireError:
         raise
     except (ValueError, TypeError, RecursionError, MemoryError) as exc:  # unhashable set item, bad JSON, ...

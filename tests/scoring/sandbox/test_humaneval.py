@@ -1,6 +1,7 @@
 """HumanEval through `stream-reward score --scorer sandbox`: the 164 canonical
-solutions (prompt + solution, with the `prompt` field given) all pass, and the
-same programs with their last line replaced by `return None` all fail.
+solutions (prompt + solution, with the `prompt` field given) all pass, so do the
+solutions alone (the completion a model writes after the prompt), and the
+programs with their last line replaced by `return None` all fail.
 
 The tests run in the trusted checker, with the prompt's helpers (``poly``,
 ``encode_cyclic``, ...) taken from the prompt and the entry point a proxy into
@@ -34,7 +35,12 @@ def test_humaneval_canonical_pass_and_broken_fail(tmp_path):
     for p in problems:
         program = p["prompt"] + p["canonical_solution"]
         gt = json.dumps({"test": p["test"], "entry_point": p["entry_point"]})
-        for kind, code in (("canonical", program), ("broken", _broken(program))):
+        # "completion": the canonical solution alone, as a model completing the prompt answers.
+        for kind, code in (
+            ("canonical", program),
+            ("completion", p["canonical_solution"]),
+            ("broken", _broken(program)),
+        ):
             assert code != program or kind == "canonical"
             rows.append(
                 {
@@ -55,7 +61,26 @@ def test_humaneval_canonical_pass_and_broken_fail(tmp_path):
     assert len(results) == len(rows)
     not_ok = [(uid, r.get("error")) for uid, r in results.items() if r["status"] != "ok"]
     assert not_ok == []
-    canonical_failing = [uid for uid, r in results.items() if uid.endswith("/canonical") and r["score"] != 1.0]
+    canonical_failing = [
+        uid for uid, r in results.items() if uid.endswith(("/canonical", "/completion")) and r["score"] != 1.0
+    ]
     broken_passing = [uid for uid, r in results.items() if uid.endswith("/broken") and r["score"] != 0.0]
     assert canonical_failing == [], [results[u]["reward_extra_info"] for u in canonical_failing[:5]]
     assert broken_passing == []
+
+
+@pytest.mark.parametrize(
+    "prompt,code,program",
+    [
+        ('def f(x):\n    """Doc."""\n', "    return x\n", 'def f(x):\n    """Doc."""\n    return x\n'),
+        ("import math\nK = 2\ndef f(x):\n    pass", "def f(x):\n    return K", None),
+        ("Write a function f.", "def f(x):\n    return x", "def f(x):\n    return x"),
+        ("print('side effect')\n", "def f(x):\n    return x", "def f(x):\n    return x"),
+        (None, "    return x", "    return x"),
+    ],
+    ids=["completion", "whole", "prose", "runs_something", "no_prompt"],
+)
+def test_a_prompt_goes_in_front_of_the_response_only_when_it_is_the_programs_start(prompt, code, program):
+    from stream_reward.scoring.sandbox.completion import whole_program
+
+    assert whole_program(prompt, code) == (program or prompt + "\n" + code)

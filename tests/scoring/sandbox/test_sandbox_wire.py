@@ -95,3 +95,24 @@ def test_deep_nesting_is_refused_not_crashed():
         v = [v]
     with pytest.raises(WireError):
         dumps(v)
+
+
+def test_a_reference_crosses_only_where_both_ends_ask_for_it():
+    """A value that is not plain data crosses as the reference the sender's hook chose,
+    and is rebuilt only by a receiver with a hook: forged into the bytes of a reply
+    read without one, it is refused like any unknown tag."""
+    kept: list[object] = []
+
+    def ref(value: object) -> list[object]:
+        kept.append(value)
+        return ["h", len(kept) - 1]
+
+    obj = object()
+    data = dumps([1, (obj, "x")], ref)
+    assert loads(data, lambda r: ("proxy", r[1])) == [1, (("proxy", 0), "x")]
+    with pytest.raises(WireError):
+        loads(data)
+    with pytest.raises(WireError):
+        dumps([obj])  # no hook: refused as before
+    with pytest.raises(WireError):
+        loads(b'{"r": "not a list"}', lambda r: r)
