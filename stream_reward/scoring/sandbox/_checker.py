@@ -6,8 +6,11 @@ sandbox) as ``python -I -S -c BOOT``; the host sends ``wire`` in front
 of this source. Per sample it forks a child (so nothing one sample's tests did
 survives into the next), which drops to an unprivileged uid when it can.
 
-The test's names come from builtins, the test itself and the trajectory's
-``prompt`` (HumanEval prompts define helpers such as ``poly``). Functions and
+The test's names come from builtins, the test itself and the task's prompt
+(HumanEval prompts define helpers such as ``poly``). A check test gets from the
+response only its entry point and the prompt's stubs; a name it needs that nothing
+trusted defines ends the case as ``unresolved`` (the scorer fails the sample: our
+data is wrong, whatever the response). Functions and
 classes the response defines reach the test only as proxies (``Remote*``):
 calling one sends ``(kind, name, handle, args, kwargs)`` as plain data through
 the host to the candidate's process and rebuilds the reply as plain data; any
@@ -18,7 +21,8 @@ Wire with the host: 4-byte little-endian length + ``marshal`` body both ways
 (both ends are trusted). Host -> checker: ``("sample", prompt, sys_path, memory_mb)``,
 ``("case", form, test, entry_point, names)``, ``("reply", data)``, ``("gone",)``,
 ``("finish",)``. Checker -> host: ``("started", pid)``, ``("call", data)``,
-``("verdict", status, detail)``, ``("crashed", wait_status)``.
+``("verdict", status, detail)`` (status ``unresolved``: detail is the missing
+name), ``("crashed", wait_status)``.
 """
 
 import ast
@@ -193,24 +197,36 @@ def stub_functions(prompt):
 
 def run_case(prompt, form, test, entry_point, names):
     g = {"__name__": "__main__", "__builtins__": builtins}
+    stubs = set()
     if prompt:
         try:
             exec(compile(prompt, "prompt.py", "exec"), g)
         except BaseException:
-            pass  # a prompt that is not a complete program (prose, a partial signature)
-        for stub in stub_functions(prompt):
+            pass  # a prompt that is not a complete program (an import this host lacks)
+        stubs = stub_functions(prompt)
+        for stub in stubs:
             g.pop(stub, None)
-    # An assert test's entry point named like a builtin (``sorted``) is the response's;
-    # every other builtin stays the real one, whatever the response defines.
-    own = entry_point if form == "assert" else None
+    # What the response may name for a check test: its entry point and the prompt's
+    # stubs, the functions the task asks it to write. Any other name the test needs is
+    # the trusted side's to define: the response's ``poly`` never reaches the test.
+    # An assert test's names are the calls it makes; one named like a builtin
+    # (``sorted``) is the response's only as its entry point.
+    own = {entry_point, *stubs} if form == "check" else {entry_point}
     for name, kind in names.items():
-        if type(name) is str and name.isidentifier() and name not in g and (name == own or not hasattr(builtins, name)):
+        if type(name) is not str or not name.isidentifier() or name in g:
+            continue
+        if (name in own) if form == "check" else (name in own or not hasattr(builtins, name)):
             g[name] = RemoteClass(name) if kind == "class" else RemoteFunction(name)
     try:
         exec(compile(test, "test.py", "exec"), g)
         if form == "check":
             g["check"](RemoteFunction(entry_point))
         return ("verdict", "passed", "")
+    except NameError as exc:
+        missing = getattr(exc, "name", None)
+        if form == "check" and id(exc) not in _RAISED and type(missing) is str and missing not in own:
+            return ("verdict", "unresolved", missing)  # our data's fault, whatever the response
+        return _raised(exc)
     except CandidateGone:
         return ("verdict", "gone", "")
     except CandidateFault as exc:
@@ -218,8 +234,12 @@ def run_case(prompt, form, test, entry_point, names):
     except AssertionError as exc:
         return ("verdict", "failed", f"assertion failed {_describe(exc)}".strip()[:300])
     except BaseException as exc:
-        status = "runtime_error" if id(exc) in _RAISED else "failed"
-        return ("verdict", status, f"{type(exc).__name__}: {_describe(exc)}"[:300])
+        return _raised(exc)
+
+
+def _raised(exc):
+    status = "runtime_error" if id(exc) in _RAISED else "failed"
+    return ("verdict", status, f"{type(exc).__name__}: {_describe(exc)}"[:300])
 
 
 def _describe(exc):
