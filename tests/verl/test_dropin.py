@@ -530,3 +530,20 @@ def test_humaneval_canonical_pass_and_broken_fail_through_the_dropin(tmp_path):
     canonical_failing = [u for (u, *_), s in zip(chats, scores) if u.endswith("/canonical") and s != 1.0]
     broken_passing = [u for (u, *_), s in zip(chats, scores) if not u.endswith("/canonical") and s != 0.0]
     assert canonical_failing == [] and broken_passing == [], (canonical_failing[:5], broken_passing[:5])
+
+
+def test_a_samples_prompt_is_raw_prompts_last_user_message_when_the_batch_carries_it():
+    from stream_reward.verl import decode_batch
+
+    data = make_case()
+    raw = [[{"role": "system", "content": "s"}, {"role": "user", "content": f"task {i}"}] for i in range(7)]
+    data.non_tensor_batch["raw_prompt"] = objects_of(raw)
+    assert [t.prompt for t in decode_batch(data, Tok(), "b")] == [f"task {i}" for i in range(7)]
+
+
+def objects_of(values):
+    """A numpy object column holding each value (a list of messages) as one element."""
+    column = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        column[i] = value
+    return column

@@ -348,3 +348,19 @@ def test_humaneval_canonical_pass_and_broken_fail_in_the_reward_loop(workers, to
     canonical_failing = [u for u, o in results.items() if u.endswith("/canonical") and o["reward_score"] != 1.0]
     broken_passing = [u for u, o in results.items() if not u.endswith("/canonical") and o["reward_score"] != 0.0]
     assert canonical_failing == [] and broken_passing == [], (canonical_failing[:5], broken_passing[:5])
+
+
+def test_a_rows_prompt_is_its_last_user_message_from_raw_prompt_or_decoded_ids(tokenizer) -> None:
+    from verl import DataProto
+
+    from stream_reward.verl.loop import decode_row
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "question 7"}]
+    tensors = chat_tensors(tokenizer, [chatml(messages)], ["#### 42"])
+    plain = {"data_source": objects(["openai/gsm8k"]), "reward_model": objects([{"ground_truth": "42"}])}
+    without = DataProto.from_dict(tensors=tensors, non_tensors=plain)
+    assert decode_row(without, tokenizer, "b", with_prompt=True).prompt == "question 7"  # template undone
+    assert decode_row(without, tokenizer, "b", with_prompt=False).prompt is None  # rules: ids never decoded
+    raw = [{"role": "user", "content": "what the dataset asked"}]
+    carried = DataProto.from_dict(tensors=tensors, non_tensors={**plain, "raw_prompt": objects([raw])})
+    assert decode_row(carried, tokenizer, "b", with_prompt=False).prompt == "what the dataset asked"
