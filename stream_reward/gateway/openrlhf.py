@@ -54,7 +54,7 @@ FAILURE_CLASSES: dict[str, tuple[str, ...]] = {
     "scorer": ("scorer_error", "scorer_crashed", "scorer_load", "scorer_start", "no_score", "bad_score", "config"),
     "input": (
         "bad_input", "malformed", "too_large", "schema_version", "unknown_data_source", "bad_ground_truth",
-        "bad_tests", "no_response_length", "max_deliveries", "never_pushed", "produce_failed",
+        "bad_tests", "unresolved_name", "no_response_length", "max_deliveries", "never_pushed", "produce_failed",
     ),
 }  # fmt: skip
 _CLASS_OF = {reason: name for name, reasons in FAILURE_CLASSES.items() for reason in reasons}

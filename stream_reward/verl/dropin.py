@@ -22,7 +22,9 @@ Three ways in:
 Decoding follows verl's NaiveRewardManager: prompts are left-padded, responses
 right-padded, ``valid_response_length = attention_mask[prompt_len:].sum()``,
 ``tokenizer.decode(..., skip_special_tokens=True)``; with ``manager="dapo"`` a
-trailing eos token string is stripped, as DAPORewardManager does.
+trailing eos token string is stripped, as DAPORewardManager does. A sample's prompt
+is the last user message: of ``raw_prompt`` when the batch carries it, else of the
+decoded prompt ids with the chat template undone (``stream_reward.verl.prompts``).
 
 Deliberate differences from verl: a zero-length response gets no reward (its
 row stays zero; verl writes the score at index -1, the last padding column);
@@ -55,6 +57,7 @@ from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.trainer.producer import RolloutProducer
 from stream_reward.trainer.rewards import BatchRewards
 from stream_reward.trainer.tensors import import_numpy
+from stream_reward.verl.prompts import row_prompt
 from stream_reward.wire.codec import to_plain
 from stream_reward.wire.connection import cancel_until_done
 from stream_reward.wire.keys import DEFAULT_NAMESPACE
@@ -341,7 +344,7 @@ def decode_batch(
     out = []
     for i in range(responses.shape[0]):
         vpl, vrl = int(prompt_lengths[i]), int(response_lengths[i])
-        prompt = tokenizer.decode(prompts[i][prompt_len - vpl :], skip_special_tokens=True)
+        prompt = row_prompt(_column(nt, "raw_prompt", i), prompts[i][prompt_len - vpl :], tokenizer, decode=True)
         response = tokenizer.decode(responses[i][:vrl], skip_special_tokens=True)
         if eos and response.endswith(eos):
             response = response[: -len(eos)]

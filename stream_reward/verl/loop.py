@@ -43,6 +43,7 @@ from stream_reward.trainer.aggregator import RewardAggregator
 from stream_reward.trainer.loop_thread import LoopThread
 from stream_reward.verl.columns import VerlColumns, declared_columns
 from stream_reward.verl.options import LoopOptions
+from stream_reward.verl.prompts import reads_prompts, row_prompt
 from stream_reward.wire.codec import to_plain
 from stream_reward.wire.connection import cancel_until_done
 from stream_reward.wire.trajectory import ScoreResult, Trajectory, default_uid
@@ -88,7 +89,7 @@ class StreamRewardLoopManager:
         self._windows = _Windows(self)
         self._inbox: collections.deque[tuple[Any, asyncio.AbstractEventLoop, asyncio.Future[Any]]] = collections.deque()
         self._drain_scheduled = False
-        self._remote_scorer = self.options.manager.scorer.partition(":")[0] in ("http", "disrm", "genrm")
+        self._reads_prompts = reads_prompts(self.options.manager)
         # The same reward_extra_info keys on every sample of every RewardLoopWorker actor.
         self._columns = VerlColumns(
             declared_columns(self.options.manager, self.options.extra_keys),
@@ -221,7 +222,7 @@ class StreamRewardLoopManager:
                     self.tokenizer,
                     self._prefix,
                     verl_manager=self.options.manager.manager,
-                    with_prompt=self._remote_scorer,
+                    with_prompt=self._reads_prompts,
                 )
             except Exception as exc:  # bad input: the caller gets the precise error
                 failed: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = [(future, None, exc)]
@@ -469,18 +470,21 @@ def decode_row(
     data: Any, tokenizer: Any, batch_id: str, *, verl_manager: str = "naive", with_prompt: bool = False
 ) -> Trajectory:
     """The last row of a DataProto as a trajectory, decoded as verl 0.9.1's reward-loop
-    managers decode it (``naive.py`` / ``dapo.py``)."""
+    managers decode it (``naive.py`` / ``dapo.py``); its prompt is the last user
+    message (``stream_reward.verl.prompts``), the ids decoded only ``with_prompt``."""
     batch = data.batch
     nt = data.non_tensor_batch
     responses = batch["responses"][-1]
     width = int(responses.shape[-1])
     valid = int(batch["attention_mask"][-1][-width:].sum())
     response = tokenizer.decode(responses[:valid], skip_special_tokens=True)
-    prompt = None
-    if with_prompt:  # remote judges see the question (verl's rule managers never decode it)
-        prompts = batch["prompts"][-1]
-        prompt_valid = int(batch["attention_mask"][-1][: prompts.shape[-1]].sum())
-        prompt = tokenizer.decode(prompts[prompts.shape[-1] - prompt_valid :], skip_special_tokens=True)
+    # The question as the dataset asked it (the sandbox's checker takes a test's helpers
+    # from it, a judge reads it); the ids are decoded only for a scorer that reads it.
+    prompts = batch["prompts"][-1]
+    prompt_valid = int(batch["attention_mask"][-1][: prompts.shape[-1]].sum()) if with_prompt else 0
+    prompt = row_prompt(
+        _last(nt, "raw_prompt"), prompts[prompts.shape[-1] - prompt_valid :], tokenizer, decode=with_prompt
+    )
     reward_model = to_plain(_last(nt, "reward_model")) or {}
     extra = to_plain(_last(nt, "extra_info")) or {}
     if not isinstance(extra, dict):

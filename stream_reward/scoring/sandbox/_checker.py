@@ -7,21 +7,24 @@ sandbox) as ``python -I -S -c BOOT``; the host sends ``wire`` and ``_remote``
 one sample's tests did survives into the next), which drops to an unprivileged
 uid when it can.
 
-The test's names come from builtins, the test itself and the trajectory's
-``prompt`` (HumanEval prompts define helpers such as ``poly``), then, for a name
-none of those define, the program's own globals, as MBPP runs its asserts in
-them: its functions and classes as proxies (``_remote``: a call crosses as plain
-data to the candidate's process and back), a module it imported under its own
-name imported here for real, any other value fetched as data when the test
-reads it. A prompt function whose body is only a docstring is a stub the
-response is meant to fill in, so the response's version is used. A check
-test's entry point may be ``Solution().method``.
+The test's names come from builtins, the test itself and the task's prompt
+(HumanEval prompts define helpers such as ``poly``). A check test gets from the
+response only its entry point (which may be ``Solution().method``) and the
+prompt's stubs; a name it needs that nothing trusted defines ends the case as
+``unresolved`` (the scorer fails the sample: our data is wrong, whatever the
+response). An assert test runs in the program's globals, as MBPP runs its
+asserts: the program's functions and classes as proxies (``_remote``: a call
+crosses as plain data to the candidate's process and back), a module it
+imported under its own name imported here for real, any other value fetched as
+data when the test reads it. A prompt function whose body is only a docstring
+is a stub the response is meant to fill in, so the response's version is used.
 
 Wire with the host: 4-byte little-endian length + ``marshal`` body both ways
 (both ends are trusted). Host -> checker: ``("sample", prompt, sys_path, memory_mb)``,
 ``("case", form, test, entry_point, names)``, ``("reply", data)``, ``("gone",)``,
 ``("finish",)``. Checker -> host: ``("started", pid)``, ``("call", data)``,
-``("verdict", status, detail)``, ``("crashed", wait_status)``.
+``("verdict", status, detail)`` (status ``unresolved``: detail is the missing
+name), ``("crashed", wait_status)``.
 """
 
 import ast
@@ -79,22 +82,27 @@ def candidate_entry(entry_point):
 def run_case(prompt, form, test, entry_point, names):
     new_case()
     g = {"__name__": "__main__", "__builtins__": builtins}
+    stubs = set()
     if prompt:
         try:
             exec(compile(prompt, "prompt.py", "exec"), g)
         except BaseException:
-            pass  # a prompt that is not a complete program (prose, a partial signature)
-        for stub in stub_functions(prompt):
+            pass  # a prompt that is not a complete program (an import this host lacks)
+        stubs = stub_functions(prompt)
+        for stub in stubs:
             g.pop(stub, None)
+    # What the response may name for a check test: its entry point and the prompt's
+    # stubs, the functions the task asks it to write. Any other name the test needs is
+    # the trusted side's to define: the response's ``poly`` never reaches the test.
+    # An assert test runs in the program's globals, as MBPP's do; a name there that is
+    # a builtin (``sorted``) is the response's only as its entry point.
+    own = {entry_point, *stubs} if form == "check" else {entry_point}
     try:
         read = names_read(test)
-        # An assert test's entry point named like a builtin (``sorted``) is the response's;
-        # every other builtin stays the real one, whatever the response defines.
-        own = entry_point if form == "assert" else None
         for name, kind in names.items():
             if type(name) is not str or not name.isidentifier() or name in g:
                 continue
-            if name != own and hasattr(builtins, name):
+            if (name not in own) if form == "check" else (name not in own and hasattr(builtins, name)):
                 continue
             if kind == "class":
                 g[name] = RemoteClass(name)
@@ -107,6 +115,11 @@ def run_case(prompt, form, test, entry_point, names):
             g["check"](candidate_entry(entry_point))
         why = unexamined()
         return ("verdict", "failed", why) if why else ("verdict", "passed", "")
+    except NameError as exc:
+        missing = getattr(exc, "name", None)
+        if form == "check" and id(exc) not in _RAISED and type(missing) is str and missing not in own:
+            return ("verdict", "unresolved", missing)  # our data's fault, whatever the response
+        return _raised(exc)
     except CandidateGone:
         return ("verdict", "gone", "")
     except CandidateFault as exc:
@@ -114,8 +127,12 @@ def run_case(prompt, form, test, entry_point, names):
     except AssertionError as exc:
         return ("verdict", "failed", f"assertion failed {_describe(exc)}".strip()[:300])
     except BaseException as exc:
-        status = "runtime_error" if id(exc) in _RAISED else "failed"
-        return ("verdict", status, f"{type(exc).__name__}: {_describe(exc)}"[:300])
+        return _raised(exc)
+
+
+def _raised(exc):
+    status = "runtime_error" if id(exc) in _RAISED else "failed"
+    return ("verdict", status, f"{type(exc).__name__}: {_describe(exc)}"[:300])
 
 
 def names_read(test):

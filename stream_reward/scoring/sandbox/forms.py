@@ -54,7 +54,9 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
     form is ``check`` (``test`` + ``entry_point``: a function, or ``Class().method``), ``stdin`` (``inputs`` /
     ``outputs``, optional ``abs_tol`` / ``rel_tol`` for its decimals), ``call`` (the same with ``fn_name``) or ``assert``
     (``assert_case``: one case per entry with an ``assert``, the other entries
-    prepended to the cases after them). Anything else raises
+    prepended to the cases after them). A check or assert case carries the ground
+    truth's own ``prompt`` when it has one (the task's code, preferred to the
+    trajectory's prompt). Anything else raises
     ScoringError(reason="bad_tests").
     """
     gt = ground_truth
@@ -67,11 +69,14 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
             raise _bad(f"not JSON ({exc})") from exc
     if not isinstance(gt, dict):
         raise _bad(f"expected a JSON object, got {type(gt).__name__}")
+    prompt = gt.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise _bad(f"'prompt' must be a string, got {type(prompt).__name__}")
     if "test" in gt or ("entry_point" in gt and "assert_case" not in gt):
         test, entry = gt.get("test"), gt.get("entry_point")
         if not isinstance(test, str) or not _entry_point(entry):
             raise _bad("'test' must be code and 'entry_point' an identifier or 'Solution().method'")
-        return "check", [{"test": test, "entry_point": entry}]
+        return "check", [_with_prompt({"test": test, "entry_point": entry}, prompt)]
     if "assert_case" in gt:
         asserts = gt["assert_case"]
         if not isinstance(asserts, list) or not asserts or not all(isinstance(a, str) and a.strip() for a in asserts):
@@ -79,7 +84,7 @@ def parse_tests(ground_truth: Any) -> tuple[str, list[dict[str, Any]]]:
         entry = gt.get("entry_point")
         if entry is not None and (not isinstance(entry, str) or not entry.isidentifier()):
             raise _bad("'entry_point' must be an identifier")
-        return "assert", _assert_cases(asserts, entry)
+        return "assert", [_with_prompt(case, prompt) for case in _assert_cases(asserts, entry)]
     if "inputs" in gt or "outputs" in gt:
         inputs, outputs = gt.get("inputs"), gt.get("outputs")
         if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs or len(inputs) != len(outputs):
@@ -113,6 +118,10 @@ def _entry_point(entry: Any) -> bool:
         return False
     cls, sep, method = entry.partition("().")
     return entry.isidentifier() or (bool(sep) and cls.isidentifier() and method.isidentifier())
+
+
+def _with_prompt(case: dict[str, Any], prompt: str | None) -> dict[str, Any]:
+    return case if prompt is None else {**case, "prompt": prompt}
 
 
 def _tolerance(gt: dict[str, Any]) -> dict[str, float]:

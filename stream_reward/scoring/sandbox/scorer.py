@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from stream_reward.config import SandboxConfig
-from stream_reward.errors import VerifierError
+from stream_reward.errors import ScoringError, VerifierError
 from stream_reward.scoring.sandbox.compiled import CompileCache
 from stream_reward.scoring.sandbox.completion import whole_program
 from stream_reward.scoring.sandbox.forms import (
@@ -63,6 +63,7 @@ from stream_reward.scoring.sandbox.languages import Toolchain, choose_program, t
 from stream_reward.scoring.sandbox.polyglot import find_toolchains, score_other, toolchain_of
 from stream_reward.scoring.sandbox.seccomp import filter_bytes
 from stream_reward.scoring.sandbox.slot import CHECKER_SOURCE, HARNESS_SOURCE, Slot, SlotBroken, json_message, kill_pid
+from stream_reward.scoring.sandbox.task_prompt import task_code
 from stream_reward.scoring.sandbox.wire import WireError, loads
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.trajectory import Trajectory
@@ -199,7 +200,16 @@ class SandboxScorer:
         language, program = chosen
         if language != "python":
             return await score_other(self, language, program, form, cases)
-        results = await self.run(whole_program(traj.prompt, program), form, cases, prompt=traj.prompt)
+        # The ground truth's own prompt first: a dataset states it there for every path.
+        given = cases[0].get("prompt")
+        prompt = task_code(given if given is not None else traj.prompt)
+        results = await self.run(whole_program(prompt, program), form, cases, prompt=prompt)
+        missing = next((detail for status, detail in results if status == "unresolved"), None)
+        if missing is not None:
+            where = "the task's prompt" if prompt else "the task's prompt (the sample carries none)"
+            raise ScoringError(
+                f"the test needs `{missing}`, which neither the test nor {where} defines", reason="unresolved_name"
+            )
         return tally(results, all_or_nothing=self.config.all_or_nothing)
 
     def toolchain(self, language: str) -> Toolchain:

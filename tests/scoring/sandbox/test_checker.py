@@ -6,11 +6,16 @@ checker's frame pipe."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import pytest
-from sandbox_support import score
+from sandbox_hacks import POLY_TEST, PROMPT_POLY
+from sandbox_support import run, score, traj
+
+from stream_reward.errors import ScoringError
+from stream_reward.wire.trajectory import Trajectory
 
 ALL_OF_MAP = {
     "check": {"test": "def check(candidate):\n    assert all(map(candidate, [1, 2]))\n", "entry_point": "f"},
@@ -122,3 +127,47 @@ def test_a_test_runs_without_privilege(bwrap):
     }
     nobody = 65534 if os.geteuid() == 0 else os.geteuid()
     assert score(bwrap, f"def f(x):\n    return {nobody}", gt).score == 1.0
+
+
+# The honest find_zero, and one that brings its own ``poly`` so that any answer passes.
+FIND_ZERO = (
+    "def find_zero(xs):\n    lo, hi = -100.0, 100.0\n    for _ in range(200):\n        mid = (lo + hi) / 2\n"
+    "        if poly(xs, lo) * poly(xs, mid) <= 0:\n            hi = mid\n        else:\n            lo = mid\n"
+    "    return lo\n"
+)
+OWN_POLY = "def poly(xs, x):\n    return 0.0\n\ndef find_zero(xs):\n    return 0.0\n"
+CHATML = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\nComplete this function:\n```python\n{prompt}```<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def _poly_sample(program: str, *, prompt: str | None, gt_prompt: str | None = None) -> Trajectory:
+    gt = {**POLY_TEST, "prompt": gt_prompt} if gt_prompt is not None else POLY_TEST
+    return dataclasses.replace(traj(PROMPT_POLY + program, gt), prompt=prompt)
+
+
+@pytest.mark.parametrize(
+    "prompt,gt_prompt",
+    [
+        (PROMPT_POLY, None),
+        (CHATML.format(prompt=PROMPT_POLY), None),
+        ("Complete the following function.\n\n" + PROMPT_POLY, None),
+        (None, PROMPT_POLY),
+        ("Write find_zero. ```python\ndef poly(xs, x):\n    return 0.0\n```", PROMPT_POLY),
+    ],
+    ids=["jsonl_prompt", "chat_templated", "prose_then_code", "ground_truth_prompt", "ground_truth_wins"],
+)
+def test_a_helper_the_test_needs_is_the_prompts_never_the_responses(bwrap, prompt, gt_prompt):
+    own = run(bwrap, _poly_sample(OWN_POLY, prompt=prompt, gt_prompt=gt_prompt))
+    assert own.score == 0.0 and own.extra["cases"] == ["failed"], own.extra
+    assert run(bwrap, _poly_sample(FIND_ZERO, prompt=prompt, gt_prompt=gt_prompt)).score == 1.0
+
+
+@pytest.mark.parametrize("program", [OWN_POLY, FIND_ZERO], ids=["own_poly", "honest"])
+def test_a_helper_nothing_trusted_defines_fails_the_sample_naming_it(bwrap, program):
+    """Without the prompt, ``poly`` exists only in the response: not a pass, not a 0 either."""
+    with pytest.raises(ScoringError) as info:
+        run(bwrap, _poly_sample(program, prompt=None))
+    assert info.value.reason == "unresolved_name"
+    assert "`poly`" in str(info.value) and "prompt" in str(info.value)
