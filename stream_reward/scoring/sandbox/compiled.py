@@ -64,6 +64,11 @@ class Build:
     # starting at all. Java runs without it; the slot's memory cgroup (and -Xmx)
     # bound what it really uses.
     address_space: bool = True
+    # Node (V8's reservations) and Go (its heap arenas) reserve ~700 MiB of address
+    # space before main runs: under a smaller RLIMIT_AS every program of theirs dies
+    # at start, a 0 that is ours. Their RLIMIT_AS is at least this; the slot's
+    # memory cgroup bounds what they use.
+    address_space_mb: int = 0
 
     def key(self, toolchain: Toolchain, source: str) -> str:
         h = hashlib.sha256()
@@ -110,6 +115,9 @@ def java_unpackaged(source: str) -> str:
     return _JAVA_PACKAGE.sub(lambda m: m.group(1) + " " * (len(m.group(0)) - len(m.group(1))), source, count=1)
 
 
+RUNTIME_RESERVE_MB = 2048
+
+
 def build_for(toolchain: Toolchain, source: str, memory_mb: int) -> Build:
     """The fixed commands of ``toolchain``'s language for ``source``."""
     t = toolchain.tools
@@ -135,7 +143,9 @@ def build_for(toolchain: Toolchain, source: str, memory_mb: int) -> Build:
         # No -trimpath: it changes the standard library's build IDs, so a fresh cache
         # would rebuild all of it (seconds) instead of using the installed packages.
         steps = [[t["go"], "build", "-ldflags=-s -w", "-o", "out/main", "main.go"]]
-        return Build(lang, "main.go", steps, genv, ["./main"], {**env, "GOMAXPROCS": "2"})
+        return Build(
+            lang, "main.go", steps, genv, ["./main"], {**env, "GOMAXPROCS": "2"}, address_space_mb=RUNTIME_RESERVE_MB
+        )
     if lang == "java":
         name = java_class(source)
         heap = max(64, memory_mb // 2)
@@ -145,7 +155,7 @@ def build_for(toolchain: Toolchain, source: str, memory_mb: int) -> Build:
         run = [t["java"], f"-Xmx{heap}m", "-Xss64m", *jvm, "-cp", ".", name]
         return Build(lang, f"{name}.java", steps, env, run, env, address_space=False)
     if lang == "javascript":
-        return Build(lang, "main.js", [], env, [t["node"], "main.js"], env)
+        return Build(lang, "main.js", [], env, [t["node"], "main.js"], env, address_space_mb=RUNTIME_RESERVE_MB)
     raise ValueError(f"no build for {lang!r}")
 
 

@@ -89,7 +89,11 @@ async def score_other(
                 info.update(reason="compile_error", compile_error=artifact.message[-2000:])
                 return _with(tally(results, all_or_nothing=aon), **info)
         job = run_job(build, program, artifact)
-        job.update(address_space=build.address_space, key=build.key(toolchain, program))
+        job.update(
+            address_space=build.address_space,
+            address_space_mb=build.address_space_mb,
+            key=build.key(toolchain, program),
+        )
         results = await scorer._run_cases(slot, program, form, cases, None, job=job)
     return _with(tally(results, all_or_nothing=aon), **info)
 

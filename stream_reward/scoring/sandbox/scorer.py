@@ -349,7 +349,9 @@ class SandboxScorer:
             elif key is not None:
                 job = {k: v for k, v in job.items() if k != "key"} | {"stage": key}
             msg.update(mode="exec", program="", exec=job)
-            msg["limits"] = {**msg["limits"], "address_space": job.get("address_space", True)}
+            limits = {**msg["limits"], "address_space": job.get("address_space", True)}
+            limits["memory_mb"] = max(limits["memory_mb"], job.get("address_space_mb", 0))  # RLIMIT_AS only
+            msg["limits"] = limits
         slot.h.send(marshal.dumps(msg, 4))
         done = await self._done(slot, timeout_s)
         slot.staged = key if key is not None else slot.staged

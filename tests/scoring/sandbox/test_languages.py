@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from sandbox_support import UIDS, scorer_or_skip
+from sandbox_table import PROGRAMS, SUM
 
 from stream_reward.errors import VerifierError
 from stream_reward.scoring.sandbox.compiled import Artifact, CompileCache, java_class, java_unpackaged
@@ -24,26 +25,6 @@ from stream_reward.scoring.sandbox.scorer import SandboxScorer
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.trajectory import Trajectory
 
-SUM = {"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6\n"]}
-
-# Per language: a program that prints the sum of two integers, and one that prints their difference.
-PROGRAMS = {
-    "cpp": '#include <iostream>\nint main(){long a,b;std::cin>>a>>b;std::cout<<a OP b<<"\\n";}',
-    "c": '#include <stdio.h>\nint main(void){long a,b;scanf("%ld %ld",&a,&b);printf("%ld\\n",a OP b);return 0;}',
-    "java": (
-        "import java.util.*;\npublic class Solution {\n  public static void main(String[] x) {\n"
-        "    Scanner s = new Scanner(System.in);\n    long a = s.nextLong(), b = s.nextLong();\n"
-        "    System.out.println(a OP b);\n  }\n}"
-    ),
-    "javascript": 'const [a, b] = require("fs").readFileSync(0, "utf8").trim().split(/\\s+/).map(Number);\nconsole.log(a OP b);',
-    "go": 'package main\n\nimport "fmt"\n\nfunc main() {\n\tvar a, b int\n\tfmt.Scan(&a, &b)\n\tfmt.Println(a OP b)\n}',
-    "rust": (
-        "use std::io::Read;\nfn main() {\n    let mut s = String::new();\n"
-        "    std::io::stdin().read_to_string(&mut s).unwrap();\n"
-        "    let v: Vec<i64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();\n"
-        '    println!("{}", v[0] OP v[1]);\n}'
-    ),
-}
 BROKEN = {
     "cpp": "int main() { return undefined_name; }",
     "c": "int main(void) { return undefined_name; }",
@@ -296,3 +277,16 @@ def test_a_case_that_deletes_or_overwrites_its_binary_leaves_the_next_case_intac
     for _ in range(2):  # the second sample of the same program: its files were kept
         scored = score(polyglot, sample(fenced("c", code)))
         assert (scored.score, scored.extra["cases"]) == (1.0, ["passed", "passed"])
+
+
+@pytest.mark.parametrize("language", ["javascript", "go"])
+def test_a_runtime_that_reserves_address_space_runs_under_a_small_memory_limit(language: str) -> None:
+    """Node and Go reserve ~700 MiB of address space before main: under a 256 MiB
+    limit a right program must still pass, and a wrong one still fail."""
+    s = scorer_or_skip(dict(timeout_s=4.0, cpu_s=4.0, memory_mb=256, **UIDS))
+    try:
+        needs(s, language)
+        assert score(s, sample(fenced(language, program(language, "+")))).score == 1.0
+        assert score(s, sample(fenced(language, program(language, "-")))).score == 0.0
+    finally:
+        s.close()
