@@ -3,7 +3,9 @@ trusted side exchange.
 
 ``dumps`` accepts exactly None, bool, int, float, str, bytes, list, tuple, dict,
 set and frozenset (exact types: a subclass of int with a custom ``__eq__`` is
-refused, so an always-equal object can never cross), nested to a bounded depth.
+refused, so an always-equal object can never cross), nested to a bounded depth;
+``collections``' dicts (``Counter``, ``defaultdict``, ``OrderedDict``) cross as
+the plain dict of their items.
 ``loads`` rebuilds the same types from the bytes, to the same depth, and refuses
 anything else, so whatever a hostile program writes on its reply pipe, the trusted
 side sees either plain data or a ``WireError``.
@@ -24,9 +26,11 @@ trusted checker (which must not import stream_reward): stdlib only, no relative
 imports, every name public here is used there.
 """
 
+import collections as _collections
 import json as _json
 
 WIRE_MAX_DEPTH = 100
+_COLLECTIONS_DICTS = (_collections.Counter, _collections.defaultdict, _collections.OrderedDict)
 
 
 class WireError(ValueError):
@@ -54,6 +58,10 @@ def _enc(x, depth, ref=None):
         return {"F": [_enc(v, d, ref) for v in x]}
     if t is bytes or t is bytearray:
         return {"b": bytes(x).hex()}
+    if isinstance(x, _COLLECTIONS_DICTS):
+        # Counter, defaultdict, OrderedDict: a dict with its key types, as a test's
+        # ``==`` against a dict sees them. Read with dict's own items(), never theirs.
+        return {"d": [[_enc(k, d, ref), _enc(v, d, ref)] for k, v in dict.items(x)]}
     if ref is not None:
         return {"r": ref(x)}
     raise WireError(f"{t.__name__} is not plain data")

@@ -5,6 +5,7 @@ and hostile or too deeply nested bytes are refused on the way in, never a crash.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -116,3 +117,24 @@ def test_a_reference_crosses_only_where_both_ends_ask_for_it():
         dumps([obj])  # no hook: refused as before
     with pytest.raises(WireError):
         loads(b'{"r": "not a list"}', lambda r: r)
+
+
+def test_collections_dicts_cross_as_dicts_with_their_key_types():
+    """A Counter, defaultdict or OrderedDict answer is the dict a test compares it to
+    (int keys stay ints); its own ``items`` or ``__eq__`` never runs on our side."""
+
+    class Lying(collections.Counter):
+        def items(self):
+            return [(1, 99)]
+
+        def __eq__(self, other):
+            return True
+
+    for value in (collections.Counter([1, 1, 2]), collections.defaultdict(int, {1: 2, 2: 1})):
+        back = loads(dumps(value))
+        assert type(back) is dict and back == {1: 2, 2: 1} and all(type(k) is int for k in back)
+    assert loads(dumps(collections.OrderedDict([("b", 1), ("a", 2)]))) == {"b": 1, "a": 2}
+    lying = loads(dumps(Lying([1])))
+    assert type(lying) is dict and lying == {1: 1} and lying != {1: 99}
+    with pytest.raises(WireError):
+        dumps(type("MyDict", (dict,), {})())  # only collections' own dicts
