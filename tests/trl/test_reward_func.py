@@ -96,7 +96,8 @@ def test_the_data_source_column_routes_each_sample() -> None:
 
 def test_the_prompt_reaches_the_sandbox() -> None:
     # The test calls helper(), which only the task's prompt defines: it passes only
-    # when the last user message reached the sandbox as the prompt.
+    # when the last user message reached the sandbox as the prompt. Without it, the
+    # sample is ours to fix (unresolved_name): None, not a 0 the policy earned.
     fn = reward_func(scorer="sandbox", data_source="code", processes=1)
     gt = json.dumps(
         {"test": "def check(candidate):\n    assert candidate() == helper() + 1\n", "entry_point": "answer"}
@@ -104,7 +105,7 @@ def test_the_prompt_reaches_the_sandbox() -> None:
     task = msg("user", "def helper():\n    return 41\n\ndef answer():\n    '''helper() + 1'''\n")
     answer = [msg("assistant", "```python\ndef answer():\n    return 42\n```")]
     prompts = [[msg("system", "Write Python."), task], [msg("system", "Write Python."), msg("user", "no task")]]
-    assert call(fn, prompts, [answer, answer], solution=[gt, gt]) == [1.0, 0.0]
+    assert call(fn, prompts, [answer, answer], solution=[gt, gt]) == [1.0, None]
 
 
 def test_the_pool_starts_once_across_calls_and_threads(namespace: str) -> None:
