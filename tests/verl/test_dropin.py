@@ -532,6 +532,37 @@ def test_humaneval_canonical_pass_and_broken_fail_through_the_dropin(tmp_path):
     assert canonical_failing == [] and broken_passing == [], (canonical_failing[:5], broken_passing[:5])
 
 
+def test_the_sandbox_tables_score_the_same_through_the_dropin():
+    """Every row of the sandbox's tables scores through the drop-in what it scores in
+    the scorer's own tests, the batch without ``raw_prompt``: the prompt is the
+    decoded ids with the chat template undone."""
+    from verl_support import SANDBOX_LIMITS, chat_tensors, chatml, sandbox_table_chats
+
+    rows, chats = sandbox_table_chats()
+    tok = ChatTok()
+    batch = chat_tensors(tok, [chatml(m) for m in chats], [row.response for row in rows])
+    data = FakeDataProto(
+        batch,
+        {
+            "data_source": objects(["code"] * len(rows)),
+            "reward_model": objects([{"ground_truth": row.ground_truth_json} for row in rows]),
+            "extra_info": objects([{} for _ in rows]),
+        },
+    )
+    uids = {"uid_base": 1_200_000 + (os.getpid() % 10_000) * 16, "uid_count": 16}
+    with StreamRewardManager(tok, compute_score="sandbox", num_workers=2, sandbox={**SANDBOX_LIMITS, **uids}) as m:
+        out = m(data, return_dict=True)
+        rewards = m.last_rewards
+    assert rewards is not None
+    scores = out["reward_tensor"].sum(-1).tolist()
+    got = {}
+    for i, row in enumerate(rows):
+        status = rewards.status[i]
+        result = rewards.results[i]
+        got[row.uid] = (status, result.reason if status != "ok" and result else scores[i])
+    assert got == {row.uid: (("failed", row.reason) if row.reason else ("ok", row.score)) for row in rows}
+
+
 def test_a_samples_prompt_is_raw_prompts_last_user_message_when_the_batch_carries_it():
     from stream_reward.verl import decode_batch
 

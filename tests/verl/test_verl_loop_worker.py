@@ -15,7 +15,16 @@ import pytest
 import torch
 from verl.experimental.reward_loop import RewardLoopWorker
 from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
-from verl_support import ROWS, STREAM_OVERRIDES, chat_tensors, chatml, humaneval_chats, make_batch, objects
+from verl_support import (
+    ROWS,
+    STREAM_OVERRIDES,
+    chat_tensors,
+    chatml,
+    humaneval_chats,
+    make_batch,
+    objects,
+    sandbox_table_chats,
+)
 
 from stream_reward.verl import StreamRewardLoopManager
 
@@ -321,6 +330,14 @@ SANDBOX = (
 )
 
 
+# The sandbox table's limits (tests/scoring/sandbox/sandbox_hacks.py's LIMITS).
+SANDBOX_TABLE = (
+    "+reward.reward_kwargs.scorer=sandbox",
+    f"+reward.reward_kwargs.sandbox={{uid_base:{1_000_000 + (os.getpid() % 10_000) * 16},uid_count:16,"
+    "timeout_s:2.0,cpu_s:2.0,memory_mb:256,tmp_mb:16}",
+)
+
+
 def test_humaneval_canonical_pass_and_broken_fail_in_the_reward_loop(workers, tokenizer) -> None:
     """HumanEval's 164 canonical solutions score 1.0, 164 broken ones and one with its own
     ``poly`` 0.0, all ``ok``: the tests' helpers (``poly``, ``encode_cyclic``) come from
@@ -348,6 +365,29 @@ def test_humaneval_canonical_pass_and_broken_fail_in_the_reward_loop(workers, to
     canonical_failing = [u for u, o in results.items() if u.endswith("/canonical") and o["reward_score"] != 1.0]
     broken_passing = [u for u, o in results.items() if not u.endswith("/canonical") and o["reward_score"] != 0.0]
     assert canonical_failing == [] and broken_passing == [], (canonical_failing[:5], broken_passing[:5])
+
+
+def test_the_sandbox_tables_score_the_same_in_the_reward_loop(workers, tokenizer) -> None:
+    """Every row of the sandbox's tables (reward hacks, whole programs, seven
+    languages, the comparison rules) scores in verl's reward loop what it scores in
+    the scorer's own tests: the prompt from the row's ``raw_prompt``, a sample we
+    cannot judge flagged with its reason, never a score."""
+    from verl import DataProto
+
+    rows, chats = sandbox_table_chats()
+    tensors = chat_tensors(tokenizer, [chatml(m) for m in chats], [row.response for row in rows])
+    non_tensors = {
+        "data_source": objects(["code"] * len(rows)),
+        "reward_model": objects([{"ground_truth": row.ground_truth_json, "style": "rule"} for row in rows]),
+        "extra_info": objects([{"index": i} for i in range(len(rows))]),
+        "raw_prompt": objects(chats),
+    }
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+    _, ours_worker = workers(stream=SANDBOX_TABLE)
+    ours = run_worker(ours_worker, data)
+    got = {row.uid: (o["reward_extra_info"]["reward_status"], o["reward_score"]) for row, o in zip(rows, ours)}
+    want = {row.uid: (row.reason, 0.0) if row.reason else ("ok", row.score) for row in rows}
+    assert got == want
 
 
 def test_a_rows_prompt_is_its_last_user_message_from_raw_prompt_or_decoded_ids(tokenizer) -> None:

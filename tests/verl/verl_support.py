@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 VERL_VERSION = "0.9.1"
@@ -171,3 +173,24 @@ def chat_tensors(tokenizer: Any, prompts: list[str], responses: list[str]) -> di
         "input_ids": torch.cat([prompts_t, responses_t], dim=1),
         "attention_mask": torch.tensor(masks),
     }
+
+
+# The sandbox table's limits (tests/scoring/sandbox/sandbox_hacks.py's LIMITS, without its uids).
+SANDBOX_LIMITS = {"timeout_s": 2.0, "cpu_s": 2.0, "memory_mb": 256, "tmp_mb": 16}
+SANDBOX_TESTS = Path(__file__).resolve().parent.parent / "scoring" / "sandbox"
+
+
+def sandbox_table_chats() -> tuple[list[Any], list[list[dict[str, str]]]]:
+    """The sandbox's table (``tests/scoring/sandbox/sandbox_table.py``: every row with
+    the score it must get) and a chat per row: the task's prompt, when it has one,
+    fenced in the user message as a dataset would write it."""
+    if str(SANDBOX_TESTS) not in sys.path:
+        sys.path.insert(0, str(SANDBOX_TESTS))
+    from sandbox_table import path_rows
+
+    rows = path_rows()
+    chats = []
+    for row in rows:
+        task = f"Complete this function:\n```python\n{row.prompt}```" if row.prompt else "Solve the task."
+        chats.append([{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}])
+    return rows, chats
