@@ -53,11 +53,15 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWNET, SIGCHLD = 0x00020000, 0x20000000, 0x08000000, 0x40000000, 17
 # A case's own IPC namespace too: SysV shared memory and message queues outlive
 # their processes, and would carry state (and memory charges) into later cases.
-# And its own network namespace: abstract unix socket names live there, and a bound
-# socket left in flight (sent over a socket that is itself in flight) outlives every
-# process until the kernel's collector gets to it, which under load is later than
-# the next case's start.
-CASE_NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET
+# The network namespace is the harness's, shared by its cases while they leave
+# nothing in it: with the seccomp filter a case can make only unix sockets, and
+# those die with its processes, except one left in flight (sent over a socket that
+# is itself in flight), which outlives them until the kernel's collector gets to
+# it. After a case that left any, the harness moves to a fresh namespace
+# (``fresh_network``): a new one per case would cost ~1 ms of setup and teardown
+# each. Without the filter (IP sockets: TIME_WAIT ports, packet counters) every
+# case gets its own.
+CASE_NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 38, 22, 4, 36
 PR_CAPBSET_DROP = 24
@@ -210,6 +214,7 @@ def main():
             try:
                 unstage(msg)
                 send(run_case(boot, msg))
+                fresh_network(boot)
             except OSError as exc:  # pipe/clone/reap failed: the host's fault, not the program's
                 send({"ev": "infra", "error": f"{type(exc).__name__}: {exc}", "errno": exc.errno or 0})
         elif msg["op"] == "exit":
@@ -254,12 +259,27 @@ def oom_kills(boot):
 
 def spawn(boot):
     if boot["per_case_ns"]:
-        pid = _pylibc.syscall(SYS_CLONE[os.uname().machine], ctypes.c_ulong(CASE_NAMESPACES | SIGCHLD), 0, 0, 0, 0)
+        flags = CASE_NAMESPACES if boot.get("seccomp") else CASE_NAMESPACES | CLONE_NEWNET
+        pid = _pylibc.syscall(SYS_CLONE[os.uname().machine], ctypes.c_ulong(flags | SIGCHLD), 0, 0, 0, 0)
         if pid < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"clone: {os.strerror(e)}")
         return pid
     return os.fork()
+
+
+def fresh_network(boot):
+    """After a case whose processes are all gone: a unix socket still in our network
+    namespace is one the case left in flight, so the next case gets a new namespace."""
+    if not (boot["per_case_ns"] and boot.get("seccomp")):
+        return  # no namespaces to make, or each case has a namespace of its own
+    try:
+        with open("/proc/self/net/unix", "rb") as f:
+            left = f.read().count(b"\n") > 1  # a header line, then one line per socket
+    except OSError:
+        left = True
+    if left:
+        _sys("unshare", CLONE_NEWNET)
 
 
 def run_case(boot, msg):
