@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -62,3 +64,15 @@ async def enqueued(redis_url: str, namespace: str) -> tuple[int, int]:
 
 def openrlhf_body(prompts: list[str], responses: list[str], labels: list[Any], **extra: Any) -> dict[str, Any]:
     return {"query": [p + r for p, r in zip(prompts, responses)], "prompts": prompts, "labels": labels, **extra}
+
+
+# A code task whose test calls a helper only the task's prompt defines.
+HELPER_TASK = "def helper():\n    return 41\n\n\ndef answer():\n    '''helper() + 1'''\n"
+HELPER_GT = json.dumps(
+    {"test": "def check(candidate):\n    assert candidate() == helper() + 1\n", "entry_point": "answer"}
+)
+
+
+def sandbox_worker_args() -> tuple[str, ...]:
+    uids = {"uid_base": 1_400_000 + (os.getpid() % 10_000) * 16, "uid_count": 16}
+    return ("--scorer", "sandbox", "--manager-kwargs", json.dumps({"sandbox": uids}))

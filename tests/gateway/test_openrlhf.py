@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from gateway_support import ECHO, enqueued, gateway, openrlhf_body, post
+from gateway_support import ECHO, HELPER_GT, HELPER_TASK, enqueued, gateway, openrlhf_body, post, sandbox_worker_args
 
 from stream_reward.errors import ConfigError
 from stream_reward.gateway.openrlhf import FAILURE_COLUMNS
@@ -270,3 +270,22 @@ async def test_undeclared_keys_from_the_data_are_warned_about_a_bounded_number_o
     assert status == 200, reply
     warnings = [r for r in caplog.records if r.name == "stream_reward.gateway.openrlhf"]
     assert len(warnings) <= 65  # 64 keys named, then one line for the rest
+
+
+async def test_a_code_tasks_prompt_reaches_the_sandbox_and_the_responses_own_helper_does_not(
+    redis_url, namespace, spawn_workers
+) -> None:
+    spawn_workers(1, *sandbox_worker_args())
+    prompt = f"<|im_start|>user\nComplete:\n```python\n{HELPER_TASK}```<|im_end|>\n<|im_start|>assistant\n"
+    honest = "```python\ndef answer():\n    return helper() + 1\n```"
+    own_helper = "```python\ndef helper():\n    return 0\n\ndef answer():\n    return 1\n```"
+    body = openrlhf_body([prompt, prompt], [honest, own_helper], [HELPER_GT, HELPER_GT])
+    async with gateway(redis_url, namespace, data_source="code") as gw:
+        status, reply = await post(f"{gw.url}/openrlhf", body)
+        no_task, failed = await post(
+            f"{gw.url}/openrlhf", openrlhf_body(["Write answer.\n"], [own_helper], [HELPER_GT])
+        )
+    assert status == 200, reply
+    assert reply["rewards"] == [1.0, 0.0]
+    # Without the task's code the test's helper is nobody's: our data's fault, never the response's pass.
+    assert no_task == 503 and "unresolved_name" in json.dumps(failed), failed

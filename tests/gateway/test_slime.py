@@ -5,7 +5,7 @@ keys reach the scorer; a failed sample is a 503, or 0.0 marked failed."""
 from __future__ import annotations
 
 import pytest
-from gateway_support import ECHO, enqueued, gateway, post
+from gateway_support import ECHO, HELPER_GT, HELPER_TASK, enqueued, gateway, post, sandbox_worker_args
 
 pytestmark = pytest.mark.anyio
 
@@ -97,3 +97,20 @@ async def test_a_scored_sample_whose_extra_info_is_not_finite_answers_its_score(
     assert status == 200, reply
     assert reply["score"] == 1.0 and reply["status"] == "ok"
     assert reply["ratio"] is None and reply["spread"] == [1.0, None]
+
+
+async def test_a_code_tasks_chat_prompt_reaches_the_sandbox(redis_url, namespace, spawn_workers) -> None:
+    spawn_workers(1, *sandbox_worker_args())
+    prompt = [
+        {"role": "system", "content": "Write Python."},
+        {"role": "user", "content": f"Complete:\n```python\n{HELPER_TASK}```"},
+    ]
+    own_helper = "```python\ndef helper():\n    return 0\n\ndef answer():\n    return 1\n```"
+    async with gateway(redis_url, namespace, data_source="code") as gw:
+        _, honest = await post(
+            f"{gw.url}/slime",
+            {"prompt": prompt, "response": "```python\ndef answer():\n    return 42\n```", "label": HELPER_GT},
+        )
+        _, hack = await post(f"{gw.url}/slime", {"prompt": prompt, "response": own_helper, "label": HELPER_GT})
+    assert (honest["score"], honest["status"]) == (1.0, "ok"), honest
+    assert (hack["score"], hack["status"]) == (0.0, "ok"), hack
