@@ -111,7 +111,11 @@ class SandboxScorer:
         if self.config.seccomp and self._seccomp is None:
             logger.warning("no seccomp filter for this architecture: candidate syscalls are not filtered")
         self.backend = self.config.backend  # named in errors while the probe runs
-        self.backend = choose_backend(self.config, root=self.root, probe=self._probe_run)
+        try:
+            self.backend = choose_backend(self.config, root=self.root, probe=self._probe_run)
+        except BaseException:
+            self.compile_cache.close()  # a scorer that never started leaves no directory behind
+            raise
         if self.backend == "none":
             logger.warning(
                 "SANDBOX DISABLED: unsafe_no_isolation=True, model-written code runs with this process's "

@@ -13,6 +13,7 @@ cgroups), every hack still scores 0.0.
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import logging
 import os
@@ -274,10 +275,13 @@ def test_backend_detection_prefers_bwrap_then_falls_back(tmp_path, open_scorer):
 
 def test_refuses_to_run_without_isolation(tmp_path, caplog):
     missing = dict(bwrap_path=str(tmp_path / "no-bwrap"), unshare_path=str(tmp_path / "no-unshare"))
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "stream-reward-compiled-*")))
     with pytest.raises(ConfigError, match="no sandbox is available"):
         SandboxScorer(config(**missing))
     with pytest.raises(ConfigError):
         SandboxScorer(config(backend="none"))
+    # A scorer that never started leaves nothing behind (its compile cache included).
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "stream-reward-compiled-*"))) <= before
     with caplog.at_level(logging.WARNING, logger="stream_reward.scoring.sandbox.scorer"):
         unsafe = SandboxScorer(config(unsafe_no_isolation=True, **missing))
     assert unsafe.backend == "none"
@@ -285,6 +289,7 @@ def test_refuses_to_run_without_isolation(tmp_path, caplog):
     r = score(unsafe, "print(int(input()) * 2)", {"inputs": ["2", "3"], "outputs": ["4", "7"]})
     assert r.extra["cases"] == ["passed", "failed"]
     assert score(unsafe, "while True:\n    pass", stdin_case()).extra["cases"] == ["timeout"]
+    unsafe.close()
 
 
 def test_backend_failing_to_start_is_infrastructure_error(tmp_path, open_scorer):
