@@ -24,6 +24,7 @@ the input a test then compares its answer against.
 
 import builtins
 import marshal
+import operator
 import os
 
 if "dumps" not in globals():  # run on its own; the host normally sends wire.py ahead of this source
@@ -299,8 +300,17 @@ def _refuse(self, *args):
     raise CandidateFault(f"the program's {self._type} is not plain data (the test used it as a value)")
 
 
+def _valued(op):
+    def method(self, *args):
+        return op(self._value(), *args)
+
+    return method
+
+
 class RemoteObject:
-    """An object of the candidate's: its attributes and calls cross, nothing else."""
+    """An object of the candidate's: its attributes and calls cross; a container's
+    contents (a namedtuple, a list subclass) cross as the plain data of its base
+    type when the test uses it as a value; nothing else does."""
 
     __slots__ = ("_handle", "_type")
 
@@ -320,7 +330,24 @@ class RemoteObject:
     def __repr__(self):
         return f"<candidate {self._type} object>"
 
+    def _value(self):
+        _UNEXAMINED.pop(self._handle, None)
+        try:
+            return _rpc("value", None, self._handle, (), {})
+        except Exception as exc:
+            if id(exc) in _RAISED:  # not a container: no value to compare
+                _refuse(self)
+            raise
+
     __hash__ = object.__hash__
-    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
-    __bool__ = __len__ = __iter__ = __contains__ = __str__ = _refuse
+    __eq__, __ne__ = _valued(operator.eq), _valued(operator.ne)
+    __lt__, __le__, __gt__, __ge__ = (
+        _valued(operator.lt),
+        _valued(operator.le),
+        _valued(operator.gt),
+        _valued(operator.ge),
+    )
+    __bool__, __len__, __iter__ = _valued(bool), _valued(len), _valued(iter)
+    __contains__, __getitem__ = _valued(operator.contains), _valued(operator.getitem)
+    __str__ = _refuse
     __int__ = __float__ = __index__ = __complex__ = __bytes__ = _refuse

@@ -7,7 +7,7 @@ each a frame of a 4-byte little-endian length and ``wire`` bytes. A request is
 ``(kind, name, handle, args, kwargs)``: ``call`` a global function (or a method of
 a fresh ``Solution``), ``new`` an instance of a global class, ``global`` the value
 of a global, ``attr`` an attribute of an object held here, ``invoke`` that object
-called. A reply is ``("ok", value)``,
+called, ``value`` the contents of a container object held here (``plain_value``). A reply is ``("ok", value)``,
 ``("ok", None, changed)`` (a call that returned None: its list, dict, set and
 bytearray arguments as they are now, ``[[position or keyword, value], ...]``),
 ``("raise", type name, message)`` or ``("bad", why)``.
@@ -59,6 +59,18 @@ def resolve(g, name):
     if fn is None:
         raise NameError(f"the program defines no function {name!r}")
     return fn
+
+
+def plain_value(obj):
+    """A container subclass's contents as its base type holds them (a namedtuple's
+    tuple), read with the base type's own methods, so no override of the program's
+    runs; any other object has none (TypeError)."""
+    for base in (tuple, list, frozenset, set):
+        if isinstance(obj, base):
+            return base(base.__iter__(obj))
+    if isinstance(obj, dict):
+        return dict(dict.items(obj))
+    raise TypeError(f"{type(obj).__name__} is not plain data")
 
 
 def global_names(g):
@@ -171,6 +183,8 @@ class Server:
                 return ("ok", getattr(handles[handle], name))
             elif kind == "invoke":
                 target = handles[handle]
+            elif kind == "value":
+                return ("ok", plain_value(handles[handle]))
             else:
                 return ("bad", f"unknown request {kind!r}")
             result = target(*args, **kwargs)

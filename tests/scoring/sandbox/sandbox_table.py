@@ -138,6 +138,25 @@ WHOLE_PROGRAMS = {
         None,
         1.0,
     ),
+    "assert_namedtuple_as_value_and_by_attribute": (
+        "from collections import namedtuple\nP = namedtuple('P', 'x y')\ndef f():\n    return P(1, 2)",
+        {"assert_case": ["assert f().x == 1 and f() == (1, 2) and f()[1] == 2 and list(f()) == [1, 2]"]},
+        None,
+        1.0,
+    ),
+    "assert_list_subclass_as_value": (
+        "class Stack(list):\n    pass\ndef f():\n    return Stack([3, 4])",
+        {"assert_case": ["assert f() == [3, 4] and len(f()) == 2 and 4 in f()"]},
+        None,
+        1.0,
+    ),
+    "assert_list_subclass_equal_to_everything": (
+        "class Yes(list):\n    def __eq__(self, other):\n        return True\n    def __iter__(self):\n"
+        "        return iter([1, 2, 3])\ndef f():\n    return Yes()",
+        {"assert_case": ["assert f() == [1, 2, 3]", "assert list(f()) == [1, 2, 3]"]},
+        None,
+        0.0,
+    ),
     "stdin_exit_before_print": ("n = int(input())\nexit(0)\nprint(n * 2)", DOUBLE, None, 0.0),
     "stdin_atexit_forges_a_verdict": (FORGE_AT_EXIT + "print(0)", DOUBLE, None, 0.0),
     "assert_atexit_forges_a_verdict": (
