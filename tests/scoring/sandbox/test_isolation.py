@@ -13,7 +13,6 @@ cgroups), every hack still scores 0.0.
 from __future__ import annotations
 
 import asyncio
-import glob
 import json
 import logging
 import os
@@ -273,15 +272,18 @@ def test_backend_detection_prefers_bwrap_then_falls_back(tmp_path, open_scorer):
     assert score(fallback, "print('ok')", stdin_case()).score == 1.0
 
 
-def test_refuses_to_run_without_isolation(tmp_path, caplog):
+def test_refuses_to_run_without_isolation(tmp_path, caplog, monkeypatch):
     missing = dict(bwrap_path=str(tmp_path / "no-bwrap"), unshare_path=str(tmp_path / "no-unshare"))
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "stream-reward-compiled-*")))
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # this test's own, whatever other tests make
     with pytest.raises(ConfigError, match="no sandbox is available"):
         SandboxScorer(config(**missing))
     with pytest.raises(ConfigError):
         SandboxScorer(config(backend="none"))
     # A scorer that never started leaves nothing behind (its compile cache included).
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "stream-reward-compiled-*"))) <= before
+    assert list(temp.iterdir()) == []
+    monkeypatch.undo()
     with caplog.at_level(logging.WARNING, logger="stream_reward.scoring.sandbox.scorer"):
         unsafe = SandboxScorer(config(unsafe_no_isolation=True, **missing))
     assert unsafe.backend == "none"
