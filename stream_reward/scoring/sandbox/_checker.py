@@ -17,7 +17,8 @@ asserts: the program's functions and classes as proxies (``_remote``: a call
 crosses as plain data to the candidate's process and back), a module it
 imported under its own name imported here for real, any other value fetched as
 data when the test reads it. A prompt function whose body is only a docstring
-is a stub the response is meant to fill in, so the response's version is used.
+is a stub the response is meant to fill in (so is ``raise NotImplementedError``,
+and a class of only such methods), so the response's version is used.
 
 Wire with the host: 4-byte little-endian length + ``marshal`` body both ways
 (both ends are trusted). Host -> checker: ``("sample", prompt, sys_path, memory_mb)``,
@@ -54,20 +55,31 @@ if "open_import_paths" not in globals():  # likewise _import_view.py
 
 
 def stub_functions(prompt):
-    """Names of prompt functions whose body is only a docstring / pass / ``...``."""
+    """Names of the prompt's stubs: functions whose body is only a docstring / pass /
+    ``...`` / ``raise NotImplementedError``, and classes (LeetCode's starter
+    ``class Solution``) whose body is only such methods."""
     try:
         tree = ast.parse(prompt)
     except SyntaxError:
         return set()
-    stubs = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if all(
-                isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-                for s in node.body
-            ):
-                stubs.add(node.name)
-    return stubs
+    return {node.name for node in tree.body if _stub(node)}
+
+
+def _stub(node):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return all(_placeholder(s) for s in node.body)
+    if isinstance(node, ast.ClassDef):
+        return any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) for s in node.body) and all(
+            _placeholder(s) or _stub(s) for s in node.body
+        )
+    return False
+
+
+def _placeholder(s):
+    if isinstance(s, ast.Raise) and s.cause is None:
+        exc = s.exc.func if isinstance(s.exc, ast.Call) else s.exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+    return isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
 
 
 def candidate_entry(entry_point):
