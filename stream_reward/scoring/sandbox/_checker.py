@@ -160,7 +160,8 @@ def program_global(g, name, kind):
     """A global of the program's that the test reads, as MBPP runs its asserts in the
     program's own globals: a module the program imported under its own name is
     imported here (the real one, never the candidate's copy: ``import os as math``
-    gives nothing), any other value is fetched from the candidate as data."""
+    gives nothing), any other value is fetched from the candidate as data: one that
+    is not plain data (an object, a function inside a dict) fails the case."""
     if type(kind) is not str:
         return
     if kind.startswith("module:"):
@@ -171,7 +172,22 @@ def program_global(g, name, kind):
             except BaseException:
                 pass
     elif kind == "value":
-        g[name] = _rpc("global", name, None, (), {})
+        value = _rpc("global", name, None, (), {})
+        if not _plain(value):
+            # An object whose methods the test would call (``math = SimpleNamespace(
+            # isclose=lambda *a, **k: True)``) would be the program judging itself.
+            raise CandidateFault(f"the program's global {name} is not plain data")
+        g[name] = value
+
+
+def _plain(value):
+    # the wire's types only, no reference anywhere inside (wire.loads bounds the depth)
+    t = type(value)
+    if t in (list, tuple, set, frozenset):
+        return all(_plain(v) for v in value)
+    if t is dict:
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return t in (type(None), bool, int, float, str, bytes)
 
 
 def sample_child(prompt, sys_path, uid, memory_mb):
