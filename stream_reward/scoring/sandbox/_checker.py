@@ -17,7 +17,8 @@ asserts: the program's functions and classes as proxies (``_remote``: a call
 crosses as plain data to the candidate's process and back), a module it
 imported under its own name imported here for real, any other value fetched as
 data when the test reads it. A prompt function whose body is only a docstring
-is a stub the response is meant to fill in, so the response's version is used.
+is a stub the response is meant to fill in (so is ``raise NotImplementedError``,
+and a class of only such methods), so the response's version is used.
 
 Wire with the host: 4-byte little-endian length + ``marshal`` body both ways
 (both ends are trusted). Host -> checker: ``("sample", prompt, sys_path, memory_mb)``,
@@ -54,20 +55,31 @@ if "open_import_paths" not in globals():  # likewise _import_view.py
 
 
 def stub_functions(prompt):
-    """Names of prompt functions whose body is only a docstring / pass / ``...``."""
+    """Names of the prompt's stubs: functions whose body is only a docstring / pass /
+    ``...`` / ``raise NotImplementedError``, and classes (LeetCode's starter
+    ``class Solution``) whose body is only such methods."""
     try:
         tree = ast.parse(prompt)
     except SyntaxError:
         return set()
-    stubs = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            if all(
-                isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-                for s in node.body
-            ):
-                stubs.add(node.name)
-    return stubs
+    return {node.name for node in tree.body if _stub(node)}
+
+
+def _stub(node):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return all(_placeholder(s) for s in node.body)
+    if isinstance(node, ast.ClassDef):
+        return any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) for s in node.body) and all(
+            _placeholder(s) or _stub(s) for s in node.body
+        )
+    return False
+
+
+def _placeholder(s):
+    if isinstance(s, ast.Raise) and s.cause is None:
+        exc = s.exc.func if isinstance(s.exc, ast.Call) else s.exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+    return isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
 
 
 def candidate_entry(entry_point):
@@ -148,7 +160,8 @@ def program_global(g, name, kind):
     """A global of the program's that the test reads, as MBPP runs its asserts in the
     program's own globals: a module the program imported under its own name is
     imported here (the real one, never the candidate's copy: ``import os as math``
-    gives nothing), any other value is fetched from the candidate as data."""
+    gives nothing), any other value is fetched from the candidate as data: one that
+    is not plain data (an object, a function inside a dict) fails the case."""
     if type(kind) is not str:
         return
     if kind.startswith("module:"):
@@ -159,7 +172,22 @@ def program_global(g, name, kind):
             except BaseException:
                 pass
     elif kind == "value":
-        g[name] = _rpc("global", name, None, (), {})
+        value = _rpc("global", name, None, (), {})
+        if not _plain(value):
+            # An object whose methods the test would call (``math = SimpleNamespace(
+            # isclose=lambda *a, **k: True)``) would be the program judging itself.
+            raise CandidateFault(f"the program's global {name} is not plain data")
+        g[name] = value
+
+
+def _plain(value):
+    # the wire's types only, no reference anywhere inside (wire.loads bounds the depth)
+    t = type(value)
+    if t in (list, tuple, set, frozenset):
+        return all(_plain(v) for v in value)
+    if t is dict:
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return t in (type(None), bool, int, float, str, bytes)
 
 
 def sample_child(prompt, sys_path, uid, memory_mb):

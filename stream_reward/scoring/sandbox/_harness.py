@@ -644,6 +644,10 @@ def execute(msg):
     if msg.get("files") and not put_files(msg["files"]):
         return 1
     code = None
+    if mode == "stdin" and hasattr(sys, "set_int_max_str_digits"):
+        # As on the judges the tasks come from (and LiveCodeBench's harness): printing
+        # a 5,000-digit answer is no error. Only the program's own process is affected.
+        sys.set_int_max_str_digits(0)
     try:
         exec(compile(msg["program"], "solution.py", "exec"), g)
     except SystemExit as exc:

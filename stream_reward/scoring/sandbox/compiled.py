@@ -87,20 +87,31 @@ class Artifact:
     keep: bool = True  # cached; a compile timeout may be the host's load: the next one retries
 
 
-_JAVA_PUBLIC = re.compile(r"\bpublic\s+(?:(?:final|abstract|static|strictfp)\s+)*class\s+(\w+)")
-_JAVA_MAIN = re.compile(r"\bclass\s+(\w+)[^{]*\{(?:(?!\bclass\b).)*?static\s+void\s+main\s*\(", re.S)
+# Comments and string or char literals, which may spell ``public class X`` too.
+_JAVA_NOT_CODE = re.compile(r'//[^\n]*|/\*.*?\*/|""".*?"""|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+_JAVA_CLASS = re.compile(r"\b((?:(?:public|final|abstract|static|strictfp)\s+)*)class\s+(\w+)")
+_JAVA_MAIN = re.compile(r"\bstatic\s+void\s+main\s*\(")
 
 
 def java_class(source: str) -> str:
-    """The class to run: the single public class the source declares, else the
-    class that declares main, else ``Main``."""
-    public = set(_JAVA_PUBLIC.findall(source))
+    """The class to run: the single public top-level class the source declares, else
+    the top-level class that declares main, else ``Main``. Nested classes (a
+    ``public static class FastReader``), comments and literals do not count."""
+    code = _JAVA_NOT_CODE.sub(" ", source)
+    top, depth, last = [], 0, 0  # (position, name, public) of the top-level classes
+    for m in _JAVA_CLASS.finditer(code):
+        depth += code.count("{", last, m.start()) - code.count("}", last, m.start())
+        last = m.start()
+        if depth == 0:
+            top.append((m.start(), m.group(2), "public" in m.group(1).split()))
+    public = {name for _, name, is_public in top if is_public}
     if len(public) == 1:
         return public.pop()
     if "Main" not in public:
-        found = _JAVA_MAIN.search(source)
-        if found:
-            return found.group(1)
+        for m in _JAVA_MAIN.finditer(code):
+            owners = [name for pos, name, _ in top if pos < m.start()]
+            if owners:
+                return owners[-1]
     return "Main"
 
 

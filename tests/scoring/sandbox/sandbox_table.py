@@ -61,6 +61,12 @@ WHOLE_PROGRAMS = {
         None,
         1.0,
     ),
+    "stdin_int_past_4300_digits": (
+        "print(10 ** int(input()))",
+        {"inputs": ["5000\n"], "outputs": ["1" + "0" * 5000 + "\n"]},
+        None,
+        1.0,
+    ),
     "check_prompt_helper": ("def f(x):\n    return helper(x) + 1", HELPER_CHECK, HELPER_PROMPT, 1.0),
     "check_completion_body": ("    return helper(x) + 1", HELPER_CHECK, HELPER_PROMPT, 1.0),
     "assert_program_constant": (

@@ -171,3 +171,36 @@ def test_a_helper_nothing_trusted_defines_fails_the_sample_naming_it(bwrap, prog
         run(bwrap, _poly_sample(program, prompt=None))
     assert info.value.reason == "unresolved_name"
     assert "`poly`" in str(info.value) and "prompt" in str(info.value)
+
+
+STARTER = "from typing import List\n\nclass Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        pass\n"
+TWO_SUM = (
+    "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        seen = {}\n"
+    "        for i, x in enumerate(nums):\n            if target - x in seen:\n                return [seen[target - x], i]\n"
+    "            seen[x] = i\n"
+)
+NOT_IMPLEMENTED = 'def add(a, b):\n    """a + b"""\n    raise NotImplementedError("write me")\n'
+
+
+@pytest.mark.parametrize(
+    "prompt,program,gt",
+    [
+        (STARTER, TWO_SUM, {"assert_case": ["assert Solution().twoSum([2, 7, 11], 9) == [0, 1]"]}),
+        (
+            STARTER,
+            TWO_SUM,
+            {
+                "test": "def check(candidate):\n    assert Solution().twoSum([3, 2, 4], 6) == [1, 2]\n"
+                "    assert candidate([3, 3], 6) == [0, 1]\n",
+                "entry_point": "Solution().twoSum",
+            },
+        ),
+        (NOT_IMPLEMENTED, "def add(a, b):\n    return a + b", {"assert_case": ["assert add(2, 3) == 5"]}),
+    ],
+    ids=["starter_class_assert", "starter_class_check", "raise_not_implemented"],
+)
+def test_a_prompt_stub_class_or_not_implemented_function_is_the_responses(bwrap, prompt, program, gt):
+    right = run(bwrap, dataclasses.replace(traj(program, gt), prompt=prompt))
+    assert right.score == 1.0, right.extra
+    wrong = program.replace("[seen[target - x], i]", "[i, i]").replace("a + b", "a - b")
+    assert run(bwrap, dataclasses.replace(traj(wrong, gt), prompt=prompt)).score == 0.0

@@ -173,6 +173,14 @@ def test_the_java_class_is_the_public_one_or_main() -> None:
     assert java_class("class Helper {}\nclass Runner { public static void main(String[] a) {} }") == "Runner"
 
 
+def test_the_java_class_ignores_comments_literals_and_nested_classes() -> None:
+    main = "public static void main(String[] a) {}"
+    assert java_class(f"// on Codeforces: public class Main\npublic class Solution {{ {main} }}") == "Solution"
+    assert java_class(f'public class Solution {{ String s = "public class X"; {main} }}') == "Solution"
+    assert java_class(f"public class Solution {{ public static class Pair {{ }} {main} }}") == "Solution"
+    assert java_class(f"class Solution {{ static class Reader {{ }} {main} }}") == "Solution"
+
+
 def test_only_the_leading_java_package_declaration_is_blanked_keeping_line_numbers() -> None:
     source = '// x\npackage a.b;\nclass M { String s = "package c;"; }\npackage d;'
     assert (

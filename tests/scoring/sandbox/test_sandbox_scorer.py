@@ -177,6 +177,22 @@ def test_tests_reach_the_program_only_through_proxies(bwrap):
     assert r.extra["cases"] == ["runtime_error"] and "KeyError" in r.extra["error"]
 
 
+def test_an_exception_subclass_is_caught_as_its_builtin_base(bwrap):
+    """``except ValueError`` in a test catches what it would in one process: a
+    ``json.JSONDecodeError`` or the program's own ``ValueError`` subclass; a subclass of
+    StopIteration still arrives as a RuntimeError."""
+    raises = {
+        "test": "def check(candidate):\n    try:\n        candidate('{bad')\n    except ValueError:\n        return\n    assert False\n",
+        "entry_point": "parse",
+    }
+    assert score(bwrap, "import json\ndef parse(s):\n    return json.loads(s)", raises).score == 1.0
+    own = "class BadInput(ValueError):\n    pass\ndef parse(s):\n    raise BadInput(s)"
+    assert score(bwrap, own, raises).score == 1.0
+    stop = "class Done(StopIteration):\n    pass\ndef parse(s):\n    raise Done(s)"
+    r = score(bwrap, stop, raises)
+    assert r.score == 0.0 and "RuntimeError: StopIteration" in r.extra["error"]
+
+
 # ------------------------------------------------------------ limits
 def test_too_slow_is_timeout(scorer):
     start = time.monotonic()
