@@ -110,7 +110,10 @@ async def check_written(client: Any, batch_id: str, meta_key: str, watch: BatchW
     holds fewer entries than this aggregator read from it (results went backwards)."""
     if watch is not None and watch.ended:
         return  # collected or forgotten: its keys go by their TTL now, which is no loss
-    streams = [s for s, n in watch.entries.items() if n > 0] if watch is not None else []
+    # The counts as they stand before the round trip: on a cluster the other streams'
+    # readers run meanwhile, and an entry read after this XLEN ran is no loss.
+    had = {s: n for s, n in watch.entries.items() if n > 0} if watch is not None else {}
+    streams = list(had)
     async with client.pipeline(transaction=False) as pipe:
         pipe.hmget(meta_key, ["size", "forgotten"])
         for stream in streams:
@@ -127,10 +130,9 @@ async def check_written(client: Any, batch_id: str, meta_key: str, watch: BatchW
         )
     for at, stream in enumerate(streams):
         length, ledger_kept = int(replies[2 * at]), replies[2 * at + 1]
-        had = watch.entries[stream]  # type: ignore[union-attr]
-        if length < had:
+        if length < had[stream]:
             raise lost_key(
-                batch_id, stream, f"its results stream holds {length} entries, {had} were read from it before"
+                batch_id, stream, f"its results stream holds {length} entries, {had[stream]} were read from it before"
             )
         if not ledger_kept:
             # Written with the stream's first entry, expiring with it: gone, a redelivered

@@ -934,3 +934,53 @@ async def test_collect_raises_redis_unavailable_within_its_give_up_when_redis_is
                     assert loop.time() - start <= GIVE_UP_S + 2  # and the scheduling slack of a loaded host
                 finally:
                     proxy.black = False
+
+
+async def test_a_result_read_while_the_state_check_is_in_flight_is_not_state_lost(
+    redis_url: str, namespace: str
+) -> None:
+    """On a cluster one reader per done stream runs beside the state check: an entry that
+    lands after the check's XLEN and is read before its reply is compared is no loss."""
+    from stream_reward.trainer.watch import BatchWatch, check_written
+
+    keys = Keys(namespace, 2)
+    client = connect(redis_url)
+    watch = BatchWatch()
+    streams = [keys.done("b", p, "scorers") for p in range(2)]
+    for p, stream in enumerate(streams):
+        await client.xadd(stream, {DONE_FIELD: b""})
+        await client.hset(keys.results("b", p, "scorers"), "u", "1")
+        watch.ledgers[stream] = keys.results("b", p, "scorers")
+        watch.saw(stream, 1)
+    await client.hset(keys.batch_meta("b"), "size", 4)
+    real_pipeline = client.pipeline
+
+    class ReadMeanwhile:
+        """The pipeline, with the other stream's reader reading a new entry between the
+        server's reply and its comparison."""
+
+        def __init__(self, **kwargs) -> None:
+            self._pipe = real_pipeline(**kwargs)
+
+        async def __aenter__(self):
+            await self._pipe.__aenter__()
+            return self
+
+        async def __aexit__(self, *exc):
+            return await self._pipe.__aexit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self._pipe, name)
+
+        async def execute(self):
+            replies = await self._pipe.execute()
+            await client.xadd(streams[1], {DONE_FIELD: b""})
+            watch.saw(streams[1], 2)
+            return replies
+
+    client.pipeline = ReadMeanwhile  # type: ignore[method-assign]
+    try:
+        await check_written(client, "b", keys.batch_meta("b"), watch)
+    finally:
+        client.pipeline = real_pipeline  # type: ignore[method-assign]
+        await client.aclose()
