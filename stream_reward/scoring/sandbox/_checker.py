@@ -15,8 +15,10 @@ prompt's stubs; a name it needs that nothing trusted defines ends the case as
 response). An assert test runs in the program's globals, as MBPP runs its
 asserts: the program's functions and classes as proxies (``_remote``: a call
 crosses as plain data to the candidate's process and back), a module it
-imported under its own name imported here for real, any other value fetched as
-data when the test reads it. A prompt function whose body is only a docstring
+imported (or a class or function it took from one) imported here for real, any
+other value fetched as data when the test reads it. A function of the program's
+own that the test hands the function under test or its result (``isclose(area(1),
+3.14)``) would be the response judging itself: it fails the case. A prompt function whose body is only a docstring
 is a stub the response is meant to fill in (so is ``raise NotImplementedError``,
 and a class of only such methods), so the response's version is used.
 
@@ -111,14 +113,32 @@ def run_case(prompt, form, test, entry_point, names):
     own = {entry_point, *stubs} if form == "check" else {entry_point}
     try:
         read = names_read(test)
+        names = {
+            name: kind
+            for name, kind in names.items()
+            if type(name) is str and name.isidentifier() and type(kind) is str and name not in g
+            if ((name in own) if form == "check" else (name in own or not hasattr(builtins, name)))
+        }
+        # A class or function the program took from a module is that module's own here:
+        # ``from math import isclose`` gives the test the real isclose, whatever the
+        # program's object is (or says it is).
+        real = {}
         for name, kind in names.items():
-            if type(name) is not str or not name.isidentifier() or name in g:
-                continue
-            if (name not in own) if form == "check" else (name not in own and hasattr(builtins, name)):
-                continue
-            if kind == "class":
+            base, _, origin = kind.partition(":")
+            if base in ("class", "function") and origin and name in read and name not in own:
+                found = module_attribute(origin)
+                if found is not None:
+                    real[name] = found
+        judging = judges(test, names, real, entry_point) if form == "assert" else set()
+        for name, kind in names.items():
+            base = kind.partition(":")[0]
+            if name in real:
+                g[name] = real[name]
+            elif name in judging:
+                g[name] = refused_judge(name)
+            elif base == "class":
                 g[name] = RemoteClass(name)
-            elif kind == "function":
+            elif base == "function":
                 g[name] = RemoteFunction(name)
             elif name in read:
                 program_global(g, name, kind)
@@ -156,21 +176,94 @@ def names_read(test):
     return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
 
 
+def judges(test, names, real, entry_point):
+    """The program's own callables that an assert test hands the function under test
+    (or what it returned): ``isclose(area(1), 3.14)``, ``same(area, 1, 3.14)``. The
+    function under test is the task's entry point, or with none given any function
+    of the program's own (a class's, through its instances' attributes)."""
+    try:
+        tree = ast.parse(test)
+    except SyntaxError:
+        return set()
+    callables = {n for n, k in names.items() if n not in real and k.partition(":")[0] in ("class", "function")}
+    if entry_point:
+        functions, classes = {entry_point}, set()
+    else:
+        functions = {n for n in callables if names[n].partition(":")[0] == "function"}
+        classes = callables - functions
+    found = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        judge = node.func.id
+        if judge not in callables or judge == entry_point:
+            continue
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            if _hands(arg, functions - {judge}, classes - {judge}):
+                found.add(judge)
+    return found
+
+
+def _hands(arg, functions, classes):
+    for node in ast.walk(arg):
+        if isinstance(node, ast.Name) and node.id in functions:
+            return True
+        if isinstance(node, ast.Attribute) and any(
+            isinstance(n, ast.Name) and n.id in classes for n in ast.walk(node.value)
+        ):
+            return True
+    return False
+
+
+def refused_judge(name):
+    """What the test gets for a judge only the response defines: the case fails."""
+
+    def refused(*args, **kwargs):
+        raise CandidateFault(f"the test's check {name} is the response's own")
+
+    return refused
+
+
+# Modules whose import does something (opens a browser, prints, starts a GUI).
+_NO_IMPORT = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__hello__", "__phello__"})
+
+
+def real_module(module):
+    if type(module) is not str or not module or module.split(".")[0] in _NO_IMPORT:
+        return None
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except BaseException:
+        return None
+
+
+def module_attribute(origin):
+    """The object ``<module>:<qualname>`` names, from the real module; None if it has none."""
+    module, _, qualname = origin.partition(":")
+    obj = real_module(module)
+    if obj is None or not qualname:
+        return None
+    try:
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except BaseException:
+        return None
+    return obj
+
+
 def program_global(g, name, kind):
     """A global of the program's that the test reads, as MBPP runs its asserts in the
-    program's own globals: a module the program imported under its own name is
-    imported here (the real one, never the candidate's copy: ``import os as math``
-    gives nothing), any other value is fetched from the candidate as data: one that
-    is not plain data (an object, a function inside a dict) fails the case."""
-    if type(kind) is not str:
-        return
+    program's own globals: a module the program imported is imported here under the
+    program's name for it (the real one, never the candidate's copy: ``import os as
+    math`` gives the test the real os), any other value is fetched from the candidate
+    as data: one that is not plain data (an object, a function inside a dict) fails
+    the case."""
     if kind.startswith("module:"):
-        module = kind[len("module:") :]
-        if module == name or module.startswith(name + "."):
-            try:
-                g[name] = __import__(name)
-            except BaseException:
-                pass
+        module = real_module(kind[len("module:") :])
+        if module is not None:
+            g[name] = module
     elif kind == "value":
         value = _rpc("global", name, None, (), {})
         if not _plain(value):

@@ -75,17 +75,24 @@ def plain_value(obj):
 
 def global_names(g):
     """What the program defines, for the checker: ``class``, ``function``,
-    ``module:<its name>`` or ``value`` per global (dunders left out)."""
+    ``module:<its name>`` or ``value`` per global (dunders left out). A class or
+    function that says it comes from a module adds ``:<module>:<qualname>``: the
+    checker takes that module's own, whatever the object here is."""
     names = {}
     for name, value in list(g.items()):
         if name.startswith("__"):
             continue
-        if isinstance(value, type):
-            names[name] = "class"
-        elif type(value) is type(builtins):
+        if type(value) is type(builtins):
             names[name] = f"module:{getattr(value, '__name__', '')}"
         elif callable(value):
-            names[name] = "function"
+            kind = "class" if isinstance(value, type) else "function"
+            try:  # the program's object: its attributes may be anything
+                module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+            except BaseException:
+                module = qualname = None
+            if type(module) is str and module != "__main__" and type(qualname) is str and "<" not in qualname:
+                kind = f"{kind}:{module}:{qualname}"
+            names[name] = kind
         else:
             names[name] = "value"
     return names

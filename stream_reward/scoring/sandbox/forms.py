@@ -142,9 +142,10 @@ def _assert_cases(entries: list[str], entry_point: str | None) -> list[dict[str,
     setup code, helper definitions) run in front of every later case: counted on their
     own they would pass for any response, a free partial credit.
 
-    A case carries the task's ``entry_point`` when it is named like a builtin (given,
-    or the one builtin every assert calls when they call nothing else): the test then
-    calls the response's function by that name, and every other builtin stays one."""
+    A case carries the task's ``entry_point`` when it gives one, or when the asserts
+    call only builtins and one of them every time: the test then calls the response's
+    function by that name, every other builtin stays one, and no other function of the
+    response's may judge what it returns."""
     cases: list[dict[str, Any]] = []
     setup: list[str] = []
     called: list[set[str]] = []
@@ -166,7 +167,7 @@ def _assert_cases(entries: list[str], entry_point: str | None) -> list[dict[str,
     if entry_point is None and all(hasattr(builtins, name) for names in called for name in names):
         common = set.intersection(*called)
         entry_point = common.pop() if len(common) == 1 else None
-    if entry_point is not None and hasattr(builtins, entry_point):
+    if entry_point is not None:
         for case in cases:
             case["entry_point"] = entry_point
     return cases

@@ -81,6 +81,31 @@ WHOLE_PROGRAMS = {
         None,
         1.0,
     ),
+    "assert_judge_the_program_imported": (
+        "from math import isclose\ndef area(r):\n    return 3.14159 * r * r",
+        {"assert_case": ["assert isclose(area(1), 3.14159)", "assert not isclose(area(2), 3.14159)"]},
+        None,
+        1.0,
+    ),
+    "assert_program_module_alias": (
+        "import math as m\ndef area(r):\n    return m.pi * r * r",
+        {"assert_case": ["assert m.isclose(area(1), m.pi)"]},
+        None,
+        1.0,
+    ),
+    "assert_program_submodule_alias": (
+        "import os.path as osp\ndef stem(p):\n    return osp.splitext(osp.basename(p))[0]",
+        {"assert_case": ["assert stem('/a/b.txt') == osp.splitext('b.txt')[0]"]},
+        None,
+        1.0,
+    ),
+    "assert_helper_class_of_the_program_built_by_the_test": (
+        "class Node:\n    def __init__(self, v, kids=()):\n        self.v, self.kids = v, list(kids)\n"
+        "def height(n):\n    return 1 + max((height(k) for k in n.kids), default=0)",
+        {"assert_case": ["assert height(Node(1, [Node(2, [Node(3)]), Node(4)])) == 3"], "entry_point": "height"},
+        None,
+        1.0,
+    ),
     "assert_program_class_as_argument": (
         PAIR,
         {"assert_case": ["assert max_chain_length([Pair(5, 24), Pair(15, 25), Pair(27, 40), Pair(50, 60)], 4) == 3"]},
