@@ -302,20 +302,84 @@ def _refuse(self, *args):
 
 def _valued(op):
     def method(self, *args):
-        return op(self._value(), *args)
+        with _nesting():
+            return op(self._value(), *args)
 
     return method
 
 
-class RemoteObject:
-    """An object of the candidate's: its attributes and calls cross; a container's
-    contents (a namedtuple, a list subclass) cross as the plain data of its base
-    type when the test uses it as a value; nothing else does."""
+def _reflected(op):
+    def method(self, other):
+        with _nesting():
+            return op(other, self._value())
 
-    __slots__ = ("_handle", "_type")
+    return method
+
+
+class _nesting:
+    # A value holding (or standing for) itself, ``x.append(x)``: comparing it compares
+    # a proxy in turn, each level a few frames deeper, so bound the nesting before it
+    # bounds the stack.
+    level = 0
+
+    def __enter__(self):
+        if _nesting.level >= MAX_NESTING:
+            raise CandidateFault("the program's value is nested too deep (or holds itself)")
+        _nesting.level += 1
+
+    def __exit__(self, *exc):
+        _nesting.level -= 1
+
+
+def _pulled(handle):
+    while True:
+        rep = _rpc("next", None, handle, (), {})
+        if type(rep) is list and rep == ["end"]:
+            return
+        if type(rep) is not list or len(rep) != 2 or rep[0] != "item":
+            raise CandidateFault("malformed reply")
+        yield rep[1]
+
+
+def _rebuilt_value(form, data):
+    """The value ``plain_value`` described, as the same type here."""
+    if form == "plain":
+        return data
+    if form == "keys" and type(data) is list:
+        return dict.fromkeys(data).keys()
+    if form == "values" and type(data) is list:
+        return dict(enumerate(data)).values()
+    if form == "items" and type(data) is list and all(type(i) is tuple and len(i) == 2 for i in data):
+        return dict(data).items()
+    if form == "range" and type(data) is list and len(data) == 3 and all(type(i) is int for i in data):
+        return range(*data)
+    if form == "deque" and type(data) is list and len(data) == 2 and type(data[0]) is list:
+        import collections
+
+        if data[1] is None or type(data[1]) is int:
+            return collections.deque(data[0], data[1])
+    if form == "fraction" and type(data) is list and len(data) == 2 and all(type(i) is int for i in data):
+        import fractions
+
+        return fractions.Fraction(*data)
+    if form == "decimal" and type(data) is str and len(data) < 10_000:
+        import decimal
+
+        return decimal.Decimal(data)
+    raise TypeError(form)
+
+
+class RemoteObject:
+    """An object of the candidate's: its attributes and calls cross; when the test uses
+    it as a value, a container's contents (a namedtuple, a list subclass) cross as the
+    plain data of its base type, a dict view, range, deque, Fraction, Decimal or
+    numpy number as the same here, an iterator as a generator pulling its items one
+    at a time; nothing else does."""
+
+    __slots__ = ("_handle", "_type", "_held")
 
     def __init__(self, handle, type_name):
-        self._handle, self._type = handle, type_name
+        self._handle, self._type, self._held = handle, type_name, None
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -332,12 +396,24 @@ class RemoteObject:
 
     def _value(self):
         _UNEXAMINED.pop(self._handle, None)
+        if self._held is not None:  # an iterator: one here for the one there
+            return self._held
         try:
-            return _rpc("value", None, self._handle, (), {})
+            reply = _rpc("value", None, self._handle, (), {})
         except Exception as exc:
             if id(exc) in _RAISED:  # not a container: no value to compare
                 _refuse(self)
             raise
+        if type(reply) is not list or len(reply) != 2 or type(reply[0]) is not str:
+            raise CandidateFault("malformed reply")
+        form, data = reply
+        if form == "iter":
+            self._held = _pulled(self._handle)
+            return self._held
+        try:
+            return _rebuilt_value(form, data)
+        except (TypeError, ValueError, ArithmeticError):
+            raise CandidateFault(f"malformed {form} value") from None
 
     __hash__ = object.__hash__
     __eq__, __ne__ = _valued(operator.eq), _valued(operator.ne)
@@ -347,7 +423,28 @@ class RemoteObject:
         _valued(operator.gt),
         _valued(operator.ge),
     )
-    __bool__, __len__, __iter__ = _valued(bool), _valued(len), _valued(iter)
+    __bool__, __len__, __iter__, __next__ = _valued(bool), _valued(len), _valued(iter), _valued(next)
     __contains__, __getitem__ = _valued(operator.contains), _valued(operator.getitem)
-    __str__ = _refuse
-    __int__ = __float__ = __index__ = __complex__ = __bytes__ = _refuse
+    # Numbers and sets the program returned compute as their values do: a test's
+    # ``abs(area(1) - 3.14) < 1e-2`` on a numpy float, ``a + b`` on two Decimals.
+    __str__, __format__, __bytes__ = _valued(str), _valued(format), _valued(bytes)
+    __int__, __float__, __index__, __complex__ = _valued(int), _valued(float), _valued(operator.index), _valued(complex)
+    __neg__, __pos__, __abs__, __invert__ = (
+        _valued(operator.neg),
+        _valued(operator.pos),
+        _valued(abs),
+        _valued(operator.invert),
+    )
+    __round__, __reversed__ = _valued(round), _valued(reversed)
+    __add__, __radd__ = _valued(operator.add), _reflected(operator.add)
+    __sub__, __rsub__ = _valued(operator.sub), _reflected(operator.sub)
+    __mul__, __rmul__ = _valued(operator.mul), _reflected(operator.mul)
+    __truediv__, __rtruediv__ = _valued(operator.truediv), _reflected(operator.truediv)
+    __floordiv__, __rfloordiv__ = _valued(operator.floordiv), _reflected(operator.floordiv)
+    __mod__, __rmod__ = _valued(operator.mod), _reflected(operator.mod)
+    __pow__, __rpow__ = _valued(pow), _reflected(pow)
+    __and__, __rand__ = _valued(operator.and_), _reflected(operator.and_)
+    __or__, __ror__ = _valued(operator.or_), _reflected(operator.or_)
+    __xor__, __rxor__ = _valued(operator.xor), _reflected(operator.xor)
+    __lshift__, __rlshift__ = _valued(operator.lshift), _reflected(operator.lshift)
+    __rshift__, __rrshift__ = _valued(operator.rshift), _reflected(operator.rshift)

@@ -7,7 +7,8 @@ each a frame of a 4-byte little-endian length and ``wire`` bytes. A request is
 ``(kind, name, handle, args, kwargs)``: ``call`` a global function (or a method of
 a fresh ``Solution``), ``new`` an instance of a global class, ``global`` the value
 of a global, ``attr`` an attribute of an object held here, ``invoke`` that object
-called, ``value`` the contents of a container object held here (``plain_value``). A reply is ``("ok", value)``,
+called, ``value`` the contents of a container object held here (``plain_value``),
+``next`` the next item of an iterator held here (``["item", value]``, or ``["end"]``). A reply is ``("ok", value)``,
 ``("ok", None, changed)`` (a call that returned None: its list, dict, set and
 bytearray arguments as they are now, ``[[position or keyword, value], ...]``),
 ``("raise", type name, message)`` or ``("bad", why)``.
@@ -61,16 +62,47 @@ def resolve(g, name):
     return fn
 
 
+_VIEWS = {type({}.keys()): "keys", type({}.values()): "values", type({}.items()): "items"}
+
+
 def plain_value(obj):
-    """A container subclass's contents as its base type holds them (a namedtuple's
-    tuple), read with the base type's own methods, so no override of the program's
-    runs; any other object has none (TypeError)."""
+    """``[form, data]``: what the checker rebuilds a returned object from when the test
+    uses it as a value. A container subclass's contents as its base type holds them (a
+    namedtuple's tuple), read with the base type's own methods, so no override of the
+    program's runs: form ``plain``; a dict view, range, deque, Fraction or Decimal as
+    the data of the same type there; a number of another library's (numpy's float64,
+    int64, an array) as Python's (``tolist``); an iterator (a generator, ``map``) as
+    form ``iter``, its items pulled one ``next`` at a time. Any other object has none
+    (TypeError)."""
+    import collections
+    import decimal
+    import fractions
+
     for base in (tuple, list, frozenset, set):
         if isinstance(obj, base):
-            return base(base.__iter__(obj))
+            return ["plain", base(base.__iter__(obj))]
     if isinstance(obj, dict):
-        return dict(dict.items(obj))
-    raise TypeError(f"{type(obj).__name__} is not plain data")
+        return ["plain", dict(dict.items(obj))]
+    t = type(obj)
+    if t in _VIEWS:
+        return [_VIEWS[t], list(obj)]
+    if t is range:
+        return ["range", [obj.start, obj.stop, obj.step]]
+    if isinstance(obj, collections.deque):
+        return ["deque", [list(collections.deque.__iter__(obj)), obj.maxlen]]
+    if isinstance(obj, fractions.Fraction):
+        return ["fraction", [int(obj.numerator), int(obj.denominator)]]
+    if isinstance(obj, decimal.Decimal):
+        return ["decimal", decimal.Decimal.__str__(obj)]
+    if isinstance(obj, float):
+        return ["plain", float.__float__(obj)]
+    if isinstance(obj, int):
+        return ["plain", int.__index__(obj)]
+    if str(getattr(t, "__module__", "")).partition(".")[0] == "numpy" and hasattr(obj, "tolist"):
+        return ["plain", obj.tolist()]
+    if hasattr(t, "__next__"):
+        return ["iter", None]
+    raise TypeError(f"{t.__name__} is not plain data")
 
 
 def global_names(g):
@@ -192,6 +224,11 @@ class Server:
                 target = handles[handle]
             elif kind == "value":
                 return ("ok", plain_value(handles[handle]))
+            elif kind == "next":
+                try:
+                    return ("ok", ["item", next(handles[handle])])
+                except StopIteration:  # the iterator's end: data, never the checker's control flow
+                    return ("ok", ["end"])
             else:
                 return ("bad", f"unknown request {kind!r}")
             result = target(*args, **kwargs)

@@ -287,6 +287,31 @@ def _hack_programs() -> list[tuple[str, str, str, dict]]:
             {"gt": {"assert_case": ["assert math.isclose(add(2, 3), 5)"]}},
         ),
         (
+            "list_subclass_holding_itself",
+            "assert",
+            "class L(list):\n    pass\ndef add(a, b):\n    x = L()\n    x.append(x)\n    return x\n",
+            {"gt": {"assert_case": ["assert add(2, 3) == [5]", "assert add(2, 3) != [[5]]"]}},
+        ),
+        (
+            "numpy_lookalike_valued_as_itself",
+            "assert",
+            "class N:\n    def tolist(self):\n        return self\nN.__module__ = 'numpy'\ndef add(a, b):\n    return N()\n",
+            {"gt": {"assert_case": ["assert add(2, 3) == 5", "assert abs(add(2, 3) - 5) < 1"]}},
+        ),
+        (
+            "iterator_without_end",
+            "assert",
+            "import itertools\ndef add(a, b):\n    return itertools.repeat(5)\n",
+            {"gt": {"assert_case": ["assert list(add(2, 3)) == [5]"]}},
+        ),
+        (
+            "iterator_of_itself_without_end",
+            "assert",
+            "class It:\n    def __iter__(self):\n        return self\n    def __next__(self):\n        return self\n"
+            "def add(a, b):\n    return It()\n",
+            {"gt": {"assert_case": ["assert 5 in add(2, 3)"]}},
+        ),
+        (
             "function_in_a_global_dict_judges",
             "assert",
             "JUDGE = {'same': lambda *a: True}\ndef add(a, b):\n    return 0\n",

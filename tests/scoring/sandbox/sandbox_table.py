@@ -188,6 +188,99 @@ WHOLE_PROGRAMS = {
         None,
         0.0,
     ),
+    "assert_generator_iterated": (
+        "def evens(n):\n    return (i for i in range(0, n, 2))",
+        {"assert_case": ["assert list(evens(5)) == [0, 2, 4]", "assert sum(evens(5)) == 6 and 2 in evens(5)"]},
+        None,
+        1.0,
+    ),
+    "assert_map_and_zip_returned": (
+        "def strs(xs):\n    return map(str, xs)\ndef pairs(a, b):\n    return zip(a, b)",
+        {
+            "assert_case": [
+                "assert list(strs([1, 2])) == ['1', '2']",
+                "assert dict(pairs('ab', [1, 2])) == {'a': 1, 'b': 2}",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_endless_generator_pulled_by_next": (
+        "def naturals():\n    n = 0\n    while True:\n        yield n\n        n += 1",
+        {"assert_case": ["it = naturals()\nassert [next(it) for _ in range(3)] == [0, 1, 2] and next(it) == 3"]},
+        None,
+        1.0,
+    ),
+    "assert_generator_objects_examined": (
+        POINT + "def points(n):\n    for i in range(n):\n        yield make(i)",
+        {"assert_case": ["assert [p.double() for p in points(3)] == [0, 2, 4]"]},
+        None,
+        1.0,
+    ),
+    "assert_dict_views_returned": (
+        "def keys(d):\n    return d.keys()\ndef values(d):\n    return d.values()\ndef items(d):\n    return d.items()",
+        {
+            "assert_case": [
+                "assert keys({1: 2, 3: 4}) == {1, 3}",
+                "assert sorted(values({1: 2, 3: 4})) == [2, 4]",
+                "assert items({1: 2}) == {(1, 2)} and list(items({1: 2})) == [(1, 2)]",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_range_deque_fraction_decimal_returned": (
+        "from collections import deque\nfrom fractions import Fraction\nfrom decimal import Decimal\n"
+        "def upto(n):\n    return range(n)\ndef queue(xs):\n    return deque(xs, 3)\n"
+        "def half(x):\n    return Fraction(x, 2)\ndef dec(s):\n    return Decimal(s)",
+        {
+            "assert_case": [
+                "assert upto(3) == range(3) and list(upto(3)) == [0, 1, 2]",
+                "assert queue([1, 2, 3, 4]) == deque([2, 3, 4]) and queue([1]).maxlen == 3",
+                "assert half(3) == 1.5 and half(4) == 2 and half(1) == Fraction(1, 2)",
+                "assert dec('0.1') + dec('0.2') == Decimal('0.3')",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_numpy_numbers_returned": (
+        "import numpy as np\ndef mean(xs):\n    return np.mean(xs)\ndef total(xs):\n    return np.sum(xs)\n"
+        "def twice(xs):\n    return np.array(xs) * 2",
+        {
+            "assert_case": [
+                "assert mean([1, 2]) == 1.5",
+                "assert total([1, 2]) == 3",
+                "assert list(twice([1, 2])) == [2, 4] and twice([1, 2]).shape == (2,)",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_generator_is_not_a_list": (
+        "def evens(n):\n    return (i for i in range(0, n, 2))",
+        {"assert_case": ["assert evens(5) == [0, 2, 4]"]},
+        None,
+        0.0,
+    ),
+    "assert_generator_consumed_once": (
+        "def evens(n):\n    return (i for i in range(0, n, 2))",
+        {"assert_case": ["g = evens(5)\nassert list(g) == [0, 2, 4] and list(g) == [0, 2, 4]"]},
+        None,
+        0.0,
+    ),
+    "assert_generator_ends_early": (
+        "def evens(n):\n    yield 0\n    return",
+        {"assert_case": ["assert list(evens(5)) == [0, 2, 4]"]},
+        None,
+        0.0,
+    ),
+    "assert_generator_raises_stopiteration_for_the_tests_loop": (
+        "def evens(n):\n    yield 0\n    raise StopIteration",
+        {"assert_case": ["assert list(evens(5)) == [0, 2, 4]"]},
+        None,
+        0.0,
+    ),
     "stdin_exit_before_print": ("n = int(input())\nexit(0)\nprint(n * 2)", DOUBLE, None, 0.0),
     "stdin_atexit_forges_a_verdict": (FORGE_AT_EXIT + "print(0)", DOUBLE, None, 0.0),
     "assert_atexit_forges_a_verdict": (

@@ -151,7 +151,8 @@ def test_stdin_is_fed_and_large_io_works(bwrap):
 
 def test_tests_reach_the_program_only_through_proxies(bwrap):
     """Classes, methods, keyword arguments and expected exceptions work across the
-    wall; a value that is not plain data fails the case instead of comparing."""
+    wall; an object that is no value (neither data nor an iterator) fails the case
+    instead of comparing."""
     two_sum = (
         "class Solution:\n    def twoSum(self, nums, t, *, start=0):\n        seen = {}\n"
         "        for i, x in enumerate(nums):\n            if t - x in seen:\n                return [seen[t - x] + start, i + start]\n"
@@ -171,8 +172,9 @@ def test_tests_reach_the_program_only_through_proxies(bwrap):
     assert score(bwrap, "def root(x):\n    raise ValueError(x)", raises).score == 1.0
     assert score(bwrap, "def root(x):\n    return 0", raises).score == 0.0
     gen = {"test": "def check(candidate):\n    assert list(candidate(3)) == [0, 1, 2]\n", "entry_point": "count"}
-    r = score(bwrap, "def count(n):\n    return (i for i in range(n))", gen)
-    assert r.extra["cases"] == ["failed"] and "generator is not plain data" in r.extra["error"]
+    assert score(bwrap, "def count(n):\n    return (i for i in range(n))", gen).score == 1.0
+    r = score(bwrap, "class Box:\n    pass\ndef count(n):\n    return Box()", gen)
+    assert r.extra["cases"] == ["failed"] and "Box is not plain data" in r.extra["error"]
     r = score(bwrap, "def count(n):\n    raise KeyError(n)", gen)
     assert r.extra["cases"] == ["runtime_error"] and "KeyError" in r.extra["error"]
 
