@@ -29,6 +29,8 @@ import os
 
 if "dumps" not in globals():  # run on its own; the host normally sends wire.py ahead of this source
     from stream_reward.scoring.sandbox.wire import WireError, dumps, loads
+if "rebuilt_value" not in globals():  # likewise _values.py
+    from stream_reward.scoring.sandbox._values import rebuilt_value, sync_in_place
 
 
 def read_exact(fd, n):
@@ -215,47 +217,15 @@ def _describe(exc):
         return "(message not printable)"
 
 
-_IN_PLACE = (list, dict, set, bytearray)
-
-
 def _write_back(args, kwargs, changed):
     for item in changed:
         if type(item) is not list or len(item) != 2:
             raise CandidateFault("malformed reply")
         key, new = item
         if type(key) is int and 0 <= key < len(args):
-            _sync(args[key], new)
+            sync_in_place(args[key], new)
         elif type(key) is str and key in kwargs:
-            _sync(kwargs[key], new)
-
-
-def _sync(old, new):
-    """``old`` (the test's) made equal to ``new`` (the candidate's copy after the call),
-    keeping the identity of the containers inside that both still have."""
-    t = type(old)
-    if t is bytearray and type(new) is bytes:
-        old[:] = new
-    elif t is not type(new) or t not in _IN_PLACE:
-        return
-    elif t is list:
-        for i in range(min(len(old), len(new))):
-            if type(old[i]) in _IN_PLACE and type(old[i]) is type(new[i]):
-                _sync(old[i], new[i])
-            else:
-                old[i] = new[i]
-        del old[len(new) :]
-        old.extend(new[len(old) :])
-    elif t is dict:
-        for k in [k for k in old if k not in new]:
-            del old[k]
-        for k, v in new.items():
-            if k in old and type(old[k]) in _IN_PLACE and type(old[k]) is type(v):
-                _sync(old[k], v)
-            else:
-                old[k] = v
-    elif t is set:
-        old.clear()
-        old.update(new)
+            sync_in_place(kwargs[key], new)
 
 
 def _rebuilt(name, message):
@@ -341,34 +311,6 @@ def _pulled(handle):
         yield rep[1]
 
 
-def _rebuilt_value(form, data):
-    """The value ``plain_value`` described, as the same type here."""
-    if form == "plain":
-        return data
-    if form == "keys" and type(data) is list:
-        return dict.fromkeys(data).keys()
-    if form == "values" and type(data) is list:
-        return dict(enumerate(data)).values()
-    if form == "items" and type(data) is list and all(type(i) is tuple and len(i) == 2 for i in data):
-        return dict(data).items()
-    if form == "range" and type(data) is list and len(data) == 3 and all(type(i) is int for i in data):
-        return range(*data)
-    if form == "deque" and type(data) is list and len(data) == 2 and type(data[0]) is list:
-        import collections
-
-        if data[1] is None or type(data[1]) is int:
-            return collections.deque(data[0], data[1])
-    if form == "fraction" and type(data) is list and len(data) == 2 and all(type(i) is int for i in data):
-        import fractions
-
-        return fractions.Fraction(*data)
-    if form == "decimal" and type(data) is str and len(data) < 10_000:
-        import decimal
-
-        return decimal.Decimal(data)
-    raise TypeError(form)
-
-
 class RemoteObject:
     """An object of the candidate's: its attributes and calls cross; when the test uses
     it as a value, a container's contents (a namedtuple, a list subclass) cross as the
@@ -411,7 +353,7 @@ class RemoteObject:
             self._held = _pulled(self._handle)
             return self._held
         try:
-            return _rebuilt_value(form, data)
+            return rebuilt_value(form, data)
         except (TypeError, ValueError, ArithmeticError):
             raise CandidateFault(f"malformed {form} value") from None
 

@@ -53,7 +53,10 @@ HARNESS_SOURCE = "\n".join(
 )
 CHECKER_SOURCE = "\n".join(
     [_WIRE]
-    + [_HERE.joinpath(name).read_text(encoding="utf-8") for name in ("_import_view.py", "_remote.py", "_checker.py")]
+    + [
+        _HERE.joinpath(name).read_text(encoding="utf-8")
+        for name in ("_import_view.py", "_values.py", "_remote.py", "_checker.py")
+    ]
 )
 
 # The source travels as the first frame on stdin, precompiled when the sandbox
