@@ -20,14 +20,12 @@ from stream_reward.errors import ScoringError
 from stream_reward.scoring.sandbox.judge import wrapped_outputs
 from stream_reward.scoring.sandbox.languages import choose_program
 from stream_reward.scoring.scorer import Scored
-from stream_reward.wire.trajectory import Trajectory
 
 __all__ = [
     "CASE_STATUSES",
     "WRONG_ANSWER_EXIT",
     "parse_tests",
     "extract_code",
-    "read_sample",
     "no_code",
     "tally",
     "case_script",
@@ -190,13 +188,6 @@ def extract_code(response: str) -> str | None:
     block of any kind (``languages.choose_program`` for a task of no language)."""
     chosen = choose_program(response, None)
     return None if chosen is None else chosen[1]
-
-
-def read_sample(traj: Trajectory) -> tuple[str, list[dict[str, Any]], str | None]:
-    """``(form, cases, program)`` of a code sample; the tests are checked first.
-    ``program`` is None when the response has no code block (see ``no_code``)."""
-    form, cases = parse_tests(traj.ground_truth)
-    return form, cases, extract_code(traj.response)
 
 
 def no_code(cases: list[dict[str, Any]], *, all_or_nothing: bool) -> Scored:

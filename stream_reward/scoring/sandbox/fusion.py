@@ -1,9 +1,12 @@
 """Score code on a remote SandboxFusion server (``POST {url}/run_code``).
 
-Same responses and ground-truth forms as the local sandbox (``sandbox.py``); each
-test case becomes one request: the stdin form sends the program and the case's
-stdin, the call/assert/check forms send a stand-alone program that runs the
-check and exits with ``WRONG_ANSWER_EXIT`` on a wrong answer.
+Same responses and ground-truth forms as the local sandbox (``scorer.py``): the
+same code block, a Python completion after the task's prompt, a compiled
+language's program in SandboxFusion's runtime for it (stdin form only; C has
+none there: ``failed``, reason ``toolchain_missing``). Each test case becomes
+one request: the stdin form sends the program and the case's stdin, the
+call/assert/check forms send a stand-alone program that runs the check and exits
+with ``WRONG_ANSWER_EXIT`` on a wrong answer.
 
 SandboxFusion replies ``status`` ∈ Success | Failed | SandboxError. ``Failed`` is
 the program's fault (a wrong answer, a crash, a time limit) and scores the case
@@ -27,16 +30,23 @@ from typing import Any
 
 import aiohttp
 
-from stream_reward.errors import BadReplyError, ConfigError, VerifierError
+from stream_reward.errors import BadReplyError, ConfigError, ScoringError, VerifierError
 from stream_reward.scoring.retry import RetryPolicy, call_with_retry, status_error, transport_error
+from stream_reward.scoring.sandbox.completion import whole_program
+from stream_reward.scoring.sandbox.forms import parse_tests
 from stream_reward.scoring.sandbox.judge import same_output
-from stream_reward.scoring.sandbox.scorer import WRONG_ANSWER_EXIT, case_script, no_code, read_sample, tally
+from stream_reward.scoring.sandbox.languages import choose_program, task_language
+from stream_reward.scoring.sandbox.scorer import WRONG_ANSWER_EXIT, case_script, no_code, tally
+from stream_reward.scoring.sandbox.task_prompt import task_code
 from stream_reward.scoring.scorer import Scored
 from stream_reward.wire.trajectory import Trajectory
 
 __all__ = ["SandboxFusionConfig", "SandboxFusionScorer"]
 
 log = logging.getLogger(__name__)
+
+# Our language -> SandboxFusion's runtime for it (C has none: its programs are not C++).
+_RUNTIMES = {"cpp": "cpp", "java": "java", "javascript": "nodejs", "go": "go", "rust": "rust"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +114,25 @@ class SandboxFusionScorer:
         return self._session, self._slots
 
     async def score(self, traj: Trajectory) -> Scored:
-        form, cases, program = read_sample(traj)
-        if program is None:
-            return no_code(cases, all_or_nothing=self.config.all_or_nothing)
-        tasks = [asyncio.create_task(self._case(traj.uid, form, program, case)) for case in cases]
+        form, cases = parse_tests(traj.ground_truth)
+        aon = self.config.all_or_nothing
+        # The same program the local sandbox runs: the block chosen the same way, and a
+        # Python completion after the task's prompt (the ground truth's, else the sample's).
+        chosen = choose_program(traj.response, task_language(traj.ground_truth, traj.extra_info))
+        if chosen is None:
+            return no_code(cases, all_or_nothing=aon)
+        language, program = chosen
+        if language == "python":
+            given = cases[0].get("prompt")
+            program = whole_program(task_code(given if given is not None else traj.prompt), program)
+            runtime = self.config.language
+        elif language not in _RUNTIMES:
+            raise ScoringError(f"SandboxFusion has no runtime for {language}", reason="toolchain_missing")
+        elif form != "stdin":
+            return tally([("failed", f"{language} runs only in the stdin form")] * len(cases), all_or_nothing=aon)
+        else:
+            runtime = _RUNTIMES[language]
+        tasks = [asyncio.create_task(self._case(traj.uid, form, program, case, runtime)) for case in cases]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
@@ -117,13 +142,13 @@ class SandboxFusionScorer:
             raise
         return tally(results, all_or_nothing=self.config.all_or_nothing)
 
-    async def _case(self, uid: str, form: str, program: str, case: dict[str, Any]) -> tuple[str, str]:
+    async def _case(self, uid: str, form: str, program: str, case: dict[str, Any], runtime: str) -> tuple[str, str]:
         code, stdin = case_script(form, program, case)
         cfg = self.config
         body = json.dumps(
             {
                 "code": code,
-                "language": cfg.language,
+                "language": runtime,
                 "compile_timeout": cfg.compile_timeout_s,
                 "run_timeout": cfg.run_timeout_s,
                 "memory_limit_MB": cfg.memory_limit_mb,

@@ -54,7 +54,6 @@ from stream_reward.scoring.sandbox.forms import (
     extract_code,
     no_code,
     parse_tests,
-    read_sample,
     tally,
 )
 from stream_reward.scoring.sandbox.isolation import OUT_OF_RESOURCES, choose_backend, root_spec
@@ -75,7 +74,6 @@ __all__ = [
     "WRONG_ANSWER_EXIT",
     "extract_code",
     "parse_tests",
-    "read_sample",
     "no_code",
     "tally",
     "case_script",

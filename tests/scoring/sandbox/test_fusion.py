@@ -224,3 +224,48 @@ def test_all_or_nothing_and_aclose():
             return r
 
     assert asyncio.run(go()).score == 0.0
+
+
+HELPER_PROMPT = 'def helper(x):\n    return x * 2\n\n\ndef f(x):\n    """Twice x, plus one."""\n'
+HELPER_CHECK = {"test": "def check(candidate):\n    assert candidate(3) == 7\n", "entry_point": "f"}
+
+
+def test_a_completion_runs_after_the_tasks_prompt():
+    """HumanEval's responses are completions of the prompt's function: the prompt (the
+    ground truth's, else the sample's) goes in front, as on the local sandbox."""
+    body = "    return helper(x) + 1"
+    in_gt = traj(body, {**HELPER_CHECK, "prompt": HELPER_PROMPT})
+    in_sample = Trajectory(
+        batch_id="b",
+        index=1,
+        data_source="code",
+        prompt=HELPER_PROMPT,
+        response=f"```python\n{body}\n```",
+        ground_truth=json.dumps(HELPER_CHECK),
+    )
+    wrong = traj("    return helper(x)", {**HELPER_CHECK, "prompt": HELPER_PROMPT})
+    assert [r.score for r in run_with(Stub(), in_gt, in_sample, wrong)] == [1.0, 1.0, 0.0]
+
+
+def test_a_program_goes_in_its_own_language():
+    """The block's language (its fence tag, or the task's) names SandboxFusion's runtime;
+    a compiled language runs the stdin form only, and any other form is its loss."""
+    stub = Stub()
+    sums = {"inputs": ["2 3"], "outputs": ["5"]}
+
+    def fenced(tag: str, code: str, gt) -> Trajectory:
+        return Trajectory(
+            batch_id="b", index=0, data_source="code", response=f"```{tag}\n{code}\n```", ground_truth=json.dumps(gt)
+        )
+
+    results = run_with(
+        stub,
+        fenced("cpp", "int main() {}", sums),
+        fenced("js", "console.log(5)", sums),
+        fenced("rust", "fn main() {}", {"assert_case": ["assert f() == 1"]}),
+    )
+    assert [r["language"] for r in stub.requests] == ["cpp", "nodejs"]
+    assert results[2].score == 0.0 and "rust runs only in the stdin form" in results[2].extra["error"]
+    with pytest.raises(ScoringError, match="SandboxFusion has no runtime for c") as info:
+        run_with(stub, fenced("c", "int main(void) { return 0; }", sums))
+    assert info.value.reason == "toolchain_missing"
