@@ -384,6 +384,25 @@ CONVENTIONS = [
     ("bool_is_not_int", "def f(x):\n    return True", {"fn_name": "f", "inputs": [[1]], "outputs": [1]}, 0.0),
     ("tuple_as_list", "def f(x):\n    return (x, x)", {"fn_name": "f", "inputs": [[1]], "outputs": [[1, 1]]}, 1.0),
     (
+        "numpy_numbers_as_python_numbers",
+        "import numpy as np\ndef f(xs):\n    return [np.float64(np.mean(xs)), np.int64(len(xs)), np.array(xs) * 2]",
+        {"fn_name": "f", "inputs": [[[1, 2]]], "outputs": [[1.5, 2, [2, 4]]]},
+        1.0,
+    ),
+    (
+        "numpy_bool_is_not_int",
+        "import numpy as np\ndef f(x):\n    return np.bool_(True)",
+        {"fn_name": "f", "inputs": [[1]], "outputs": [1]},
+        0.0,
+    ),
+    (
+        "int_subclass_as_its_number",
+        "class Yes(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "def f(x):\n    return Yes(x)",
+        {"fn_name": "f", "inputs": [[1], [2]], "outputs": [1, 3]},
+        0.5,
+    ),
+    (
         "counter_int_keys",
         "from collections import Counter\ndef f(xs):\n    return Counter(xs)",
         {"assert_case": ["assert f([1, 1, 2]) == {1: 2, 2: 1}"]},
