@@ -263,15 +263,27 @@ def run(
                     baseline_s += t
         return sandbox_s, baseline_s, sandbox_scores, baseline_scores
 
+    by_form: dict[str, list[tuple[Trajectory, float]]] = {}
+    for sample in one_case:
+        by_form.setdefault(parse_tests(sample[0].ground_truth)[0], []).append(sample)
+    for form, subset in by_form.items():  # as many samples as the whole set: no round is only its tail
+        by_form[form] = (subset * (1 + len(one_case) // len(subset)))[: len(one_case)]
+
     async def go() -> tuple[
-        tuple[float, float, list[float], list[float]], tuple[float, float, list[float], list[float]]
+        tuple[float, float, list[float], list[float]],
+        tuple[float, float, list[float], list[float]],
+        dict[str, tuple[float, float]],
     ]:
         await _sandboxed(scorer, samples[: 2 * concurrency])  # warm-up: starts every slot, page cache
         await _baseline(samples[:4], concurrency, config.timeout_s)
-        return await timed(samples), await timed(one_case)
+        forms = {}
+        for form, subset in by_form.items():  # where the single-case time goes, form by form
+            sandbox_s, baseline_s, _, _ = await timed(subset)
+            forms[form] = (sandbox_s, baseline_s)
+        return await timed(samples), await timed(one_case), forms
 
     try:
-        (sandbox_s, baseline_s, sandbox_scores, baseline_scores), (one_s, one_base_s, _, _) = asyncio.run(go())
+        (sandbox_s, baseline_s, sandbox_scores, baseline_scores), (one_s, one_base_s, _, _), forms = asyncio.run(go())
         languages = language_rows(scorer, concurrency) if with_languages else {}
     finally:
         scorer.close()
@@ -296,6 +308,17 @@ def run(
         "one_case_ratio": round(one_base_s / one_s, 3),
         "single_case_ratio": round(one_base_s / one_s, 3),
         "multi_case_ratio": round(baseline_s / sandbox_s, 3),
+        # The single-case rows by test form: the check and assert forms add the trusted
+        # checker (a process per sample, the test's calls relayed through the host).
+        "single_case_by_form": {
+            form: {
+                "samples": len(by_form[form]),
+                "runs_per_s": round(len(by_form[form]) * rounds / s, 2),
+                "baseline_runs_per_s": round(len(by_form[form]) * rounds / b, 2),
+                "ratio": round(b / s, 3),
+            }
+            for form, (s, b) in forms.items()
+        },
         "load_average_1m": round(os.getloadavg()[0], 2),
         "scores_as_expected": expected_ok,
         "scores_agree_with_baseline": sandbox_scores == baseline_scores,
