@@ -317,7 +317,21 @@ def main():
     private_frames()
     # The tests need no privilege: with root, each sample's child runs as nobody.
     uid = 65534 if os.geteuid() == 0 else None
-    for name in ("math", "re", "collections", "itertools", "functools", "random", "copy", "string", "typing"):
+    # Loaded once here rather than in every sample's child (its own imports: resource,
+    # importlib for the program's modules).
+    for name in (
+        "math",
+        "re",
+        "collections",
+        "itertools",
+        "functools",
+        "random",
+        "copy",
+        "string",
+        "typing",
+        "resource",
+        "importlib",
+    ):
         __import__(name)
     send(("ready",))
     importable = set()

@@ -134,6 +134,7 @@ def global_names(g):
     function that says it comes from a module adds ``:<module>:<qualname>``: the
     checker takes that module's own, whatever the object here is."""
     names = {}
+    own_module = g.get("__name__")  # what the program defines says it comes from here
     for name, value in list(g.items()):
         if name.startswith("__"):
             continue
@@ -145,7 +146,12 @@ def global_names(g):
                 module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
             except BaseException:
                 module = qualname = None
-            if type(module) is str and module != "__main__" and type(qualname) is str and "<" not in qualname:
+            if (
+                type(module) is str
+                and module not in ("__main__", own_module)
+                and type(qualname) is str
+                and "<" not in qualname
+            ):
                 kind = f"{kind}:{module}:{qualname}"
             names[name] = kind
         else:

@@ -204,3 +204,20 @@ def test_a_prompt_stub_class_or_not_implemented_function_is_the_responses(bwrap,
     assert right.score == 1.0, right.extra
     wrong = program.replace("[seen[target - x], i]", "[i, i]").replace("a + b", "a - b")
     assert run(bwrap, dataclasses.replace(traj(wrong, gt), prompt=prompt)).score == 0.0
+
+
+@pytest.mark.parametrize("module_name", ["solution", "__main__"])
+def test_only_what_a_program_took_from_a_module_names_that_module(module_name):
+    """The checker imports the module a program's class or function says it comes from;
+    what the program defines itself comes from the program's own module, which the
+    checker must never try to import (a file of that name on its path is not the program)."""
+    from stream_reward.scoring.sandbox._serve import global_names
+
+    g = {"__name__": module_name}
+    exec("from math import isclose\nfrom collections import OrderedDict\ndef f():\n    pass\nclass C:\n    pass", g)
+    assert global_names(g) == {
+        "isclose": "function:math:isclose",
+        "OrderedDict": "class:collections:OrderedDict",
+        "f": "function",
+        "C": "class",
+    }
