@@ -87,6 +87,23 @@ WHOLE_PROGRAMS = {
         None,
         1.0,
     ),
+    "assert_result_in_a_variable_judged_by_the_imported_function": (
+        "from math import isclose\ndef area(r):\n    return 3.14159 * r * r",
+        {
+            "assert_case": [
+                "a = area(1)\nassert isclose(a, 3.14159)",
+                "for a in [area(2)]:\n    assert not isclose(a, 3.14159)",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_setup_result_passed_to_the_entry_point": (
+        "def sq(x):\n    return x * x\ndef inc(x):\n    return x + 1",
+        {"assert_case": ["r = sq(3)\nassert inc(r) == 10"], "entry_point": "inc"},
+        None,
+        1.0,
+    ),
     "assert_program_module_alias": (
         "import math as m\ndef area(r):\n    return m.pi * r * r",
         {"assert_case": ["assert m.isclose(area(1), m.pi)"]},
