@@ -122,12 +122,14 @@ def run_case(prompt, form, test, entry_point, names):
         # A class or function the program took from a module is that module's own here:
         # ``from math import isclose`` gives the test the real isclose, whatever the
         # program's object is (or says it is).
+        # Only under its own name: the test's ``isclose`` bound to another function
+        # (``from operator import ne as isclose``) would be the program choosing its judge.
         real = {}
         for name, kind in names.items():
             base, _, origin = kind.partition(":")
             if base in ("class", "function") and origin and name in read and name not in own:
                 found = module_attribute(origin)
-                if found is not None:
+                if found is not None and getattr(found, "__name__", None) == name:
                     real[name] = found
         judging = judges(test, names, real, entry_point) if form == "assert" else set()
         for name, kind in names.items():
@@ -191,6 +193,7 @@ def judges(test, names, real, entry_point):
     else:
         functions = {n for n in callables if names[n].partition(":")[0] == "function"}
         classes = callables - functions
+    functions |= _holders(tree, functions, classes)
     found = set()
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
@@ -202,6 +205,29 @@ def judges(test, names, real, entry_point):
             if _hands(arg, functions - {judge}, classes - {judge}):
                 found.add(judge)
     return found
+
+
+def _holders(tree, functions, classes):
+    """The test's names that hold the function under test or what it returned
+    (``r = area(1)``, ``for r in area(1)``), to a fixed point: ``isclose(r, 3.14)``
+    hands it over as surely as ``isclose(area(1), 3.14)``."""
+    held: set = set()
+    while True:
+        before = len(held)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr)):
+                pairs = [(t, node.value) for t in getattr(node, "targets", [getattr(node, "target", None)])]
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                pairs = [(node.target, node.iter)]
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                pairs = [(i.optional_vars, i.context_expr) for i in node.items]
+            else:
+                continue
+            for target, value in pairs:
+                if target is not None and value is not None and _hands(value, functions | held, classes):
+                    held |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        if len(held) == before:
+            return held
 
 
 def _hands(arg, functions, classes):
@@ -224,12 +250,18 @@ def refused_judge(name):
     return refused
 
 
-# Modules whose import does something (opens a browser, prints, starts a GUI).
-_NO_IMPORT = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__hello__", "__phello__"})
+# Modules whose import does something (opens a browser, prints, starts a GUI, runs
+# the regression test suite: ``test.autotest``); so does any package's ``__main__``
+# (``unittest.__main__`` runs test discovery, ``ensurepip.__main__`` installs pip).
+_NO_IMPORT = frozenset(
+    {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__hello__", "__phello__", "test"}
+)
 
 
 def real_module(module):
     if type(module) is not str or not module or module.split(".")[0] in _NO_IMPORT:
+        return None
+    if "__main__" in module.split("."):
         return None
     import importlib
 

@@ -24,6 +24,7 @@ the input a test then compares its answer against.
 
 import builtins
 import marshal
+import math
 import operator
 import os
 
@@ -357,7 +358,21 @@ class RemoteObject:
         except (TypeError, ValueError, ArithmeticError):
             raise CandidateFault(f"malformed {form} value") from None
 
-    __hash__ = object.__hash__
+    def __hash__(self):
+        # As its value hashes, so that a numpy number or a tuple of the program's finds
+        # its equal in a set or dict (``mean(xs) in {1.5}``, ``set(np.unique(xs))``);
+        # an object with no value, or an unhashable one, by identity.
+        was = _UNEXAMINED.get(self._handle)
+        try:
+            with _nesting():
+                return hash(self._value())
+        except CandidateFault:
+            if was is not None:  # hashing is not looking into it
+                _UNEXAMINED[self._handle] = was
+            return object.__hash__(self)
+        except TypeError:
+            return object.__hash__(self)
+
     __eq__, __ne__ = _valued(operator.eq), _valued(operator.ne)
     __lt__, __le__, __gt__, __ge__ = (
         _valued(operator.lt),
@@ -378,6 +393,8 @@ class RemoteObject:
         _valued(operator.invert),
     )
     __round__, __reversed__ = _valued(round), _valued(reversed)
+    __trunc__, __floor__, __ceil__ = _valued(math.trunc), _valued(math.floor), _valued(math.ceil)
+    __divmod__, __rdivmod__ = _valued(divmod), _reflected(divmod)
     __add__, __radd__ = _valued(operator.add), _reflected(operator.add)
     __sub__, __rsub__ = _valued(operator.sub), _reflected(operator.sub)
     __mul__, __rmul__ = _valued(operator.mul), _reflected(operator.mul)

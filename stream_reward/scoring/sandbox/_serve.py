@@ -62,7 +62,16 @@ def resolve(g, name):
     return fn
 
 
-_VIEWS = {type({}.keys()): "keys", type({}.values()): "values", type({}.items()): "items"}
+def _view_forms():
+    import collections
+
+    forms = {}
+    for d in ({}, collections.OrderedDict()):  # an OrderedDict's views are types of their own
+        forms.update({type(d.keys()): "keys", type(d.values()): "values", type(d.items()): "items"})
+    return forms
+
+
+_VIEWS = _view_forms()
 
 
 def plain_value(obj):
@@ -83,6 +92,10 @@ def plain_value(obj):
             return ["plain", base(base.__iter__(obj))]
     if isinstance(obj, dict):
         return ["plain", dict(dict.items(obj))]
+    if isinstance(obj, str):
+        return ["plain", str.__str__(obj)]
+    if isinstance(obj, bytes):
+        return ["plain", bytes.__getitem__(obj, slice(None))]
     t = type(obj)
     if t in _VIEWS:
         return [_VIEWS[t], list(obj)]

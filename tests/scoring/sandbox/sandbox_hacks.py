@@ -281,6 +281,58 @@ def _hack_programs() -> list[tuple[str, str, str, dict]]:
             {"gt": {"assert_case": ["assert double(inc(1)) == 4"], "entry_point": "inc"}},
         ),
         (
+            "own_function_claiming_another_modules_function_judges",
+            "assert",
+            "def isclose(a, b):\n    return True\nisclose.__module__, isclose.__qualname__ = 'operator', 'ne'\n"
+            "def add(a, b):\n    return 0\n",
+            {"gt": {"assert_case": ["assert isclose(add(2, 3), 5)"]}},
+        ),
+        (
+            "module_function_imported_under_a_judges_name",
+            "assert",
+            "from operator import ne as isclose\ndef add(a, b):\n    return 0\n",
+            {"gt": {"assert_case": ["assert isclose(add(2, 3), 5)"]}},
+        ),
+        (
+            "own_function_claiming_a_crashing_function",  # the checker must not run ctypes.string_at(8)
+            "assert",
+            "def isclose(a, b):\n    return True\nisclose.__module__, isclose.__qualname__ = 'ctypes', 'string_at'\n"
+            "def add(a, b):\n    return 8\n",
+            {"gt": {"assert_case": ["assert isclose(add(2, 3), 5)"]}},
+        ),
+        (
+            "own_function_judges_a_result_held_in_a_variable",
+            "assert",
+            "def isclose(*a, **k):\n    return True\ndef add(a, b):\n    return 0\n",
+            {
+                "gt": {
+                    "assert_case": [
+                        "r = add(2, 3)\nassert isclose(r, 5)",
+                        "for r in [add(2, 3)]:\n    assert isclose(r, 5)",
+                    ]
+                }
+            },
+        ),
+        (
+            "own_function_judges_a_result_held_in_a_variable_given_the_entry_point",
+            "assert",
+            "def isclose(*a, **k):\n    return True\ndef add(a, b):\n    return 0\n",
+            {"gt": {"assert_case": ["r, s = add(2, 3), 1\nassert isclose(r, 5)"], "entry_point": "add"}},
+        ),
+        (
+            "module_that_runs_on_import",  # the checker would run the regression test suite
+            "assert",
+            "import types\nmath = types.ModuleType('test.autotest')\ndef add(a, b):\n    return 0\n",
+            {"gt": {"assert_case": ["assert math.isclose(add(2, 3), 5)"]}},
+        ),
+        (
+            "package_main_that_runs_on_import",
+            "assert",
+            "def isclose(a, b):\n    return True\nisclose.__module__, isclose.__qualname__ = 'unittest.__main__', 'isclose'\n"
+            "def add(a, b):\n    return 0\n",
+            {"gt": {"assert_case": ["assert isclose(add(2, 3), 5)"]}},
+        ),
+        (
             "os_aliased_as_math_judges",
             "assert",
             "import os as math\ndef add(a, b):\n    return 0\n",

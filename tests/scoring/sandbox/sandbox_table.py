@@ -87,6 +87,23 @@ WHOLE_PROGRAMS = {
         None,
         1.0,
     ),
+    "assert_result_in_a_variable_judged_by_the_imported_function": (
+        "from math import isclose\ndef area(r):\n    return 3.14159 * r * r",
+        {
+            "assert_case": [
+                "a = area(1)\nassert isclose(a, 3.14159)",
+                "for a in [area(2)]:\n    assert not isclose(a, 3.14159)",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_setup_result_passed_to_the_entry_point": (
+        "def sq(x):\n    return x * x\ndef inc(x):\n    return x + 1",
+        {"assert_case": ["r = sq(3)\nassert inc(r) == 10"], "entry_point": "inc"},
+        None,
+        1.0,
+    ),
     "assert_program_module_alias": (
         "import math as m\ndef area(r):\n    return m.pi * r * r",
         {"assert_case": ["assert m.isclose(area(1), m.pi)"]},
@@ -252,6 +269,42 @@ WHOLE_PROGRAMS = {
                 "assert mean([1, 2]) == 1.5",
                 "assert total([1, 2]) == 3",
                 "assert list(twice([1, 2])) == [2, 4] and twice([1, 2]).shape == (2,)",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_numpy_numbers_in_sets_and_dict_keys": (
+        "import numpy as np\nfrom collections import Counter\ndef uniq(xs):\n    return set(np.unique(xs))\n"
+        "def mean(xs):\n    return np.mean(xs)\ndef count(xs):\n    return Counter(np.array(xs))",
+        {
+            "assert_case": [
+                "assert uniq([1, 2, 2]) == {1, 2}",
+                "assert mean([1, 2]) in {1.5, 2.5} and {mean([1, 2]): 1} == {1.5: 1}",
+                "assert count([1, 1, 2]) == {1: 2, 2: 1}",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_numpy_number_truncated_and_divided": (
+        "import numpy as np\ndef mean(xs):\n    return np.mean(xs)",
+        {
+            "assert_case": [
+                "import math\nx = mean([1, 2])\nassert math.trunc(x) == math.floor(x) == 1 and math.ceil(x) == 2",
+                "assert divmod(mean([1, 2]), 1) == (1.0, 0.5) and divmod(3, mean([1, 2])) == (2.0, 0.0)",
+            ]
+        },
+        None,
+        1.0,
+    ),
+    "assert_str_subclass_and_ordered_dict_view_returned": (
+        "from collections import OrderedDict\nclass S(str):\n    pass\ndef up(s):\n    return S(s.upper())\n"
+        "def firsts(xs):\n    return OrderedDict.fromkeys(xs).keys()",
+        {
+            "assert_case": [
+                "assert up('ab') == 'AB' and up('a') + 'b' == 'Ab'",
+                "assert list(firsts([3, 1, 3])) == [3, 1]",
             ]
         },
         None,

@@ -262,6 +262,8 @@ def test_reward_hack_scores_zero(hack_scorer, name, form, program, extra):
     gt = extra.get("gt", FORMS[form])
     result = run(hack_scorer, hack_traj(program, gt, extra.get("prompt")))  # raising would mean status `failed`
     assert result.score == 0.0, (name, form, result.extra)
+    if name.endswith("runs_on_import"):  # refused, not imported and run until the deadline
+        assert "timeout" not in result.extra["cases"], result.extra
 
 
 def test_the_honest_programs_of_the_table_pass(hack_scorer):
