@@ -145,6 +145,11 @@ def enter_new_root(boot):
     devs = [(d, os.open(d, os.O_PATH)) for d in boot["devices"]]
     new = "/tmp"  # any directory: the mount is private to this namespace
     _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    # /tmp and /dev/shm first: a bind below them (a venv in a temporary directory)
+    # then lands on top of their tmpfs instead of under it.
+    for d in ("/tmp", "/dev/shm"):
+        os.makedirs(new + d, exist_ok=True)
+        _mount("tmpfs", new + d, "tmpfs", MS_NOSUID | MS_NODEV, f"size={boot['tmp_mb']}m,mode=1777")
     for path, link, fd in sources:
         dst = new + path
         if link is not None:
@@ -167,11 +172,8 @@ def enter_new_root(boot):
         os.close(fd)
     for name, target in boot["dev_links"]:
         os.symlink(target, new + name)
-    for d in ("/proc", "/tmp", "/dev/shm"):
-        os.makedirs(new + d, exist_ok=True)
+    os.makedirs(new + "/proc", exist_ok=True)
     _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    for d in ("/tmp", "/dev/shm"):
-        _mount("tmpfs", new + d, "tmpfs", MS_NOSUID | MS_NODEV, f"size={boot['tmp_mb']}m,mode=1777")
     _mount(None, new, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     os.chroot(new)
     os.chdir("/")
@@ -185,6 +187,12 @@ def main():
     if boot["isolation"] == "unshare":
         enter_new_root(boot)
     sys.path[:0] = boot["sys_path"]
+    # An import path under /tmp or /dev/shm (a venv in a temporary directory, as on a
+    # CI runner) would be hidden by each case's own tmpfs there: each case binds it
+    # again inside its tmpfs, or a right answer that imports numpy would score 0.
+    boot["hidden_paths"] = [
+        path for path in boot["sys_path"] if path.startswith(("/tmp/", "/dev/shm/")) and os.path.isdir(path)
+    ]
     for name in PRELOAD:
         try:
             __import__(name)
@@ -537,8 +545,14 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
         if boot["per_case_ns"]:
             _mount(None, "/", None, MS_REC | MS_PRIVATE)
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            # held open in this namespace (a bind's source must be a mount of the caller's)
+            hidden = [(path, os.open(path, os.O_PATH)) for path in boot.get("hidden_paths", ())]
             for d in ("/tmp", "/dev/shm"):
                 _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
+            for path, fd in hidden:
+                os.makedirs(path, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+                _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
             os.chdir("/tmp")
         else:
             os.setsid()

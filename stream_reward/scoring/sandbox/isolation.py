@@ -198,6 +198,10 @@ def wrap_command(config: SandboxConfig, backend: str, command: list[str], *, roo
         # Root of a user namespace of our own, for the same per-case namespaces;
         # case processes give up every capability (they cannot change uid here).
         argv += ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN"]
+    # /tmp and /dev/shm first: a bind below them (a venv in a temporary directory, as on
+    # a CI runner) then lands on top of their tmpfs instead of being hidden by it.
+    for tmp in ("/tmp", "/dev/shm"):
+        argv += ["--size", str(config.tmp_mb << 20), "--perms", "1777", "--tmpfs", tmp]
     binds = _ro_binds(config)
     # bwrap creates missing parents of a bind target 0700 (as root), which would
     # hide e.g. /root/.pyenv/... from the sandbox uid: create them 0755 first.
@@ -216,8 +220,6 @@ def wrap_command(config: SandboxConfig, backend: str, command: list[str], *, roo
         argv += ["--dev-bind", dev, dev]
     for name, target in _DEV_LINKS:
         argv += ["--symlink", target, name]
-    for tmp in ("/tmp", "/dev/shm"):
-        argv += ["--size", str(config.tmp_mb << 20), "--perms", "1777", "--tmpfs", tmp]
     argv += ["--remount-ro", "/", "--chdir", "/tmp", "--hostname", "sandbox", "--", *command]
     return argv
 

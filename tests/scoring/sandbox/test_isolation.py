@@ -404,3 +404,28 @@ def test_non_root_sandbox_scores_hacks_zero():
     assert scores["honest-stdin"][0] == 1.0 and scores["honest-check"][0] == 1.0, scores
     gamed = {name: v for name, v in scores.items() if not name.startswith("honest") and v[0] != 0.0}
     assert gamed == {}
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "unshare"])
+def test_an_import_path_under_tmp_stays_importable_under_each_cases_own_tmp(backend):
+    """A venv in a temporary directory (a CI runner's clone): each case mounts its own
+    tmpfs on /tmp, and the import paths below it must still be there, read-only."""
+    from sandbox_support import scorer_or_skip
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as site:
+        os.chmod(site, 0o755)
+        Path(site, "sr_tmp_site_probe.py").write_text("X = 7\n")
+        s = scorer_or_skip(backend=backend, extra_ro_binds=(site,))
+        try:
+            s.boot_base()["sys_path"].append(site)
+            for slot in s._slots:  # started by the backend probe with the boot before
+                slot.stop()
+            program = (
+                f"import sr_tmp_site_probe\nprint(sr_tmp_site_probe.X)\nopen({site + '/sr_tmp_site_probe.py'!r}, 'a')"
+            )
+            result = run(s, traj(program, {"inputs": [""], "outputs": ["7\n"]}))
+        finally:
+            s.close()
+    said = result.extra["error"]  # imported, then refused the write: not the program's to change
+    assert result.extra["cases"] == ["runtime_error"] and "sr_tmp_site_probe.py" in said, result.extra
+    assert "Permission denied" in said or "Read-only file system" in said, result.extra
