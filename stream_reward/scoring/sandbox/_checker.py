@@ -365,6 +365,10 @@ def main():
         "importlib",
     ):
         __import__(name)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # each sample's child shares these pages instead of copying them
     send(("ready",))
     importable = set()
     while True:
