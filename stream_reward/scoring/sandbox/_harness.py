@@ -14,8 +14,9 @@ harness, ``marshal``; the host is trusted) and stdout (harness -> host, JSON;
 the host parses it as untrusted text).
 
 Per case the harness clones a child into new namespaces (when the sandbox
-allows it): the child (in new PID, mount, IPC and network namespaces) joins the slot's memory and pids cgroups,
-mounts a fresh /proc, /tmp and /dev/shm, sets rlimits, drops to the slot's
+allows it), born in the slot's memory and pids cgroups (the harness joined them
+at boot): the child (in new PID, mount, IPC and network namespaces) makes itself
+the OOM killer's first pick over the harness, mounts a fresh /proc, /tmp and /dev/shm, sets rlimits, drops to the slot's
 unprivileged uid (or drops every capability without root), sets no_new_privs,
 installs the seccomp filter, reports "setup done" on a private pipe that it then
 closes, and only then runs the program. Being PID 1 of its namespace, its death
@@ -216,6 +217,12 @@ def main():
     compile("", "solution.py", "exec")
     gc.collect()
     gc.freeze()  # children share these pages instead of copying them
+    # Into the slot's memory and pids groups once, here, so that each case is born in
+    # them: moving a process into a cgroup waits for an RCU grace period (~10 ms) unless
+    # moves come back to back, a stall every case longer than a few milliseconds paid
+    # when each case moved itself. What we loaded so far stays charged where it was.
+    for fd in boot.get("cgroup_fds", ()):
+        os.write(fd, b"0")
     send({"ev": "ready", "per_case_ns": boot["per_case_ns"]})
     while True:
         raw = read_frame(0)
@@ -543,8 +550,6 @@ def install_seccomp(prog):
 
 def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
     try:
-        for fd in boot.get("cgroup_fds", ()):
-            os.write(fd, b"0")  # this process joins the slot's memory / pids group
         tmp_opts = f"size={boot['tmp_mb']}m,mode=1777"
         if boot["per_case_ns"]:
             _mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -561,6 +566,11 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
         else:
             os.setsid()
             os.chdir(msg["workdir"])
+        if boot.get("cgroup_fds"):
+            # The harness shares the slot's groups: at the memory limit the OOM killer
+            # must take the case's processes, never the harness (raising needs no privilege).
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
         # Lift every source above the targets first, so no dup2 closes a source
         # that has not been moved yet.
         sources = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (stdin_fd, out_w, err_w, req_r, rep_w, set_w)]

@@ -10,8 +10,12 @@ One ``SlotCgroups`` per sandbox slot: a ``memory`` and a ``pids`` group created
 under this process's own groups (so whatever limits the host put on us still
 hold), with ``memory_mb`` (and the same for memory+swap on v1) and ``max_procs``.
 The harness receives open descriptors of their ``cgroup.procs`` files and moves
-each case process in before it drops privileges; it reads the OOM-kill counter
-through another descriptor to tell "memory" from a crash.
+itself in once at boot, so that every case process is born in the groups (a move
+per case would wait for an RCU grace period, ~10 ms, each time); each case makes
+itself the OOM killer's first pick (``oom_score_adj`` 1000) so that a case at the
+memory limit never takes the harness. It reads the OOM-kill counter through
+another descriptor to tell "memory" from a crash. The caller sizes the groups for
+the harness too (one more task, its buffers of a case's output).
 
 cgroup v2 is used when the unified hierarchy has both controllers, else v1's
 ``memory`` and ``pids`` hierarchies. Without either (no permission, not

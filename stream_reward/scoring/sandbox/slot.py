@@ -177,8 +177,11 @@ class Slot:
         if s.backend != "none" and s.root:
             self.uid = UIDS.acquire(cfg.uid_base, cfg.uid_count)
         if cfg.cgroups != "off" and s.root:
+            # The harness lives in the slot's groups too (its cases are born there): one
+            # more task, and room for its own buffers of a case's output.
+            harness_mb = 16 + 3 * -(-cfg.max_output_bytes >> 20)
             self.cgroups = open_slot(
-                f"{CGROUP_PREFIX}{os.getpid()}-{id(s):x}-{self.index}", cfg.memory_mb, cfg.max_procs
+                f"{CGROUP_PREFIX}{os.getpid()}-{id(s):x}-{self.index}", cfg.memory_mb + harness_mb, cfg.max_procs + 1
             )
             if self.cgroups is None and cfg.cgroups == "required":
                 self.stop()

@@ -61,3 +61,33 @@ def test_shared_memory_counts_against_the_sandbox_memory(open_scorer):
         pytest.skip("cgroups need root here")
     result = asyncio.run(s.score(hack_traj(SHM_BIG, {"inputs": ["2 3\n"], "outputs": ["5\n"]})))
     assert result.score == 0.0 and result.extra["cases"] == ["memory"], result.extra
+
+
+# A case whose memory is pages no process of it maps (/dev/shm, written by a tiny
+# process): at the group's limit the harness, which lives in the slot's groups and
+# maps more than anything of the case, would be the OOM killer's natural pick.
+SHM_BY_A_SMALL_PROCESS = (
+    "import os\n"
+    "os.execv('/bin/sh', ['sh', '-c', 'head -c 600000000 /dev/zero > /dev/shm/hog; read a b; echo $((a + b))'])\n"
+)
+
+
+def test_a_case_that_fills_the_memory_group_is_killed_and_the_harness_lives_on(open_scorer):
+    s = open_scorer(
+        limits=LIMITS, backend="bwrap", max_file_mb=4096, tmp_mb=4096, timeout_s=10, cpu_s=10, concurrency=1
+    )
+    if not s.root:
+        pytest.skip("cgroups need root here")
+    gt = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
+    right = hack_traj("a, b = map(int, input().split())\nprint(a + b)", gt)
+
+    async def go():
+        assert (await s.score(right)).score == 1.0
+        harness = s._slots[0].harness.pid
+        hog = await s.score(hack_traj(SHM_BY_A_SMALL_PROCESS, gt))
+        after = await s.score(right)
+        return hog, after, harness == s._slots[0].harness.pid
+
+    hog, after, same_harness = asyncio.run(go())
+    assert hog.score == 0.0 and hog.extra["cases"] == ["memory"], hog.extra
+    assert after.score == 1.0 and same_harness  # the slot was not torn down and restarted
