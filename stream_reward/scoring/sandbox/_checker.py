@@ -315,6 +315,12 @@ def _plain(value):
     return t in (type(None), bool, int, float, str, bytes)
 
 
+# How a sample's child ends when the scorer is done with it. Any other end (a
+# signal, an exit, even ``os._exit(0)`` from a dataset's test) is reported as a
+# crash: the scorer must not wait for a verdict that will never come.
+FINISHED = 86
+
+
 def sample_child(prompt, sys_path, uid, memory_mb):
     sys.path[:0] = sys_path
     # Trusted code, but it computes on the candidate's answers: bound what an
@@ -337,7 +343,7 @@ def sample_child(prompt, sys_path, uid, memory_mb):
             _, form, test, entry_point, names = msg
             send(run_case(prompt, form, test, entry_point, names))
         elif msg[0] == "finish":
-            os._exit(0)
+            os._exit(FINISHED)
         # a stray "reply"/"gone" (the case already ended) is ignored
 
 
@@ -385,7 +391,7 @@ def main():
         if pid == 0:
             sample_child(prompt, sys_path, uid, memory_mb)
         _, status = os.waitpid(pid, 0)
-        if status:
+        if os.waitstatus_to_exitcode(status) != FINISHED:
             send(("crashed", status))
 
 

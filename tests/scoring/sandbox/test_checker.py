@@ -6,15 +6,16 @@ checker's frame pipe."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import sys
 
 import pytest
 from sandbox_hacks import POLY_TEST, PROMPT_POLY
-from sandbox_support import run, score, traj
+from sandbox_support import FAST, run, score, traj
 
-from stream_reward.errors import ScoringError
+from stream_reward.errors import ScoringError, VerifierError
 from stream_reward.wire.trajectory import Trajectory
 
 ALL_OF_MAP = {
@@ -221,3 +222,20 @@ def test_only_what_a_program_took_from_a_module_names_that_module(module_name):
         "f": "function",
         "C": "class",
     }
+
+
+@pytest.mark.parametrize(
+    "gt",
+    [
+        {"test": "import os\ndef check(candidate):\n    os._exit(0)\n", "entry_point": "f"},
+        {"assert_case": ["import os\nos._exit(0)\nassert f(1) == 1"]},
+    ],
+    ids=["check", "assert"],
+)
+def test_a_test_that_ends_the_checker_fails_the_sample_naming_the_checker(open_scorer, gt):
+    """A dataset's test that ends its own process, even with status 0, is our data's
+    fault: the sample is failed at once, not a case left to time out as a 0."""
+    s = open_scorer(limits={**FAST, "timeout_s": 30.0, "cpu_s": 30.0})
+    with pytest.raises(VerifierError) as err:
+        asyncio.run(asyncio.wait_for(s.score(traj("def f(x):\n    return x", gt)), 20))
+    assert err.value.reason == "checker_crashed"
