@@ -394,16 +394,11 @@ class RemoteObject:
     )
     __round__, __reversed__ = _valued(round), _valued(reversed)
     __trunc__, __floor__, __ceil__ = _valued(math.trunc), _valued(math.floor), _valued(math.ceil)
-    __divmod__, __rdivmod__ = _valued(divmod), _reflected(divmod)
-    __add__, __radd__ = _valued(operator.add), _reflected(operator.add)
-    __sub__, __rsub__ = _valued(operator.sub), _reflected(operator.sub)
-    __mul__, __rmul__ = _valued(operator.mul), _reflected(operator.mul)
-    __truediv__, __rtruediv__ = _valued(operator.truediv), _reflected(operator.truediv)
-    __floordiv__, __rfloordiv__ = _valued(operator.floordiv), _reflected(operator.floordiv)
-    __mod__, __rmod__ = _valued(operator.mod), _reflected(operator.mod)
-    __pow__, __rpow__ = _valued(pow), _reflected(pow)
-    __and__, __rand__ = _valued(operator.and_), _reflected(operator.and_)
-    __or__, __ror__ = _valued(operator.or_), _reflected(operator.or_)
-    __xor__, __rxor__ = _valued(operator.xor), _reflected(operator.xor)
-    __lshift__, __rlshift__ = _valued(operator.lshift), _reflected(operator.lshift)
-    __rshift__, __rrshift__ = _valued(operator.rshift), _reflected(operator.rshift)
+
+
+# Binary operators from either side (``x + 1``, ``1 + x``, ``divmod(x, 2)``, ``pow(x, 2, 7)``).
+for _name in "add sub mul truediv floordiv mod pow divmod and or xor lshift rshift".split():
+    _op = {"pow": pow, "divmod": divmod}.get(_name) or getattr(operator, f"__{_name}__")
+    setattr(RemoteObject, f"__{_name}__", _valued(_op))
+    setattr(RemoteObject, f"__r{_name}__", _reflected(_op))
+del _name, _op
