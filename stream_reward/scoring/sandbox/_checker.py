@@ -111,8 +111,9 @@ def run_case(prompt, form, test, entry_point, names):
     # An assert test runs in the program's globals, as MBPP's do; a name there that is
     # a builtin (``sorted``) is the response's only as its entry point.
     own = {entry_point, *stubs} if form == "check" else {entry_point}
+    tree = parsed(test)
     try:
-        read = names_read(test)
+        read = names_read(tree)
         names = {
             name: kind
             for name, kind in names.items()
@@ -131,7 +132,7 @@ def run_case(prompt, form, test, entry_point, names):
                 found = module_attribute(origin)
                 if found is not None and getattr(found, "__name__", None) == name:
                     real[name] = found
-        judging = judges(test, names, real, entry_point) if form == "assert" else set()
+        judging = judges(tree, names, real, entry_point) if form == "assert" else set()
         for name, kind in names.items():
             base = kind.partition(":")[0]
             if name in real:
@@ -144,7 +145,7 @@ def run_case(prompt, form, test, entry_point, names):
                 g[name] = RemoteFunction(name)
             elif name in read:
                 program_global(g, name, kind)
-        exec(compile(test, "test.py", "exec"), g)
+        exec(compile(test if tree is None else tree, "test.py", "exec"), g)  # a SyntaxError fails the case
         if form == "check":
             g["check"](candidate_entry(entry_point))
         why = unexamined()
@@ -169,23 +170,28 @@ def _raised(exc):
     return ("verdict", status, f"{type(exc).__name__}: {_describe(exc)}"[:300])
 
 
-def names_read(test):
-    """The names the test reads: only those of the program's other globals reach it."""
+def parsed(test):
+    """The test's syntax tree, parsed once for the rules below and the run; None when
+    it does not parse (then compiling it fails the case)."""
     try:
-        tree = ast.parse(test)
+        return ast.parse(test, "test.py")
     except SyntaxError:
+        return None
+
+
+def names_read(tree):
+    """The names the test reads: only those of the program's other globals reach it."""
+    if tree is None:
         return set()
     return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
 
 
-def judges(test, names, real, entry_point):
+def judges(tree, names, real, entry_point):
     """The program's own callables that an assert test hands the function under test
     (or what it returned): ``isclose(area(1), 3.14)``, ``same(area, 1, 3.14)``. The
     function under test is the task's entry point, or with none given any function
     of the program's own (a class's, through its instances' attributes)."""
-    try:
-        tree = ast.parse(test)
-    except SyntaxError:
+    if tree is None:
         return set()
     callables = {n for n, k in names.items() if n not in real and k.partition(":")[0] in ("class", "function")}
     if entry_point:
