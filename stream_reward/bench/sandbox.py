@@ -212,6 +212,23 @@ async def _baseline(
     return time.perf_counter() - start, list(scores)
 
 
+def _long_samples(copies: int) -> list[tuple[Trajectory, float]]:
+    """Right answers whose cases compute for ~20 ms each: the warm start saves less
+    here, and any fixed cost a case pays in the sandbox shows (moving each case into
+    its cgroups once waited ~10 ms for an RCU grace period)."""
+    program = "n = int(input())\nprint(sum(i * i % 7 for i in range(n)))"
+    inputs = [150_000, 160_000, 170_000, 180_000]
+    gt = {"inputs": [f"{n}\n" for n in inputs], "outputs": [f"{sum(i * i % 7 for i in range(n))}\n" for n in inputs]}
+    traj = Trajectory(
+        batch_id="bench",
+        index=0,
+        data_source="code",
+        response=f"```python\n{program}\n```",
+        ground_truth=json.dumps(gt),
+    )
+    return [(traj, 1.0)] * copies
+
+
 def _first_case_only(samples: list[tuple[Trajectory, float]]) -> list[tuple[Trajectory, float]]:
     out = []
     for traj, expected in samples:
@@ -263,6 +280,8 @@ def run(
                     baseline_s += t
         return sandbox_s, baseline_s, sandbox_scores, baseline_scores
 
+    long_cases = _long_samples(2 * concurrency)
+    long_ok: list[bool] = []
     by_form: dict[str, list[tuple[Trajectory, float]]] = {}
     for sample in one_case:
         by_form.setdefault(parse_tests(sample[0].ground_truth)[0], []).append(sample)
@@ -280,6 +299,9 @@ def run(
         for form, subset in by_form.items():  # where the single-case time goes, form by form
             sandbox_s, baseline_s, _, _ = await timed(subset)
             forms[form] = (sandbox_s, baseline_s)
+        long_s, long_base_s, long_scores, _ = await timed(long_cases)
+        forms["long_cases"] = (long_s, long_base_s)
+        long_ok.append(long_scores == [1.0] * len(long_cases))
         return await timed(samples), await timed(one_case), forms
 
     try:
@@ -287,7 +309,9 @@ def run(
         languages = language_rows(scorer, concurrency) if with_languages else {}
     finally:
         scorer.close()
-    expected_ok = all((s == 1.0) if e == 1.0 else (s < 1.0) for s, (_, e) in zip(sandbox_scores, samples, strict=True))
+    expected_ok = all(long_ok) and all(
+        (s == 1.0) if e == 1.0 else (s < 1.0) for s, (_, e) in zip(sandbox_scores, samples, strict=True)
+    )
     runs_per_s = runs * rounds / sandbox_s
     baseline_runs_per_s = runs * rounds / baseline_s
     return {
@@ -318,6 +342,15 @@ def run(
                 "ratio": round(b / s, 3),
             }
             for form, (s, b) in forms.items()
+            if form in by_form
+        },
+        # Stdin cases of ~20 ms of computing each (4 per sample): what a case costs
+        # beyond the program's own work, where the warm start matters less.
+        "long_cases": {
+            "cases": 4 * len(long_cases),
+            "runs_per_s": round(4 * len(long_cases) * rounds / forms["long_cases"][0], 2),
+            "baseline_runs_per_s": round(4 * len(long_cases) * rounds / forms["long_cases"][1], 2),
+            "ratio": round(forms["long_cases"][1] / forms["long_cases"][0], 3),
         },
         "load_average_1m": round(os.getloadavg()[0], 2),
         "scores_as_expected": expected_ok,
