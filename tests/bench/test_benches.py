@@ -251,3 +251,16 @@ def test_sandbox_language_rows_say_their_shape_and_both_baselines() -> None:
         assert row["scores_as_expected"] is True
     if "missing" not in rows["c"]:
         assert rows["c"]["compile_s"] > 0 and rows["c"]["bare_compile_s"] > 0
+
+
+def test_sandbox_bench_scores_every_problem_as_expected_with_its_rows_and_goals(capsys) -> None:
+    from stream_reward.bench import sandbox
+
+    r = run_json(capsys, sandbox, ["--n-problems", "20", "--rounds", "1", "--concurrency", "1", "--no-languages"])
+    assert r["scores_as_expected"] is True and r["scores_agree_with_baseline"] is True
+    assert set(r["single_case_by_form"]) == {"stdin", "call", "check", "assert"}
+    assert r["long_cases"]["cases"] == 8  # two samples of four cases at concurrency 1
+    for key in ("single_case_ratio", "multi_case_ratio"):
+        assert is_num(r[key]) and r[key] > 0
+    assert is_num(r["long_cases"]["ratio"]) and r["long_cases"]["ratio"] > 0
+    assert set(r["goals"]) == {"single_case_ratio >= 2.0", "multi_case_ratio >= 1.5", "scores as expected"}
