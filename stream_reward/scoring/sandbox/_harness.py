@@ -16,9 +16,10 @@ the host parses it as untrusted text).
 Per case the harness clones a child into new namespaces (when the sandbox
 allows it), born in the slot's memory and pids cgroups (the harness joined them
 at boot): the child (in new PID, mount, IPC and network namespaces) makes itself
-the OOM killer's first pick over the harness, mounts a fresh /proc, /tmp and /dev/shm, sets rlimits, drops to the slot's
-unprivileged uid (or drops every capability without root), sets no_new_privs,
-installs the seccomp filter, reports "setup done" on a private pipe that it then
+the OOM killer's first pick over the harness, mounts a fresh read-only /proc and
+fresh /tmp and /dev/shm, sets rlimits, drops to the slot's unprivileged uid (or
+drops every capability without root), sets no_new_privs, installs the seccomp
+filter, reports "setup done" on a private pipe that it then
 closes, and only then runs the program. Being PID 1 of its namespace, its death
 takes every process it started with it; it cannot see the harness at all.
 
@@ -551,9 +552,17 @@ def install_seccomp(prog):
 def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
     try:
         tmp_opts = f"size={boot['tmp_mb']}m,mode=1777"
+        if boot.get("cgroup_fds"):
+            # The harness shares the slot's groups: at the memory limit the OOM killer
+            # must take the case's processes, never the harness. Written through the
+            # harness's /proc: a process may lower it back to the harness's floor
+            # without privilege (only CAP_SYS_RESOURCE moves the floor), so the case's
+            # own /proc is read-only and none of its processes can write it.
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
         if boot["per_case_ns"]:
             _mount(None, "/", None, MS_REC | MS_PRIVATE)
-            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            _mount("proc", "/proc", "proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
             # held open in this namespace (a bind's source must be a mount of the caller's)
             hidden = [(path, os.open(path, os.O_PATH)) for path in boot.get("hidden_paths", ())]
             for d in ("/tmp", "/dev/shm"):
@@ -566,11 +575,6 @@ def candidate(boot, msg, stdin_fd, out_w, err_w, set_w, req_r, rep_w):
         else:
             os.setsid()
             os.chdir(msg["workdir"])
-        if boot.get("cgroup_fds"):
-            # The harness shares the slot's groups: at the memory limit the OOM killer
-            # must take the case's processes, never the harness (raising needs no privilege).
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")
         # Lift every source above the targets first, so no dup2 closes a source
         # that has not been moved yet.
         sources = [fcntl.fcntl(fd, fcntl.F_DUPFD, 64) for fd in (stdin_fd, out_w, err_w, req_r, rep_w, set_w)]

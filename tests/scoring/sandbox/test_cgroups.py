@@ -91,3 +91,51 @@ def test_a_case_that_fills_the_memory_group_is_killed_and_the_harness_lives_on(o
     hog, after, same_harness = asyncio.run(go())
     assert hog.score == 0.0 and hog.extra["cases"] == ["memory"], hog.extra
     assert after.score == 1.0 and same_harness  # the slot was not torn down and restarted
+
+
+# A case that gives up its OOM-killer priority (an exec makes it dumpable, so it may
+# write its own /proc/self/oom_score_adj) and then holds its memory in memfd pages, in
+# a process smaller than the harness: the OOM killer would weigh them by size alone.
+LOWERED_OOM_PRIORITY = (
+    "import os, sys\n"
+    "code = '''\n"
+    "import os\n"
+    "try:\n"
+    "    with open('/proc/self/oom_score_adj', 'w') as f:\n"
+    "        f.write('0')\n"
+    "except OSError:\n"
+    "    pass\n"
+    "fds = []\n"
+    "try:\n"
+    "    while True:\n"
+    "        fd = os.memfd_create('hog')\n"
+    "        for _ in range(15):\n"
+    "            os.write(fd, b'x' * (1 << 20))\n"
+    "        fds.append(fd)\n"
+    "except OSError:\n"
+    "    pass\n"
+    "a, b = map(int, input().split())\n"
+    "print(a + b)\n"
+    "'''\n"
+    "os.execv(sys.executable, [sys.executable, '-S', '-c', code])\n"
+)
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "unshare"])
+def test_a_case_cannot_lower_its_oom_priority_below_the_harness(open_scorer, backend):
+    s = open_scorer(limits=LIMITS, backend=backend, timeout_s=10, cpu_s=10, concurrency=1)
+    if not s.root:
+        pytest.skip("cgroups need root here")
+    gt = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
+    right = hack_traj("a, b = map(int, input().split())\nprint(a + b)", gt)
+
+    async def go():
+        assert (await s.score(right)).score == 1.0
+        harness = s._slots[0].harness.pid
+        hog = await s.score(hack_traj(LOWERED_OOM_PRIORITY, gt))
+        after = await s.score(right)
+        return hog, after, harness == s._slots[0].harness.pid
+
+    hog, after, same_harness = asyncio.run(go())
+    assert hog.score == 0.0 and hog.extra["cases"] == ["memory"], hog.extra
+    assert after.score == 1.0 and same_harness  # the slot was not torn down and restarted
