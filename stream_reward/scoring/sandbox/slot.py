@@ -178,10 +178,14 @@ class Slot:
             self.uid = UIDS.acquire(cfg.uid_base, cfg.uid_count)
         if cfg.cgroups != "off" and s.root:
             # The harness lives in the slot's groups too (its cases are born there): one
-            # more task, and room for its own buffers of a case's output.
-            harness_mb = 16 + 3 * -(-cfg.max_output_bytes >> 20)
+            # more task, and room for its own buffers of a case's output. Once the case
+            # is gone it reports that output: as text and then JSON escapes, stdout and
+            # replies at the cap in bytes that are not UTF-8 take ~16 times the cap
+            # each, so the group holds at least that much whatever memory_mb is.
+            out_mb = -(-cfg.max_output_bytes >> 20)
+            memory_mb = max(cfg.memory_mb + 16 + 3 * out_mb, 16 + 36 * out_mb)
             self.cgroups = open_slot(
-                f"{CGROUP_PREFIX}{os.getpid()}-{id(s):x}-{self.index}", cfg.memory_mb + harness_mb, cfg.max_procs + 1
+                f"{CGROUP_PREFIX}{os.getpid()}-{id(s):x}-{self.index}", memory_mb, cfg.max_procs + 1
             )
             if self.cgroups is None and cfg.cgroups == "required":
                 self.stop()

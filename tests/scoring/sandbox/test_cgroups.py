@@ -139,3 +139,35 @@ def test_a_case_cannot_lower_its_oom_priority_below_the_harness(open_scorer, bac
     hog, after, same_harness = asyncio.run(go())
     assert hog.score == 0.0 and hog.extra["cases"] == ["memory"], hog.extra
     assert after.score == 1.0 and same_harness  # the slot was not torn down and restarted
+
+
+# Output at the cap on stdout and as a reply, in bytes that are not UTF-8 (and one
+# character outside the BMP): the harness's report of it (text, then JSON escapes,
+# then the frame) is many times its size, built in the slot's groups after the case.
+WORST_CASE_OUTPUT = (
+    "import os\n"
+    "data = '\\U0001F600'.encode() + b'\\xff' * ((16 << 20) - 64)\n"
+    "for fd, chunk in ((1, data), (4, len(data).to_bytes(4, 'little') + data)):\n"
+    "    view = memoryview(chunk)\n"
+    "    while view:\n"
+    "        view = view[os.write(fd, view) :]\n"
+)
+
+
+def test_the_harness_reports_output_at_the_cap_within_the_slots_memory_group(open_scorer):
+    s = open_scorer(limits=LIMITS, backend="bwrap", max_output_bytes=16 << 20, timeout_s=10, cpu_s=10, concurrency=1)
+    if not s.root:
+        pytest.skip("cgroups need root here")
+    gt = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
+    right = hack_traj("a, b = map(int, input().split())\nprint(a + b)", gt)
+
+    async def go():
+        assert (await s.score(right)).score == 1.0
+        harness = s._slots[0].harness.pid
+        loud = await s.score(hack_traj(WORST_CASE_OUTPUT, gt))
+        after = await s.score(right)
+        return loud, after, harness == s._slots[0].harness.pid
+
+    loud, after, same_harness = asyncio.run(go())
+    assert loud.score == 0.0 and loud.extra["cases"] == ["failed"], loud.extra
+    assert after.score == 1.0 and same_harness  # the slot was not torn down and restarted
