@@ -63,6 +63,24 @@ def test_shared_memory_counts_against_the_sandbox_memory(open_scorer):
     assert result.score == 0.0 and result.extra["cases"] == ["memory"], result.extra
 
 
+SUM = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
+RIGHT_SUM = "a, b = map(int, input().split())\nprint(a + b)"
+
+
+def between_right_answers(s, program):
+    """Score ``program`` in the one slot of ``s`` between two right answers: (its result,
+    the right answer after it, whether the same harness served all three)."""
+
+    async def go():
+        assert (await s.score(hack_traj(RIGHT_SUM, SUM))).score == 1.0
+        harness = s._slots[0].harness.pid
+        result = await s.score(hack_traj(program, SUM))
+        after = await s.score(hack_traj(RIGHT_SUM, SUM))
+        return result, after, harness == s._slots[0].harness.pid
+
+    return asyncio.run(go())
+
+
 # A case whose memory is pages no process of it maps (/dev/shm, written by a tiny
 # process): at the group's limit the harness, which lives in the slot's groups and
 # maps more than anything of the case, would be the OOM killer's natural pick.
@@ -78,17 +96,7 @@ def test_a_case_that_fills_the_memory_group_is_killed_and_the_harness_lives_on(o
     )
     if not s.root:
         pytest.skip("cgroups need root here")
-    gt = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
-    right = hack_traj("a, b = map(int, input().split())\nprint(a + b)", gt)
-
-    async def go():
-        assert (await s.score(right)).score == 1.0
-        harness = s._slots[0].harness.pid
-        hog = await s.score(hack_traj(SHM_BY_A_SMALL_PROCESS, gt))
-        after = await s.score(right)
-        return hog, after, harness == s._slots[0].harness.pid
-
-    hog, after, same_harness = asyncio.run(go())
+    hog, after, same_harness = between_right_answers(s, SHM_BY_A_SMALL_PROCESS)
     assert hog.score == 0.0 and hog.extra["cases"] == ["memory"], hog.extra
     assert after.score == 1.0 and same_harness  # the slot was not torn down and restarted
 
@@ -126,17 +134,7 @@ def test_a_case_cannot_lower_its_oom_priority_below_the_harness(open_scorer, bac
     s = open_scorer(limits=LIMITS, backend=backend, timeout_s=10, cpu_s=10, concurrency=1)
     if not s.root:
         pytest.skip("cgroups need root here")
-    gt = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
-    right = hack_traj("a, b = map(int, input().split())\nprint(a + b)", gt)
-
-    async def go():
-        assert (await s.score(right)).score == 1.0
-        harness = s._slots[0].harness.pid
-        hog = await s.score(hack_traj(LOWERED_OOM_PRIORITY, gt))
-        after = await s.score(right)
-        return hog, after, harness == s._slots[0].harness.pid
-
-    hog, after, same_harness = asyncio.run(go())
+    hog, after, same_harness = between_right_answers(s, LOWERED_OOM_PRIORITY)
     assert hog.score == 0.0 and hog.extra["cases"] == ["memory"], hog.extra
     assert after.score == 1.0 and same_harness  # the slot was not torn down and restarted
 
@@ -158,16 +156,6 @@ def test_the_harness_reports_output_at_the_cap_within_the_slots_memory_group(ope
     s = open_scorer(limits=LIMITS, backend="bwrap", max_output_bytes=16 << 20, timeout_s=10, cpu_s=10, concurrency=1)
     if not s.root:
         pytest.skip("cgroups need root here")
-    gt = {"inputs": ["2 3\n"], "outputs": ["5\n"]}
-    right = hack_traj("a, b = map(int, input().split())\nprint(a + b)", gt)
-
-    async def go():
-        assert (await s.score(right)).score == 1.0
-        harness = s._slots[0].harness.pid
-        loud = await s.score(hack_traj(WORST_CASE_OUTPUT, gt))
-        after = await s.score(right)
-        return loud, after, harness == s._slots[0].harness.pid
-
-    loud, after, same_harness = asyncio.run(go())
+    loud, after, same_harness = between_right_answers(s, WORST_CASE_OUTPUT)
     assert loud.score == 0.0 and loud.extra["cases"] == ["failed"], loud.extra
     assert after.score == 1.0 and same_harness  # the slot was not torn down and restarted
