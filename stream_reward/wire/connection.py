@@ -28,6 +28,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
     AuthorizationError,
+    BusyLoadingError,
     ClusterDownError,
     MasterDownError,
     NoPermissionError,
@@ -50,6 +51,7 @@ __all__ = [
     "is_cluster_url",
     "is_cluster",
     "is_transient",
+    "is_refusal",
     "is_permanent",
     "fault_text",
     "permanent_error",
@@ -128,10 +130,16 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, RedisClusterException) and "cannot be connected" in str(exc)
 
 
+def is_refusal(exc: BaseException) -> bool:
+    """A transient refusal: the server answered, and said "not now" (OOM, READONLY, BUSY,
+    LOADING, MASTERDOWN, TRYAGAIN, CLUSTERDOWN), as opposed to no answer at all."""
+    return is_transient(exc) and isinstance(exc, (ResponseError, BusyLoadingError))
+
+
 def fault_text(exc: BaseException) -> str:
     """What went wrong, for a log line: a server that refused (with its own words) is not
     a server that is unreachable."""
-    if isinstance(exc, ResponseError):
+    if isinstance(exc, (ResponseError, BusyLoadingError)):
         return f"Redis refused it for now: {type(exc).__name__}: {str(exc).split('. script:')[0]}"
     return f"Redis unreachable ({type(exc).__name__})"
 
@@ -341,12 +349,17 @@ async def with_reconnect(
     what: str,
     give_up_after_s: float | None = GIVE_UP_S,
     stop: asyncio.Event | None = None,
+    refusals_only: bool = False,
 ) -> T:
-    """Run ``op`` until it succeeds, backing off while Redis is unreachable.
+    """Run ``op`` until it succeeds, backing off while Redis is unreachable or refuses
+    for now.
 
     Only for idempotent operations (reads, write-once scripts, acks). Raises
     BrokerError once ``give_up_after_s`` has passed (None: never give up, for
-    long-running workers), or when ``stop`` is set.
+    long-running workers), or when ``stop`` is set: RedisUnavailableError when no
+    round trip completed, BrokerError with the server's words when it kept refusing.
+    ``refusals_only``: an unreachable Redis is raised at once (the caller bounds it by
+    its own reply deadline), only a refusal is waited out.
     """
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -366,7 +379,7 @@ async def with_reconnect(
         except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS, ResponseError) as exc:
             if is_permanent(exc):
                 raise permanent_error(exc) from None
-            if not is_transient(exc):
+            if not is_transient(exc) or (refusals_only and not is_refusal(exc)):
                 raise
             now = loop.time()
             elapsed = now - start
@@ -375,7 +388,8 @@ async def with_reconnect(
             # stopped server costs timeout_s an attempt, and the bound is the caller's.
             out_of_time = give_up_after_s is not None and elapsed + attempt_s >= give_up_after_s
             if out_of_time or (stop is not None and stop.is_set()):
-                if stop is not None and stop.is_set():
+                if (stop is not None and stop.is_set()) or is_refusal(exc):
+                    # A server that answers is not unreachable: its own words, and for how long.
                     raise BrokerError(f"{what}: for {elapsed:.1f}s, {fault_text(exc)}") from None
                 # A finite give-up ran out while Redis kept failing: the caller is told
                 # Redis is gone, not left to read a generic broker fault.

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 from helpers import read_err, timed_wait, wait_until, worker_program_argv
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from stream_reward.errors import BrokerError, RedisUnavailableError
 from stream_reward.ops.embedded import EmbeddedServer
-from stream_reward.wire.connection import connect
+from stream_reward.wire.connection import connect, fault_text, is_refusal, with_reconnect
 from stream_reward.wire.keys import Keys
 
 pytestmark = pytest.mark.anyio
@@ -281,3 +284,64 @@ async def test_a_finite_give_up_raises_redis_unavailable_naming_what(caplog):
 
     with pytest.raises(RedisUnavailableError, match="open batch b1"):
         await with_reconnect(silent, what="open batch b1", give_up_after_s=0.3)
+
+
+async def test_a_refusal_outlasting_the_give_up_is_the_servers_words_not_unreachable(own_url: str) -> None:
+    """A server that keeps answering ``OOM command not allowed`` is there: past the give-up
+    the caller reads a BrokerError with its words and for how long, never "unreachable"."""
+    admin = connect(own_url)
+    try:
+        await admin.config_set("maxmemory", 1)  # below what is used: every write is refused
+        with pytest.raises(BrokerError) as info:
+            await with_reconnect(lambda: admin.set("k", "v"), what="write k", give_up_after_s=0.3, refusals_only=True)
+        assert not isinstance(info.value, RedisUnavailableError)
+        text = str(info.value)
+        assert text.startswith("write k: for ") and "OutOfMemoryError" in text and "unreachable" not in text, text
+    finally:
+        await admin.config_set("maxmemory", 0)
+        await admin.aclose()
+
+
+async def test_refusals_only_leaves_an_unreachable_server_to_the_caller() -> None:
+    """With ``refusals_only``, a lost server is raised at the first attempt: the caller's
+    own reply deadline bounds it, not a second wait on top."""
+    server = EmbeddedServer().start()
+    url = server.url
+    server.stop()  # nothing answers at its address any more
+    client = connect(url)
+    calls = 0
+
+    async def ping() -> object:
+        nonlocal calls
+        calls += 1
+        return await client.ping()
+
+    try:
+        with pytest.raises(RedisConnectionError):
+            await with_reconnect(ping, what="ping", give_up_after_s=30.0, refusals_only=True)
+        assert calls == 1
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("exc", "refusal"),
+    [
+        (OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), True),
+        (ReadOnlyError("You can't write against a read only replica."), True),
+        (BusyLoadingError("Redis is loading the dataset in memory"), True),
+        (ResponseError("BUSY Redis is busy running a script."), True),
+        (ResponseError("TRYAGAIN Multiple keys request during rehashing of slot"), True),
+        (ResponseError("CLUSTERDOWN The cluster is down"), True),
+        (ResponseError("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), True),
+        (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), False),
+        (ResponseError("NOPERM this user has no permissions to run the 'xadd' command"), False),
+        (RedisConnectionError("Connection refused"), False),
+        (RedisTimeoutError("Timeout reading from socket"), False),
+    ],
+)
+def test_a_refusal_for_now_is_told_from_no_answer_and_from_a_lasting_error(exc: Exception, refusal: bool) -> None:
+    """What a caller waits out with ``refusals_only``: the server answered "not now"."""
+    assert is_refusal(exc) is refusal
+    if refusal:  # logged in the server's words, not as an unreachable server
+        assert "refused it for now" in fault_text(exc) and "unreachable" not in fault_text(exc)
