@@ -22,7 +22,7 @@ from stream_reward.trainer.coalescer import Coalescer
 from stream_reward.trainer.listener import ResultListener
 from stream_reward.trainer.samples import _Entry
 from stream_reward.wire.batch_meta import BatchMeta
-from stream_reward.wire.connection import connect, mask_url, redis_errors
+from stream_reward.wire.connection import connect, mask_url, redis_errors, with_reconnect
 from stream_reward.wire.entries import ensure_group
 from stream_reward.wire.eviction import check_eviction
 from stream_reward.wire.keys import Keys
@@ -168,7 +168,9 @@ class _BatchLayer:
         meta["opener"] = self._opening.setdefault(batch_id, uuid.uuid4().hex)
         while len(self._opening) > _RECENT_BATCHES:
             self._opening.popitem(last=False)
-        with redis_errors(f"open_batch {batch_id!r} on {mask_url(self._url)}"):
+        what = f"open_batch {batch_id!r} on {mask_url(self._url)}"
+
+        async def open_once() -> Any:
             await self._join()
             await self._ensure_groups()
             if self._open_script is None:
@@ -178,9 +180,15 @@ class _BatchLayer:
             for key, value in meta.items():
                 args += [key, value]
             keys = self.keys
-            existing = await self._open_script(
+            return await self._open_script(
                 keys=[keys.batch_meta(batch_id), keys.batches(), keys.lengths(batch_id), keys.history()], args=args
             )
+
+        with redis_errors(what):
+            # A refusal for now (OOM at maxmemory, READONLY mid failover, BUSY, LOADING) is
+            # waited out: every step is idempotent, the open by its token. An unreachable
+            # server is raised at once (its reply deadline already bounds it).
+            existing = await with_reconnect(open_once, what=what, refusals_only=True)
         if existing:
             found = {existing[i].decode(): existing[i + 1].decode() for i in range(0, len(existing), 2)}
             ours = found.get("opener") == meta["opener"]

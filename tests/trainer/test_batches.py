@@ -6,14 +6,16 @@ open, uncollected batch of the same size, width and policy, and refuses any othe
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
-from helpers import WIDTH, CutProxy, producer_and_aggregator, samples, worker
+from helpers import WIDTH, CutProxy, producer_and_aggregator, samples, wait_until, worker
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer
 from stream_reward.config import ProducerConfig
 from stream_reward.errors import BatchExistsError
+from stream_reward.wire.connection import connect
 
 pytestmark = pytest.mark.anyio
 
@@ -78,3 +80,26 @@ async def test_a_producer_clock_an_hour_off_neither_misses_its_deadline_nor_hits
         elapsed = time.monotonic() - began
     assert [r.reason for r in rewards.results] == ["deadline", "deadline"]  # not "timeout": the deadline fired
     assert 0.8 <= elapsed < 10  # and not at once
+
+
+async def test_an_open_refused_for_memory_succeeds_once_memory_is_back(own_url: str, namespace: str) -> None:
+    """An open refused with ``OOM command not allowed`` (noeviction at maxmemory) is waited
+    out with backoff, not raised at the first refusal: the batch opens once memory frees."""
+    admin = connect(own_url)
+    try:
+        async with RolloutProducer(own_url, ProducerConfig(namespace=namespace)) as producer:
+            await producer.open_batch("warm", 1, WIDTH)  # groups made, script loaded
+            await admin.config_set("maxmemory", 1)  # below what is used: every write is refused
+            opening = asyncio.ensure_future(producer.open_batch("m", 2, WIDTH))
+
+            async def refused_twice() -> bool:
+                stats = await admin.info("errorstats")
+                return opening.done() or int(stats.get("errorstat_OOM", {}).get("count", 0)) >= 2
+
+            await wait_until(refused_twice)
+            assert not opening.done(), opening.exception()
+            await admin.config_set("maxmemory", 0)
+            await asyncio.wait_for(opening, 30)
+            assert await admin.exists(producer.keys.batch_meta("m"))
+    finally:
+        await admin.aclose()

@@ -3,17 +3,20 @@
 It promises: each sample is queued exactly once whatever path the flush took (packed on
 the producer's lane, or a redis-py pipeline for clients the lane refuses), whatever went
 wrong around it: a connection killed mid-flush or a reply lost after the script ran (sent
-again, found as a duplicate), a server answering LOADING, a server that lost its scripts
-(loaded again) or restarted mid-push; a server gone for good is a BrokerError.
+again, found as a duplicate), a server answering LOADING, refusing for now (OOM at
+maxmemory, BUSY under a long script: waited out), a server that lost its scripts (loaded
+again) or restarted mid-push; a server gone for good is a BrokerError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
-from helpers import CutProxy, lane_client_id, queued, stream_samples, traj
+from helpers import CutProxy, lane_client_id, queued, stream_samples, traj, wait_until
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from stream_reward import ProducerConfig, RolloutProducer, Trajectory
 from stream_reward.errors import BrokerError, PushConflictError
@@ -307,3 +310,76 @@ async def test_a_push_in_flight_when_the_server_dies_for_good_raises_broker_erro
                 await asyncio.wait_for(producer.push(Trajectory("g", 3, "test", response="c")), 15)
     finally:
         server.stop()
+
+
+async def _memory_refusals(admin: Redis) -> int:
+    """How many commands the server has refused with OOM since it started."""
+    stats = await admin.info("errorstats")
+    return int(stats.get("errorstat_OOM", {}).get("count", 0))
+
+
+async def test_a_push_refused_for_memory_lands_once_memory_is_back(own_url, namespace) -> None:
+    """``OOM command not allowed`` (noeviction at maxmemory) is the server's "not now", not
+    a failed step: the push waits it out with backoff and lands once memory frees, each
+    sample once."""
+    admin = connect(own_url)
+    try:
+        async with RolloutProducer(own_url, ProducerConfig(namespace=namespace)) as producer:
+            await producer.push_many([traj("warm", 0)])  # scripts loaded, groups made
+            await admin.config_set("maxmemory", 1)  # below what is used: every write is refused
+            push = asyncio.ensure_future(producer.push_many([traj("m", i) for i in range(3)]))
+
+            async def refused_twice() -> bool:
+                return push.done() or await _memory_refusals(admin) >= 2
+
+            await wait_until(refused_twice)
+            assert not push.done(), push.exception()
+            await admin.config_set("maxmemory", 0)
+            await asyncio.wait_for(push, 30)
+            assert [s for s in await stream_samples(own_url, producer) if s[0].startswith("m")] == [
+                (f"m/{i}", i) for i in range(3)
+            ]
+    finally:
+        await admin.aclose()
+
+
+async def test_a_push_refused_by_a_busy_script_lands_once_the_script_ends(own_url, namespace, caplog) -> None:
+    """A script running past ``busy-reply-threshold`` makes the server answer ``BUSY`` to
+    everyone else: the push waits it out, logging the server's words, and lands once the
+    script is killed."""
+    admin = connect(own_url)
+    hog = connect(own_url, timeout_s=None)  # its script runs until killed
+    loop_forever = None
+    try:
+        await admin.config_set("busy-reply-threshold", 50)
+        async with RolloutProducer(own_url, ProducerConfig(namespace=namespace)) as producer:
+            await producer.push_many([traj("warm", 0)])  # scripts loaded, groups made
+            loop_forever = asyncio.ensure_future(hog.eval("while true do end", 0))
+
+            async def busy() -> bool:
+                try:
+                    await admin.ping()
+                except ResponseError as exc:
+                    return str(exc).startswith("BUSY")
+                return False
+
+            await wait_until(busy)
+            push = asyncio.ensure_future(producer.push_many([traj("b", i) for i in range(3)]))
+
+            async def refused() -> bool:
+                return push.done() or any("BUSY" in r.getMessage() for r in caplog.records)
+
+            await wait_until(refused)
+            assert not push.done(), push.exception()
+            await admin.script_kill()
+            await asyncio.wait_for(push, 30)
+            assert [s for s in await stream_samples(own_url, producer) if s[0].startswith("b")] == [
+                (f"b/{i}", i) for i in range(3)
+            ]
+    finally:
+        if loop_forever is not None:
+            with contextlib.suppress(ResponseError):
+                await admin.script_kill()  # NOTBUSY once it is gone
+            await asyncio.gather(loop_forever, return_exceptions=True)
+        await admin.aclose()
+        await hog.aclose()
