@@ -94,6 +94,8 @@ TRANSIENT_ERRORS = (
 # Refusals redis-py has no class for, told by their error code: a script running past
 # busy-reply-threshold (BUSY), a replica still loading its data set (LOADING).
 _TRANSIENT_CODES = ("BUSY ", "LOADING ", "MASTERDOWN ", "TRYAGAIN ", "CLUSTERDOWN ", "OOM ", "READONLY ")
+# redis-py puts this before the error of a pipeline's command, hiding its code.
+_PIPELINE_NOTE = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S)
 # With every node of a cluster away, redis-py raises a plain RedisClusterException
 # (not a RedisError): told apart from a programming error (a cross-slot command)
 # by its message. Catch these together with TRANSIENT_ERRORS, then ask is_transient.
@@ -126,7 +128,7 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, TRANSIENT_ERRORS):
         return True
     if isinstance(exc, ResponseError):
-        return str(exc).startswith(_TRANSIENT_CODES)
+        return _PIPELINE_NOTE.sub("", str(exc), count=1).startswith(_TRANSIENT_CODES)
     return isinstance(exc, RedisClusterException) and "cannot be connected" in str(exc)
 
 

@@ -332,6 +332,11 @@ async def test_refusals_only_leaves_an_unreachable_server_to_the_caller() -> Non
         (BusyLoadingError("Redis is loading the dataset in memory"), True),
         (ResponseError("BUSY Redis is busy running a script."), True),
         (ResponseError("TRYAGAIN Multiple keys request during rehashing of slot"), True),
+        (
+            ResponseError("Command # 4 (HSET k f v) of pipeline caused error: BUSY Redis is busy running a script."),
+            True,
+        ),
+        (ResponseError("Command # 2 (EVALSHA x 0) of pipeline caused error: ERR Error running script"), False),
         (ResponseError("CLUSTERDOWN The cluster is down"), True),
         (ResponseError("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), True),
         (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), False),
