@@ -486,7 +486,9 @@ class RewardAggregator:
         """
         meta = await self._meta(batch_id)
         keys = Keys(self._namespace, self._partitions or meta.partitions)
-        with redis_errors(f"forgetting batch {batch_id!r}"):
+        what = f"forgetting batch {batch_id!r}"
+
+        async def forget_once() -> None:
             async with self.client.pipeline(transaction=False) as pipe:
                 for p in range(keys.partitions):
                     pipe.delete(keys.done(batch_id, p, meta.group), keys.claims(batch_id, p))
@@ -499,20 +501,30 @@ class RewardAggregator:
                 pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
+
+        with redis_errors(what):
+            # Idempotent: a stamp refused for now (OOM at maxmemory) is waited out, bounded.
+            await with_reconnect(forget_once, what=what, refusals_only=True)
         self._watches.of(batch_id).ended = True  # its keys go by TTL (or went) from here on
 
     async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
         keys = Keys(self._namespace, self._partitions or meta.partitions)
-        with redis_errors(f"expiring batch {batch_id!r}"):
-            async with self.client.pipeline(transaction=False) as pipe:
-                for p in range(keys.partitions):
-                    pipe.expire(keys.results(batch_id, p, meta.group), self.collected_ttl_s)
-                    pipe.expire(keys.done(batch_id, p, meta.group), self.collected_ttl_s)
-                    pipe.expire(keys.claims(batch_id, p), self.collected_ttl_s)
-                if not meta.collected:  # reopening the id is refused while the meta lives; it says when
-                    pipe.hset(keys.batch_meta(batch_id), "collected", self._server_clock().now())
-                pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
-                pipe.expire(keys.lengths(batch_id), self.collected_ttl_s)
-                pipe.zrem(keys.batches(), batch_id)
-                await pipe.execute()
+        what = f"expiring batch {batch_id!r}"
+        with redis_errors(what):
+            # The results are read: only the closing stamps are left, idempotent. A refusal
+            # for now (OOM at maxmemory, the moment results pile up) is waited out, bounded.
+            await with_reconnect(partial(self._expire_once, batch_id, meta, keys), what=what, refusals_only=True)
         self._watches.of(batch_id).ended = True  # its keys go by TTL (or went) from here on
+
+    async def _expire_once(self, batch_id: str, meta: BatchMeta, keys: Keys) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for p in range(keys.partitions):
+                pipe.expire(keys.results(batch_id, p, meta.group), self.collected_ttl_s)
+                pipe.expire(keys.done(batch_id, p, meta.group), self.collected_ttl_s)
+                pipe.expire(keys.claims(batch_id, p), self.collected_ttl_s)
+            if not meta.collected:  # reopening the id is refused while the meta lives; it says when
+                pipe.hset(keys.batch_meta(batch_id), "collected", self._server_clock().now())
+            pipe.expire(keys.batch_meta(batch_id), self.collected_ttl_s)
+            pipe.expire(keys.lengths(batch_id), self.collected_ttl_s)
+            pipe.zrem(keys.batches(), batch_id)
+            await pipe.execute()

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
-from helpers import ok, producer_and_aggregator, wait_until
+from helpers import ok, producer_and_aggregator, samples, wait_until
 from trainer_support import garbage_row, record
 
 from stream_reward import BatchPolicy, BatchRewards, RewardAggregator, RolloutProducer, Trajectory
@@ -984,3 +984,43 @@ async def test_a_result_read_while_the_state_check_is_in_flight_is_not_state_los
     finally:
         client.pipeline = real_pipeline  # type: ignore[method-assign]
         await client.aclose()
+
+
+@pytest.mark.parametrize("closing", ["collect", "forget"])
+async def test_closing_writes_refused_at_maxmemory_wait_for_memory(own_url, namespace, caplog, closing) -> None:
+    """At ``maxmemory`` under noeviction the server refuses writes (``OOM command not
+    allowed``), the very moment results pile up. A batch whose results are all in is not
+    failed for its closing writes (the ``collected`` / ``forgotten`` stamps): they wait the
+    refusal out, logged in the server's words, and land once memory frees."""
+    admin = connect(own_url)
+    try:
+        async with producer_and_aggregator(own_url, namespace) as (producer, agg), worker(own_url, namespace):
+            await producer.open_batch("m", 3, 8)
+            await producer.push_many(samples("m", ["a", "x", "a"]))
+            keys = Keys(namespace)
+
+            async def all_in() -> bool:
+                return await admin.hlen(keys.results("m", 0, "scorers")) >= 3
+
+            await wait_until(all_in)
+            if closing == "forget":
+                await agg.collect("m", timeout_s=30)
+            await admin.config_set("maxmemory", 1)  # below what is used: every write is refused
+            call = asyncio.ensure_future(agg.collect("m", timeout_s=30) if closing == "collect" else agg.forget("m"))
+
+            async def refused() -> bool:
+                return call.done() or any("maxmemory" in r.getMessage() for r in caplog.records)
+
+            await wait_until(refused)
+            assert not call.done(), call.exception()
+            await admin.config_set("maxmemory", 0)
+            outcome = await asyncio.wait_for(call, 30)
+            if closing == "collect":
+                assert (outcome.scores, outcome.status) == ([1.0, 0.0, 1.0], ["ok", "ok", "ok"])
+                assert await admin.hget(keys.batch_meta("m"), "collected")
+            else:
+                assert await admin.hget(keys.batch_meta("m"), "forgotten")
+                assert await admin.exists(keys.done("m", 0, "scorers")) == 0
+    finally:
+        await admin.config_set("maxmemory", 0)
+        await admin.aclose()
