@@ -361,7 +361,8 @@ async def with_reconnect(
     long-running workers), or when ``stop`` is set: RedisUnavailableError when no
     round trip completed, BrokerError with the server's words when it kept refusing.
     ``refusals_only``: an unreachable Redis is raised at once (the caller bounds it by
-    its own reply deadline), only a refusal is waited out.
+    its own reply deadline), only a refusal is waited out; anything else is raised as
+    redis-py raised it, for the caller's ``redis_errors`` to say what it was doing.
     """
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -380,6 +381,8 @@ async def with_reconnect(
             return result
         except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS, ResponseError) as exc:
             if is_permanent(exc):
+                if refusals_only:
+                    raise  # the caller's redis_errors names what it was doing
                 raise permanent_error(exc) from None
             if not is_transient(exc) or (refusals_only and not is_refusal(exc)):
                 raise
@@ -412,7 +415,7 @@ async def with_reconnect(
                     pass
             delay = min(delay * 2, 2.0)
         except Exception as exc:
-            if is_permanent(exc):  # NOAUTH / WRONGPASS / NOPERM arrive as a ResponseError
+            if is_permanent(exc) and not refusals_only:  # NOAUTH / WRONGPASS / NOPERM arrive as a ResponseError
                 raise permanent_error(exc) from None
             raise
 

@@ -14,7 +14,7 @@ from helpers import WIDTH, CutProxy, producer_and_aggregator, samples, wait_unti
 
 from stream_reward import BatchPolicy, RewardAggregator, RolloutProducer
 from stream_reward.config import ProducerConfig
-from stream_reward.errors import BatchExistsError
+from stream_reward.errors import BatchExistsError, BrokerError
 from stream_reward.wire.connection import connect
 
 pytestmark = pytest.mark.anyio
@@ -101,5 +101,23 @@ async def test_an_open_refused_for_memory_succeeds_once_memory_is_back(own_url: 
             await admin.config_set("maxmemory", 0)
             await asyncio.wait_for(opening, 30)
             assert await admin.exists(producer.keys.batch_meta("m"))
+    finally:
+        await admin.aclose()
+
+
+async def test_a_user_without_script_rights_is_told_what_was_refused(own_url: str, namespace: str) -> None:
+    """A permanent refusal (an ACL user without EVALSHA) is not waited out like OOM: it is
+    raised at once, saying what the producer was doing and that the user lacks the right."""
+    admin = connect(own_url)
+    try:
+        await admin.execute_command(
+            "ACL", "SETUSER", "noscripts", "on", ">pw", "~*", "&*", "+@all", "-evalsha", "-eval"
+        )
+        url = own_url.replace("unix://", "unix://noscripts:pw@", 1)
+        async with RolloutProducer(url, ProducerConfig(namespace=namespace)) as producer:
+            with pytest.raises(BrokerError, match=r"^open_batch 'b' on .*lacks the permission"):
+                await producer.open_batch("b", 1, WIDTH)
+            with pytest.raises(BrokerError, match=r"^push of 1 trajectories failed: .*lacks the permission"):
+                await producer.push_many(samples("b", ["a"]))
     finally:
         await admin.aclose()
