@@ -343,6 +343,18 @@ def _keep_startup_nodes(client: Any) -> None:
 
 
 _LIMITERS: dict[str, LogLimiter] = {}
+# Some callers name a batch or a sample in ``what``: limiters are made on a first fault
+# only, and the oldest goes past this many, so a long run does not keep one per batch.
+_LIMITERS_MAX = 256
+
+
+def _limiter(what: str) -> LogLimiter:
+    limiter = _LIMITERS.get(what)
+    if limiter is None:
+        if len(_LIMITERS) >= _LIMITERS_MAX:
+            del _LIMITERS[next(iter(_LIMITERS))]
+        limiter = _LIMITERS[what] = LogLimiter(log)
+    return limiter
 
 
 async def with_reconnect(
@@ -369,14 +381,13 @@ async def with_reconnect(
     delay = 0.05
     # Shared by every call doing ``what``: a hundred samples retrying their quota check
     # during one outage are one warning, then a summary now and then.
-    limiter = _LIMITERS.setdefault(what, LogLimiter(log))
-    failed = False
+    limiter: LogLimiter | None = None
     attempt_s = 0.0  # the longest failed attempt: one that ends in a timeout takes timeout_s
     while True:
         began = loop.time()
         try:
             result = await op()
-            if failed:
+            if limiter is not None:
                 limiter.recovered("%s: Redis takes it again", what)
             return result
         except (*TRANSIENT_ERRORS, *CLUSTER_ERRORS, ResponseError) as exc:
@@ -401,7 +412,7 @@ async def with_reconnect(
                 raise RedisUnavailableError(
                     f"{what}: no reply from Redis for {elapsed:.1f}s, {fault_text(exc)}"
                 ) from None
-            failed = True
+            limiter = limiter or _limiter(what)
             limiter.warning("%s: %s; retrying", what, fault_text(exc))
             pause = delay * (0.5 + random.random())
             if give_up_after_s is not None:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -350,3 +351,35 @@ def test_a_refusal_for_now_is_told_from_no_answer_and_from_a_lasting_error(exc: 
     assert is_refusal(exc) is refusal
     if refusal:  # logged in the server's words, not as an unreachable server
         assert "refused it for now" in fault_text(exc) and "unreachable" not in fault_text(exc)
+
+
+async def test_retrying_calls_keep_a_bounded_number_of_log_limiters() -> None:
+    """Callers name a batch or a sample in ``what``: a run of many batches keeps no log
+    limiter for a call that never failed, and a bounded number for those that did."""
+    from stream_reward.wire import connection
+
+    before = dict(connection._LIMITERS)
+
+    async def fine() -> int:
+        return 1
+
+    await asyncio.gather(*(with_reconnect(fine, what=f"open_batch 'b{i}'") for i in range(1000)))
+    assert connection._LIMITERS == before
+
+    def refused_once() -> Callable[[], Awaitable[int]]:
+        calls = 0
+
+        async def op() -> int:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+            return calls
+
+        return op
+
+    got = await asyncio.gather(
+        *(with_reconnect(refused_once(), what=f"forgetting batch 'b{i}'", refusals_only=True) for i in range(1000))
+    )
+    assert got == [2] * 1000
+    assert len(connection._LIMITERS) <= connection._LIMITERS_MAX
