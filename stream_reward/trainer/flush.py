@@ -21,7 +21,7 @@ from stream_reward.wire.connection import is_cluster, is_permanent, redis_errors
 from stream_reward.wire.entries import XADD_MANY_CHUNK
 from stream_reward.wire.lane import Lane
 from stream_reward.wire.packed import can_send_packed, pack_command, send_packed
-from stream_reward.wire.push import FRESH, PUSH_SCRIPT, push_args
+from stream_reward.wire.push import DUPLICATE, FRESH, PUSH_SCRIPT, push_args
 
 # A push whose lane connection is lost is sent again on a new one: up to 3 tries, 50 then 100 ms apart.
 _LANE_ATTEMPTS = 3
@@ -87,7 +87,9 @@ class _FlushLayer(_BacklogLayer):
         if cluster:
             lengths: dict[str, dict[int, int]] = {}
             for entry, verdict in zip(entries, verdicts):
-                if verdict == FRESH and entry.length >= 0:
+                # A duplicate too: the same content, and a push retried after part of it
+                # landed finds that part as duplicates, whose lengths are not written yet.
+                if verdict in (FRESH, DUPLICATE) and entry.length >= 0:
                     lengths.setdefault(entry.batch, {})[entry.index] = entry.length
             with redis_errors("recording response lengths"):
                 await with_reconnect(

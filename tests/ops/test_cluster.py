@@ -308,3 +308,35 @@ async def test_a_push_landing_during_a_backlog_reading_is_counted_once_on_a_clus
     go to the partition's own master, and a push's reply still places it against the reading."""
     refused = await refusals_of_pushes_that_fit(cluster.url, namespace, partitions=3, rounds=8)
     assert not refused, f"{len(refused)} of 8 rounds refused a push that fit: {refused[:3]}"
+
+
+async def test_a_push_one_master_refused_for_memory_records_every_length(cluster, namespace, caplog):
+    """One master at ``maxmemory`` refuses its partition's part of a push while the others
+    land. The retry finds those as duplicates: their response lengths are still recorded
+    (a sample resolved by a deadline keeps the right last column)."""
+    partitions = 3
+    keys = Keys(namespace, partitions)
+    victim = connect(f"redis://127.0.0.1:{cluster.node_of_slot(key_slot(keys.stream(1)))}")
+    client = connect(cluster.url)
+    trajs = [Trajectory("b", i, "test", response="r", ground_truth="r", valid_response_length=i + 1) for i in range(12)]
+    assert len({keys.partition_of(t.uid) for t in trajs}) == partitions
+    try:
+        async with RolloutProducer(cluster.url, ProducerConfig(namespace=namespace, partitions=partitions)) as producer:
+            await producer.open_batch("b", len(trajs), 16)
+            await victim.config_set("maxmemory", 1)  # below what is used: this master refuses writes
+            push = asyncio.ensure_future(producer.push_many(trajs))
+
+            async def refused() -> bool:
+                return push.done() or any("OutOfMemoryError" in r.getMessage() for r in caplog.records)
+
+            await wait_until(refused)
+            assert not push.done(), push.exception()
+            await victim.config_set("maxmemory", 0)
+            await asyncio.wait_for(push, 30)
+            lengths = await client.hgetall(keys.lengths("b"))
+        recorded = {int(k): int(v) for k, v in lengths.items() if k.isdigit()}  # (other fields: the batch's own)
+        assert recorded == {i: i + 1 for i in range(len(trajs))}
+    finally:
+        await victim.config_set("maxmemory", 0)
+        await victim.aclose()
+        await client.aclose()
