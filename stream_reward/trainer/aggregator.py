@@ -38,7 +38,7 @@ from stream_reward.wire.connection import (
     connect,
     is_cluster,
     mask_url,
-    redis_errors,
+    wait_out_refusals,
     with_reconnect,
 )
 from stream_reward.wire.entries import read_streams
@@ -502,18 +502,15 @@ class RewardAggregator:
                 pipe.zrem(keys.batches(), batch_id)
                 await pipe.execute()
 
-        with redis_errors(what):
-            # Idempotent: a stamp refused for now (OOM at maxmemory) is waited out, bounded.
-            await with_reconnect(forget_once, what=what, refusals_only=True)
+        # Idempotent: a stamp refused for now (OOM at maxmemory) is waited out, bounded.
+        await wait_out_refusals(forget_once, what=what)
         self._watches.of(batch_id).ended = True  # its keys go by TTL (or went) from here on
 
     async def _expire(self, batch_id: str, meta: BatchMeta) -> None:
         keys = Keys(self._namespace, self._partitions or meta.partitions)
-        what = f"expiring batch {batch_id!r}"
-        with redis_errors(what):
-            # The results are read: only the closing stamps are left, idempotent. A refusal
-            # for now (OOM at maxmemory, the moment results pile up) is waited out, bounded.
-            await with_reconnect(partial(self._expire_once, batch_id, meta, keys), what=what, refusals_only=True)
+        # The results are read: only the closing stamps are left, idempotent. A refusal
+        # for now (OOM at maxmemory, the moment results pile up) is waited out, bounded.
+        await wait_out_refusals(partial(self._expire_once, batch_id, meta, keys), what=f"expiring batch {batch_id!r}")
         self._watches.of(batch_id).ended = True  # its keys go by TTL (or went) from here on
 
     async def _expire_once(self, batch_id: str, meta: BatchMeta, keys: Keys) -> None:

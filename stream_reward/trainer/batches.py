@@ -22,7 +22,7 @@ from stream_reward.trainer.coalescer import Coalescer
 from stream_reward.trainer.listener import ResultListener
 from stream_reward.trainer.samples import _Entry
 from stream_reward.wire.batch_meta import BatchMeta
-from stream_reward.wire.connection import connect, mask_url, redis_errors, with_reconnect
+from stream_reward.wire.connection import connect, mask_url, wait_out_refusals
 from stream_reward.wire.entries import ensure_group
 from stream_reward.wire.eviction import check_eviction
 from stream_reward.wire.keys import Keys
@@ -184,11 +184,8 @@ class _BatchLayer:
                 keys=[keys.batch_meta(batch_id), keys.batches(), keys.lengths(batch_id), keys.history()], args=args
             )
 
-        with redis_errors(what):
-            # A refusal for now (OOM at maxmemory, READONLY mid failover, BUSY, LOADING) is
-            # waited out: every step is idempotent, the open by its token. An unreachable
-            # server is raised at once (its reply deadline already bounds it).
-            existing = await with_reconnect(open_once, what=what, refusals_only=True)
+        # Every step is idempotent, the open by its token: a refusal for now is waited out.
+        existing = await wait_out_refusals(open_once, what=what)
         if existing:
             found = {existing[i].decode(): existing[i + 1].decode() for i in range(0, len(existing), 2)}
             ours = found.get("opener") == meta["opener"]

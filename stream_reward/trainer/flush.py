@@ -17,7 +17,7 @@ from redis.exceptions import NoScriptError
 
 from stream_reward.trainer.backlog import _BacklogLayer
 from stream_reward.trainer.samples import _Entry
-from stream_reward.wire.connection import is_cluster, is_permanent, redis_errors, with_reconnect
+from stream_reward.wire.connection import is_cluster, is_permanent, wait_out_refusals
 from stream_reward.wire.entries import XADD_MANY_CHUNK
 from stream_reward.wire.lane import Lane
 from stream_reward.wire.packed import can_send_packed, pack_command, send_packed
@@ -64,12 +64,11 @@ class _FlushLayer(_BacklogLayer):
             flight = self._flying[key] = [len(entries), None]
         try:
             # Some calls may land before a failure; a retry of the same pushes finds them as duplicates.
-            what = f"push of {len(entries)} trajectories failed"
-            with redis_errors(what):
-                # A refusal for now (OOM at maxmemory, READONLY mid failover, BUSY) is waited
-                # out: a refused script ran none of its writes, and calls that landed before
-                # it are found as duplicates. An unreachable server is raised at once.
-                replies = await with_reconnect(lambda: self._call_push(calls, cluster), what=what, refusals_only=True)
+            # A refused script ran none of its writes, and calls that landed before it are
+            # found as duplicates: a refusal for now is waited out.
+            replies = await wait_out_refusals(
+                lambda: self._call_push(calls, cluster), what=f"push of {len(entries)} trajectories failed"
+            )
             for (chunk, _, _), reply in zip(calls, replies):
                 if isinstance(reply, int):  # the script's fast path: every sample fresh, in prepared entries
                     after: int | None = reply
@@ -91,14 +90,12 @@ class _FlushLayer(_BacklogLayer):
                 # landed finds that part as duplicates, whose lengths are not written yet.
                 if verdict in (FRESH, DUPLICATE) and entry.length >= 0:
                     lengths.setdefault(entry.batch, {})[entry.index] = entry.length
-            with redis_errors("recording response lengths"):
-                await with_reconnect(
-                    lambda: asyncio.gather(
-                        *(self.client.hset(self.keys.lengths(b), mapping=m) for b, m in lengths.items())
-                    ),
-                    what="recording response lengths",
-                    refusals_only=True,
-                )
+            await wait_out_refusals(
+                lambda: asyncio.gather(
+                    *(self.client.hset(self.keys.lengths(b), mapping=m) for b, m in lengths.items())
+                ),
+                what="recording response lengths",
+            )
         return verdicts
 
     async def _call_push(self, calls: list[tuple[list[int], list[str], list[Any]]], cluster: bool) -> list[Any]:

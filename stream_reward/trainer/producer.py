@@ -26,7 +26,7 @@ from stream_reward.trainer.flush import _FlushLayer
 from stream_reward.trainer.listener import acquire_listener, release_listener
 from stream_reward.trainer.samples import _default_index, _Entry, _ScoreCall, _Sent
 from stream_reward.wire.codec import encode_result, encode_trajectory
-from stream_reward.wire.connection import redis_errors, with_reconnect
+from stream_reward.wire.connection import wait_out_refusals
 from stream_reward.wire.entries import entry_header
 from stream_reward.wire.ledger import LedgerItem, LedgerWriter
 from stream_reward.wire.push import CONFLICT_REASONS, DUPLICATE, FRESH, digest
@@ -261,13 +261,10 @@ class RolloutProducer(_FlushLayer):
             uid, batch_id, index, reason=reason, error=error, group=group, scored_at=time.time()
         )
         ledger = LedgerWriter(self.client, self.keys, self.config.group, result_ttl_s=self.config.result_ttl_s)
-        what = f"recording failed sample {uid!r}"
-        with redis_errors(what):
-            # Write-once: a refusal for now (OOM, READONLY, BUSY) is waited out, as a push's is.
-            await with_reconnect(
-                lambda: ledger.write(
-                    self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))]
-                ),
-                what=what,
-                refusals_only=True,
-            )
+        # Write-once: a refusal for now is waited out, as a push's is.
+        await wait_out_refusals(
+            lambda: ledger.write(
+                self.keys.partition_of(uid, group), [LedgerItem("", batch_id, uid, encode_result(result))]
+            ),
+            what=f"recording failed sample {uid!r}",
+        )

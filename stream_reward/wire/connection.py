@@ -65,6 +65,7 @@ __all__ = [
     "CLUSTER_ERRORS",
     "REDIS_ERRORS",
     "redis_errors",
+    "wait_out_refusals",
 ]
 
 log = logging.getLogger(__name__)
@@ -468,3 +469,12 @@ def redis_errors(what: str) -> Iterator[None]:
         raise BrokerError(
             f"{what}: {fault_text(exc) if is_transient(exc) else f'{type(exc).__name__}: Redis refused it'}"
         ) from exc
+
+
+async def wait_out_refusals(op: Callable[[], Awaitable[T]], *, what: str) -> T:
+    """Run one idempotent trainer-side write: a server that refuses for now (OOM at
+    maxmemory, READONLY mid failover, BUSY, LOADING) is waited out, up to GIVE_UP_S;
+    anything else is a BrokerError naming ``what`` at once (no reply within the
+    round-trip deadline: RedisUnavailableError)."""
+    with redis_errors(what):
+        return await with_reconnect(op, what=what, refusals_only=True)
